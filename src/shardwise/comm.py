@@ -1,0 +1,317 @@
+"""Collectives and point-to-point over torch.distributed, each call counted.
+
+Every function takes its process group explicitly (``group=None`` means the default group).
+A group of one process, or no initialized torch.distributed at all, makes every call a local
+no-op, so single-process code takes the same path as a parallel one.
+
+Byte accounting (``stats()``): for each op, ``calls``, ``bytes`` (the payload: the size of the
+tensor the caller passes, for all-gather the gathered output) and ``sent_bytes``, the bytes this
+rank puts on the wire under the ring algorithms the theory uses. For a payload of S bytes on
+N ranks:
+
+    all_reduce       2 (N-1)/N * S
+    reduce_scatter     (N-1)/N * S     (S = the full input)
+    all_gather         (N-1)/N * S     (S = the full output)
+    broadcast, reduce  (N-1)/N * S     (pipelined chain, amortized per rank)
+    scatter, gather    (N-1)/N * S on the root, 0 elsewhere (S = all chunks)
+    send               S;  recv 0
+
+The log also keeps the most recent calls, so a hang can name the collective it is stuck in.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+ReduceOp = dist.ReduceOp
+_RECENT = 64
+
+
+@dataclass
+class CommLog:
+    """Per-op counters and a bounded record of recent calls (this process only)."""
+
+    counts: dict[str, dict[str, int]] = field(default_factory=dict)
+    recent: collections.deque = field(default_factory=lambda: collections.deque(maxlen=_RECENT))
+
+    def record(self, op: str, payload: int, sent: float, group_size: int) -> None:
+        entry = self.counts.setdefault(op, {"calls": 0, "bytes": 0, "sent_bytes": 0})
+        entry["calls"] += 1
+        entry["bytes"] += int(payload)
+        entry["sent_bytes"] += int(round(sent))
+        self.recent.append((time.time(), op, int(payload), group_size))
+
+
+# The log is a process-wide record (like a profiler), not a process group: no group lives here.
+_LOG = CommLog()
+
+
+def stats() -> dict[str, dict[str, int]]:
+    """Per-op ``{"calls", "bytes", "sent_bytes"}`` since the last ``reset_stats()``."""
+    return {op: dict(v) for op, v in _LOG.counts.items()}
+
+
+def total_sent_bytes() -> int:
+    """Bytes this rank sent, over all ops, under the ring model."""
+    return sum(v["sent_bytes"] for v in _LOG.counts.values())
+
+
+def reset_stats() -> None:
+    _LOG.counts.clear()
+    _LOG.recent.clear()
+
+
+def recent_calls() -> list[tuple[float, str, int, int]]:
+    """The last calls as (time, op, payload bytes, group size), oldest first."""
+    return list(_LOG.recent)
+
+
+# ----------------------------------------------------------------------------- queries
+
+
+def is_initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def get_world_size(group: Any = None) -> int:
+    return dist.get_world_size(group) if is_initialized() else 1
+
+
+def get_rank(group: Any = None) -> int:
+    return dist.get_rank(group) if is_initialized() else 0
+
+
+def get_global_rank(group: Any, group_rank: int) -> int:
+    """The global rank of ``group_rank`` inside ``group``."""
+    if not is_initialized() or group is None:
+        return group_rank
+    return dist.get_global_rank(group, group_rank)
+
+
+def get_local_rank() -> int:
+    import os
+
+    return int(os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", 0)))
+
+
+def barrier(group: Any = None) -> None:
+    if get_world_size(group) > 1:
+        _LOG.record("barrier", 0, 0, get_world_size(group))
+        dist.barrier(group=group)
+
+
+class _Done:
+    """A completed work handle, returned when a call needs no communication."""
+
+    def wait(self) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _trivial(group: Any) -> tuple[bool, int]:
+    n = get_world_size(group)
+    return n == 1, n
+
+
+# ----------------------------------------------------------------------------- collectives
+
+
+def all_reduce(
+    tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Any = None, async_op: bool = False
+) -> Any:
+    """In place: every rank ends with the reduction of all ranks' ``tensor``."""
+    trivial, n = _trivial(group)
+    if trivial:
+        return _Done() if async_op else None
+    s = _nbytes(tensor)
+    _LOG.record("all_reduce", s, 2 * (n - 1) / n * s, n)
+    return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+
+
+def broadcast(tensor: torch.Tensor, src: int, group: Any = None, async_op: bool = False) -> Any:
+    """In place: every rank ends with global rank ``src``'s ``tensor``."""
+    trivial, n = _trivial(group)
+    if trivial:
+        return _Done() if async_op else None
+    s = _nbytes(tensor)
+    _LOG.record("broadcast", s, (n - 1) / n * s, n)
+    return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
+
+
+def reduce(
+    tensor: torch.Tensor,
+    dst: int,
+    op: Any = ReduceOp.SUM,
+    group: Any = None,
+    async_op: bool = False,
+) -> Any:
+    """In place on global rank ``dst``: the reduction of all ranks' ``tensor``."""
+    trivial, n = _trivial(group)
+    if trivial:
+        return _Done() if async_op else None
+    s = _nbytes(tensor)
+    _LOG.record("reduce", s, (n - 1) / n * s, n)
+    return dist.reduce(tensor, dst=dst, op=op, group=group, async_op=async_op)
+
+
+def all_gather_into_tensor(
+    output: torch.Tensor, input: torch.Tensor, group: Any = None, async_op: bool = False
+) -> Any:
+    """``output`` (N * input.numel()) = concatenation of every rank's ``input``, rank order."""
+    trivial, n = _trivial(group)
+    if trivial:
+        output.copy_(input.reshape(output.shape))
+        return _Done() if async_op else None
+    s = _nbytes(output)
+    _LOG.record("all_gather", s, (n - 1) / n * s, n)
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(output, input, group=group, async_op=async_op)
+
+
+def all_gather(
+    tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: Any = None, async_op: bool = False
+) -> Any:
+    """``tensor_list[i]`` = rank i's ``tensor``."""
+    trivial, n = _trivial(group)
+    if trivial:
+        tensor_list[0].copy_(tensor)
+        return _Done() if async_op else None
+    s = _nbytes(tensor) * n
+    _LOG.record("all_gather", s, (n - 1) / n * s, n)
+    return dist.all_gather(tensor_list, tensor, group=group, async_op=async_op)
+
+
+def reduce_scatter_tensor(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    op: Any = ReduceOp.SUM,
+    group: Any = None,
+    async_op: bool = False,
+) -> Any:
+    """``output`` = rank r's 1/N slice of the reduction of every rank's ``input``."""
+    trivial, n = _trivial(group)
+    if trivial:
+        output.copy_(input.reshape(output.shape))
+        return _Done() if async_op else None
+    s = _nbytes(input)
+    _LOG.record("reduce_scatter", s, (n - 1) / n * s, n)
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return fn(output, input, op=op, group=group, async_op=async_op)
+
+
+def reduce_scatter(
+    output: torch.Tensor,
+    input_list: list[torch.Tensor],
+    op: Any = ReduceOp.SUM,
+    group: Any = None,
+    async_op: bool = False,
+) -> Any:
+    """``output`` = the reduction over ranks of their ``input_list[r]``."""
+    trivial, n = _trivial(group)
+    if trivial:
+        output.copy_(input_list[0])
+        return _Done() if async_op else None
+    s = sum(_nbytes(t) for t in input_list)
+    _LOG.record("reduce_scatter", s, (n - 1) / n * s, n)
+    return dist.reduce_scatter(output, input_list, op=op, group=group, async_op=async_op)
+
+
+def gather(
+    tensor: torch.Tensor,
+    gather_list: list[torch.Tensor] | None = None,
+    dst: int = 0,
+    group: Any = None,
+) -> None:
+    """On global rank ``dst``: ``gather_list[i]`` = rank i's ``tensor``."""
+    trivial, n = _trivial(group)
+    if trivial:
+        if gather_list:
+            gather_list[0].copy_(tensor)
+        return
+    is_root = get_rank() == dst
+    s = _nbytes(tensor) * n
+    _LOG.record("gather", s, (n - 1) / n * s if is_root else 0, n)
+    dist.gather(tensor, gather_list if is_root else None, dst=dst, group=group)
+
+
+def scatter(
+    tensor: torch.Tensor,
+    scatter_list: list[torch.Tensor] | None = None,
+    src: int = 0,
+    group: Any = None,
+) -> None:
+    """Rank i receives ``scatter_list[i]`` of global rank ``src`` into ``tensor``."""
+    trivial, n = _trivial(group)
+    if trivial:
+        if scatter_list:
+            tensor.copy_(scatter_list[0])
+        return
+    is_root = get_rank() == src
+    s = _nbytes(tensor) * n
+    _LOG.record("scatter", s, (n - 1) / n * s if is_root else 0, n)
+    dist.scatter(tensor, scatter_list if is_root else None, src=src, group=group)
+
+
+def all_to_all_single(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    output_split_sizes: Sequence[int] | None = None,
+    input_split_sizes: Sequence[int] | None = None,
+    group: Any = None,
+    async_op: bool = False,
+) -> Any:
+    """Rank r sends its i-th chunk of ``input`` to rank i and receives into ``output``."""
+    trivial, n = _trivial(group)
+    if trivial:
+        output.copy_(input)
+        return _Done() if async_op else None
+    s = _nbytes(input)
+    _LOG.record("all_to_all", s, (n - 1) / n * s, n)
+    return dist.all_to_all_single(
+        output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op
+    )
+
+
+# ----------------------------------------------------------------------------- point to point
+
+
+def send(tensor: torch.Tensor, dst: int, group: Any = None, tag: int = 0) -> None:
+    """Blocking send to global rank ``dst``."""
+    _LOG.record("send", _nbytes(tensor), _nbytes(tensor), 2)
+    dist.send(tensor, dst=dst, group=group, tag=tag)
+
+
+def recv(tensor: torch.Tensor, src: int | None = None, group: Any = None, tag: int = 0) -> int:
+    """Blocking receive from global rank ``src`` into ``tensor``; returns the sender."""
+    _LOG.record("recv", _nbytes(tensor), 0, 2)
+    return dist.recv(tensor, src=src, group=group, tag=tag)
+
+
+def isend(tensor: torch.Tensor, dst: int, group: Any = None, tag: int = 0) -> Any:
+    _LOG.record("send", _nbytes(tensor), _nbytes(tensor), 2)
+    return dist.isend(tensor, dst=dst, group=group, tag=tag)
+
+
+def irecv(tensor: torch.Tensor, src: int | None = None, group: Any = None, tag: int = 0) -> Any:
+    _LOG.record("recv", _nbytes(tensor), 0, 2)
+    return dist.irecv(tensor, src=src, group=group, tag=tag)
+
+
+def init_distributed(*args: Any, **kwargs: Any) -> Any:
+    """DeepSpeed's ``deepspeed.comm.init_distributed``: see ``shardwise.init_distributed``."""
+    from shardwise.launch.env import init_distributed as _init
+
+    return _init(*args, **kwargs)

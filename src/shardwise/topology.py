@@ -1,0 +1,231 @@
+"""The process mesh: data x pipeline x tensor, built once and passed explicitly.
+
+Rank order (row-major, last axis fastest), the same as DeepSpeed's
+``PipeModelDataParallelTopology`` and Megatron's default::
+
+    rank = pp_rank * (dp * tp) + dp_rank * tp + tp_rank
+
+Tensor-parallel peers are neighbouring ranks (they talk most, so they sit on one node),
+then data-parallel peers, then pipeline stages (they exchange the least).
+
+``Topology`` is pure arithmetic and needs no processes; ``ProcessMesh`` holds the live
+``torch.distributed`` groups of one rank. Every group is created exactly once, by every rank,
+in the same order, as ``torch.distributed.new_group`` requires.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.distributed as dist
+
+AXES = ("pp", "dp", "tp")  # outermost to innermost
+AXIS_NAMES = {"pp": "pipeline", "dp": "data", "tp": "tensor"}
+
+
+class TopologyError(ValueError):
+    """A layout that cannot be built on this many processes."""
+
+
+@dataclass(frozen=True)
+class Coord:
+    """Where one rank sits in the mesh."""
+
+    pp: int
+    dp: int
+    tp: int
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Sizes of the three parallel axes; ``dp * pp * tp`` is the world size."""
+
+    dp: int = 1
+    pp: int = 1
+    tp: int = 1
+
+    def __post_init__(self) -> None:
+        for axis in AXES:
+            size = getattr(self, axis)
+            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+                raise TopologyError(
+                    f"{AXIS_NAMES[axis]}-parallel size {axis}={size!r} must be an integer >= 1"
+                )
+
+    @classmethod
+    def build(cls, world_size: int, dp: int | None = None, pp: int = 1, tp: int = 1) -> Topology:
+        """Build the mesh for ``world_size`` processes; ``dp=None`` takes what pp and tp leave.
+
+        The error prints every factor so a wrong launch is obvious at a glance.
+        """
+        if world_size < 1:
+            raise TopologyError(f"world size {world_size} must be >= 1")
+        if dp is None:
+            if pp < 1 or tp < 1 or world_size % (pp * tp) != 0:
+                raise TopologyError(
+                    f"world size {world_size} is not divisible by pipeline {pp} x tensor {tp} "
+                    f"= {pp * tp}: launch a multiple of {pp * tp} processes or change "
+                    "pipeline.stages / tensor_parallel.size"
+                )
+            dp = world_size // (pp * tp)
+        topo = cls(dp=dp, pp=pp, tp=tp)
+        if topo.world_size != world_size:
+            raise TopologyError(
+                f"data {dp} x pipeline {pp} x tensor {tp} = {topo.world_size} processes, "
+                f"but the world size is {world_size}: the product must equal the number of "
+                "processes launched"
+            )
+        return topo
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.pp * self.tp
+
+    def size(self, axis: str) -> int:
+        """Size of a named axis: 'dp', 'pp' or 'tp'."""
+        if axis not in AXES:
+            raise KeyError(f"unknown axis {axis!r}; axes are {AXES}")
+        return getattr(self, axis)
+
+    def coord(self, rank: int) -> Coord:
+        """The (pp, dp, tp) coordinates of a global rank."""
+        if not 0 <= rank < self.world_size:
+            raise IndexError(f"rank {rank} outside world of size {self.world_size}")
+        pp, rest = divmod(rank, self.dp * self.tp)
+        dp, tp = divmod(rest, self.tp)
+        return Coord(pp=pp, dp=dp, tp=tp)
+
+    def rank(self, pp: int = 0, dp: int = 0, tp: int = 0) -> int:
+        """The global rank at given coordinates."""
+        for axis, value in (("pp", pp), ("dp", dp), ("tp", tp)):
+            if not 0 <= value < self.size(axis):
+                raise IndexError(f"{axis}={value} outside 0..{self.size(axis) - 1}")
+        return pp * self.dp * self.tp + dp * self.tp + tp
+
+    def axis_groups(self, axis: str) -> list[list[int]]:
+        """Every group along ``axis``: ranks that differ only in that coordinate.
+
+        Ordered by the other coordinates, so all ranks enumerate them identically.
+        """
+        others = [a for a in AXES if a != axis]
+        groups = []
+        for fixed in itertools.product(*(range(self.size(a)) for a in others)):
+            base = dict(zip(others, fixed, strict=True))
+            groups.append([self.rank(**{**base, axis: i}) for i in range(self.size(axis))])
+        return groups
+
+    def peers(self, rank: int, axis: str) -> list[int]:
+        """The ranks in ``rank``'s group along ``axis`` (itself included)."""
+        c = self.coord(rank)
+        base = {"pp": c.pp, "dp": c.dp, "tp": c.tp}
+        return [self.rank(**{**base, axis: i}) for i in range(self.size(axis))]
+
+    def rank_table(self, hosts: Sequence[str] | None = None, nproc_per_node: int = 0) -> str:
+        """A printable table: rank, host, local rank and mesh coordinates of every process.
+
+        ``hosts`` names the node of each rank (``hosts[rank]``); with ``nproc_per_node`` and no
+        hosts, nodes are numbered ``node0``, ``node1``... as a launcher would fill them.
+        """
+        per_node = nproc_per_node or self.world_size
+        rows = [("rank", "host", "local_rank", "pp", "dp", "tp")]
+        for r in range(self.world_size):
+            c = self.coord(r)
+            host = hosts[r] if hosts else f"node{r // per_node}"
+            rows.append((str(r), host, str(r % per_node), str(c.pp), str(c.dp), str(c.tp)))
+        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+        lines = ["  ".join(v.rjust(w) for v, w in zip(row, widths, strict=True)) for row in rows]
+        header = f"Topology: data {self.dp} x pipeline {self.pp} x tensor {self.tp} = {self.world_size} processes"
+        return "\n".join([header, *lines])
+
+
+@dataclass
+class ProcessMesh:
+    """One rank's view of the mesh: its coordinates and the live process groups.
+
+    Groups are ``None`` when the world has one process and torch.distributed is not
+    initialized; ``shardwise.comm`` treats a ``None`` group of size 1 as a no-op.
+    """
+
+    topology: Topology
+    rank: int
+    groups: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def create(cls, topology: Topology, rank: int | None = None) -> ProcessMesh:
+        """Create every axis group (all ranks must call this together, in the same order)."""
+        initialized = dist.is_available() and dist.is_initialized()
+        if rank is None:
+            rank = dist.get_rank() if initialized else 0
+        if initialized and dist.get_world_size() != topology.world_size:
+            raise TopologyError(
+                f"topology data {topology.dp} x pipeline {topology.pp} x tensor {topology.tp} "
+                f"= {topology.world_size} processes, but torch.distributed has "
+                f"{dist.get_world_size()}"
+            )
+        mesh = cls(topology=topology, rank=rank)
+        if not initialized:
+            return mesh
+        for axis in AXES:
+            for members in topology.axis_groups(axis):
+                group = dist.new_group(members) if len(members) < topology.world_size else None
+                if rank in members:
+                    mesh.groups[axis] = group if group is not None else dist.group.WORLD
+        return mesh
+
+    @property
+    def coord(self) -> Coord:
+        return self.topology.coord(self.rank)
+
+    def group(self, axis: str) -> Any:
+        """The process group of this rank along ``axis`` (None when not distributed)."""
+        return self.groups.get(axis)
+
+    def axis_rank(self, axis: str) -> int:
+        return getattr(self.coord, axis)
+
+    def axis_size(self, axis: str) -> int:
+        return self.topology.size(axis)
+
+    def axis_ranks(self, axis: str) -> list[int]:
+        """Global ranks of this rank's group along ``axis``, in axis order."""
+        return self.topology.peers(self.rank, axis)
+
+    @property
+    def dp_group(self) -> Any:
+        return self.group("dp")
+
+    @property
+    def pp_group(self) -> Any:
+        return self.group("pp")
+
+    @property
+    def tp_group(self) -> Any:
+        return self.group("tp")
+
+    @property
+    def dp_rank(self) -> int:
+        return self.coord.dp
+
+    @property
+    def pp_rank(self) -> int:
+        return self.coord.pp
+
+    @property
+    def tp_rank(self) -> int:
+        return self.coord.tp
+
+
+def new_subgroup(ranks: Sequence[int]) -> Any:
+    """A process group of arbitrary ranks (for example the even ones).
+
+    Every rank of the world must call this with the same list, members or not.
+    """
+    ranks = sorted(set(int(r) for r in ranks))
+    world = dist.get_world_size()
+    bad = [r for r in ranks if not 0 <= r < world]
+    if bad:
+        raise TopologyError(f"ranks {bad} are outside the world of size {world}")
+    return dist.new_group(ranks)
