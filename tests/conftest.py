@@ -8,7 +8,6 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, str(Path(__file__).parent))
 
 import pytest  # noqa: E402
-
 from harness import shutdown_worlds  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
