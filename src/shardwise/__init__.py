@@ -1,3 +1,43 @@
-"""shardwise: train a PyTorch model on many processes as simply as on one."""
+"""shardwise: train a PyTorch model on many processes as simply as on one.
+
+The public surface follows DeepSpeed's, so that ``import shardwise as deepspeed`` runs common
+DeepSpeed scripts: ``initialize``, ``init_distributed``, ``add_config_arguments``, ``comm``.
+"""
+
+from shardwise import comm
+from shardwise.config import ConfigError
+from shardwise.engine import Engine, EngineError
+from shardwise.initialize import add_config_arguments, initialize
+from shardwise.launch.env import init_distributed
+from shardwise.topology import ProcessMesh, Topology, new_subgroup
 
 __version__ = "0.1.0"
+
+# DeepSpeed's spellings, for scripts ported by changing the import only.
+DeepSpeedEngine = Engine
+DeepSpeedConfigError = ConfigError
+
+
+def spawn(*args, **kwargs):  # noqa: ANN002, ANN003, ANN201 - thin re-export, see shardwise.spawn
+    """Run ``fn(rank, *args)`` on N local processes with the process group set up."""
+    from shardwise.spawn import spawn as _spawn
+
+    return _spawn(*args, **kwargs)
+
+
+__all__ = [
+    "ConfigError",
+    "DeepSpeedConfigError",
+    "DeepSpeedEngine",
+    "Engine",
+    "EngineError",
+    "ProcessMesh",
+    "Topology",
+    "__version__",
+    "add_config_arguments",
+    "comm",
+    "init_distributed",
+    "initialize",
+    "new_subgroup",
+    "spawn",
+]

@@ -1,0 +1,112 @@
+"""The ``tensor_parallel``, ``pipeline`` and ``activation_checkpointing`` blocks.
+
+``pipeline`` and ``activation_checkpointing`` keep DeepSpeed's keys; ``tensor_parallel``, the
+pipeline ``schedule`` and ``activation_checkpointing.checkpoint_layers`` are shardwise's own.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
+
+from shardwise.config.errors import Notes, fail, join, show
+from shardwise.config.schema import build, spec
+
+TPStyle = Literal["colwise", "rowwise", "vocab", "sequence_parallel"]
+PARTITION_METHODS = ("parameters", "uniform", "best")  # plus "type:<regex>"
+
+
+@dataclass(frozen=True)
+class TensorParallelConfig:
+    """``"tensor_parallel": {"size": 2, "plan": {"*.q_proj": "colwise", "*.o_proj": "rowwise"}}``.
+
+    ``plan`` maps module-name patterns to a style, the strings Hugging Face models publish in their
+    ``tp_plan``: colwise (split the output features), rowwise (split the input features, all-reduce
+    the output), vocab (split the embedding rows), sequence_parallel (norms on sequence shards).
+    Without a plan the model's own ``tp_plan`` is used, if it has one.
+    """
+
+    EXAMPLE: ClassVar[str] = '{"size": 2}'
+
+    size: int = spec(1, ge=1)
+    plan: dict[str, TPStyle] | None = None
+    sequence_parallel: bool = False
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """``"pipeline": {...}``: DeepSpeed's keys plus ``schedule``.
+
+    ``stages`` defaults to 1 here (DeepSpeed: "auto"); "auto" means "as many as the PipelineModule
+    was built with". ``partition`` is DeepSpeed's config name for the PipelineModule argument
+    ``partition_method`` (either key is accepted): "parameters", "uniform", "type:<regex>", or
+    "best" (DeepSpeed's config default, which its engine never reads; treated as "parameters").
+    """
+
+    EXAMPLE: ClassVar[str] = '{"stages": 2, "schedule": "1f1b"}'
+    RENAMED_KEYS: ClassVar[dict[str, str]] = {"partition_method": "partition"}
+
+    stages: int | Literal["auto"] = 1
+    partition: str = "parameters"
+    seed_layers: bool = False
+    activation_checkpoint_interval: int = spec(0, ge=0)
+    pipe_partitioned: bool = True
+    grad_partitioned: bool = True
+    schedule: Literal["1f1b", "gpipe", "interleaved"] = "1f1b"
+
+
+@dataclass(frozen=True)
+class ActivationCheckpointingConfig:
+    """``"activation_checkpointing": {...}``: DeepSpeed's keys plus ``checkpoint_layers``.
+
+    ``checkpoint_layers``: "all", or a list of module names / glob patterns (strings) or layer
+    indices (integers) whose forward is recomputed in backward; None (default) checkpoints nothing
+    unless the model or the pipeline's ``activation_checkpoint_interval`` asks for it.
+    """
+
+    EXAMPLE: ClassVar[str] = '{"checkpoint_layers": "all"}'
+
+    partition_activations: bool = False
+    contiguous_memory_optimization: bool = False
+    cpu_checkpointing: bool = False
+    number_checkpoints: int | None = spec(None, ge=1)
+    synchronize_checkpoint_boundary: bool = False
+    profile: bool = False
+    checkpoint_layers: list[str | int] | Literal["all"] | None = None
+
+
+def parse_pipeline(raw: Any, notes: Notes) -> PipelineConfig:
+    """Build ``PipelineConfig``; accepts ``partition_method`` for ``partition``; checks the method."""
+    path = "pipeline"
+    if not isinstance(raw, dict):
+        raise fail(path, f"expected an object like {PipelineConfig.EXAMPLE}, got {show(raw)}")
+    raw = dict(raw)
+    if "partition_method" in raw:
+        if "partition" in raw:
+            raise fail(
+                join(path, "partition_method"), "give 'partition' or 'partition_method', not both"
+            )
+        raw["partition"] = raw.pop("partition_method")
+    pipe = build(PipelineConfig, raw, path, notes)
+    if isinstance(pipe.stages, int) and pipe.stages < 1:
+        raise fail(join(path, "stages"), f'must be >= 1 or "auto", got {pipe.stages}')
+    _check_partition(pipe.partition, join(path, "partition"))
+    return pipe
+
+
+def _check_partition(method: str, path: str) -> None:
+    lowered = method.lower()
+    if lowered.startswith("type:"):
+        try:
+            re.compile(method[len("type:") :], re.IGNORECASE)
+        except re.error as error:
+            raise fail(path, f"invalid regular expression in {method!r}: {error}") from None
+        return
+    if lowered == "profile":
+        raise fail(path, '"profile" partitioning is not implemented (DeepSpeed lacks it too)')
+    if lowered not in PARTITION_METHODS:
+        raise fail(
+            path,
+            f'expected one of "parameters", "uniform", "best" or "type:<regex>", got {show(method)}',
+        )

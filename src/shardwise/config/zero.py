@@ -1,0 +1,195 @@
+"""The ``zero_optimization`` block: every key DeepSpeed v0.16 accepts, with its code default.
+
+Deprecated spellings still work, with a warning: ``cpu_offload: true`` becomes
+``offload_optimizer: {"device": "cpu"}``, ``cpu_offload_param: true`` becomes
+``offload_param: {"device": "cpu"}``, ``stage3_gather_fp16_weights_on_model_save`` becomes
+``stage3_gather_16bit_weights_on_model_save``, and the old boolean form ``"zero_optimization": true``
+means stage 1. An offload block with ``"device": "none"`` is stored as ``None`` (no offload).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
+
+from shardwise.config.errors import Notes, fail, join, show
+from shardwise.config.schema import AUTO, build, check_keys, schema_keys, spec
+
+# Keys whose non-default value asks for a GPU feature shardwise does not have: key -> (reason, default).
+_UNSUPPORTED_WHEN_SET: dict[str, tuple[str, Any]] = {
+    "zero_quantized_weights": ("ZeRO++ quantized weight all-gather (GPU kernels)", False),
+    "zero_quantized_nontrainable_weights": ("ZeRO++ quantized frozen weights (GPU kernels)", False),
+    "zero_quantized_gradients": ("ZeRO++ quantized gradient all-to-all (GPU kernels)", False),
+}
+_OFFLOAD_KEYS = ("offload_optimizer", "offload_param")
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """Keys shared by ``offload_optimizer`` and ``offload_param``.
+
+    Only ``"cpu"`` is a real device here; ``"nvme"`` (ZeRO-Infinity) is refused. On a CPU run the
+    state already lives in host memory, so offloading to the CPU changes nothing.
+    """
+
+    EXAMPLE: ClassVar[str] = '{"device": "cpu"}'
+
+    device: Literal["cpu", "none", "nvme"] = "none"
+    nvme_path: str | None = None
+    buffer_count: int = spec(5, ge=0)
+    pin_memory: bool = False
+
+
+@dataclass(frozen=True)
+class OffloadOptimizerConfig(OffloadConfig):
+    """``zero_optimization.offload_optimizer``: optimizer state (and step) in host memory."""
+
+    pipeline_read: bool = False
+    pipeline_write: bool = False
+    fast_init: bool = False
+    ratio: float = spec(1.0, gt=0, le=1)  # fraction offloaded; < 1 needs ZeRO stage 3
+
+
+@dataclass(frozen=True)
+class OffloadParamConfig(OffloadConfig):
+    """``zero_optimization.offload_param``: ZeRO-3 parameters in host memory."""
+
+    buffer_size: int = spec(100_000_000, ge=0)
+    max_in_cpu: int = spec(1_000_000_000, ge=0)
+
+
+@dataclass(frozen=True)
+class ZeroConfig:
+    """``"zero_optimization": {...}``: which model states are sharded across data-parallel ranks.
+
+    stage 0: nothing sharded; 1: optimizer states; 2: + gradients; 3: + parameters.
+    """
+
+    EXAMPLE: ClassVar[str] = '{"stage": 2}'
+    IGNORED_KEYS: ClassVar[dict[str, str]] = {"cpu_offload_use_pin_memory": "deprecated, no effect"}
+    RENAMED_KEYS: ClassVar[dict[str, str]] = {
+        "cpu_offload": "offload_optimizer",
+        "cpu_offload_param": "offload_param",
+        "stage3_gather_fp16_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save",
+    }
+
+    stage: int = 0
+    contiguous_gradients: bool = True
+    reduce_scatter: bool = True
+    reduce_bucket_size: int = spec(500_000_000, ge=0)  # elements per gradient bucket
+    allgather_partitions: bool = True
+    allgather_bucket_size: int = spec(500_000_000, ge=0)  # elements per parameter all-gather
+    overlap_comm: bool | None = None  # None: DeepSpeed turns it on for stage 3 only
+    load_from_fp32_weights: bool = True
+    elastic_checkpoint: bool = False
+    offload_optimizer: OffloadOptimizerConfig | None = None
+    offload_param: OffloadParamConfig | None = None
+    sub_group_size: int = spec(1_000_000_000, ge=0)
+    stage3_prefetch_bucket_size: int = spec(50_000_000, ge=0)
+    stage3_param_persistence_threshold: int = spec(100_000, ge=0)
+    stage3_model_persistence_threshold: int = spec(sys.maxsize, ge=0)
+    stage3_max_live_parameters: int = spec(1_000_000_000, ge=0)
+    stage3_max_reuse_distance: int = spec(1_000_000_000, ge=0)
+    stage3_gather_16bit_weights_on_model_save: bool = False
+    stage3_module_granularity_threshold: int = spec(0, ge=0)
+    stage3_use_all_reduce_for_fetch_params: bool = False
+    ignore_unused_parameters: bool = True
+    legacy_stage1: bool = False
+    round_robin_gradients: bool = False
+    use_multi_rank_bucket_allreduce: bool = True
+    zero_hpz_partition_size: int = spec(1, ge=0)
+    zero_quantized_weights: bool = False
+    zero_quantized_nontrainable_weights: bool = False
+    zero_quantized_gradients: bool = False
+    zeropp_loco_param: dict[str, Any] | None = None
+    mics_shard_size: int = -1
+    mics_hierarchical_params_gather: bool = False
+    memory_efficient_linear: bool = True
+    pipeline_loading_checkpoint: bool = False
+    override_module_apply: bool = True
+    log_trace_cache_warnings: bool = False
+
+
+def parse_zero(raw: Any, notes: Notes) -> ZeroConfig:
+    """Build ``ZeroConfig`` from the ``zero_optimization`` value (an object, or the old bool form)."""
+    path = "zero_optimization"
+    if isinstance(raw, bool):
+        notes.deprecated.append(
+            f'"zero_optimization": {show(raw)} means {{"stage": {int(raw)}}}; write that'
+        )
+        raw = {"stage": int(raw)}
+    if not isinstance(raw, dict):
+        raise fail(path, f"expected an object like {ZeroConfig.EXAMPLE}, got {show(raw)}")
+    check_keys(raw, schema_keys(ZeroConfig), path)
+    raw = _rename_deprecated(dict(raw), notes)
+    offloads = {key: _parse_offload(raw.pop(key, None), key, notes) for key in _OFFLOAD_KEYS}
+    zero = dataclasses.replace(build(ZeroConfig, raw, path, notes), **offloads)
+    _check_zero(zero)
+    return zero
+
+
+def _rename_deprecated(raw: dict[str, Any], notes: Notes) -> dict[str, Any]:
+    for old, new in ZeroConfig.RENAMED_KEYS.items():
+        if old not in raw:
+            continue
+        value = raw.pop(old)
+        if new in raw:
+            raise fail(
+                join("zero_optimization", old),
+                f"give either '{old}' (deprecated) or '{new}', not both",
+            )
+        if old.startswith("cpu_offload"):
+            if not isinstance(value, bool):
+                raise fail(
+                    join("zero_optimization", old), f"expected true or false, got {show(value)}"
+                )
+            notes.deprecated.append(
+                f'zero_optimization.{old}: {show(value)} -> {new}: {{"device": "cpu"}}'
+            )
+            if value:
+                raw[new] = {"device": "cpu"}
+        else:
+            notes.deprecated.append(f"zero_optimization.{old} -> {new}")
+            raw[new] = value
+    return raw
+
+
+def _parse_offload(value: Any, key: str, notes: Notes) -> Any:
+    """The offload block as a dataclass, None for absent / ``device: "none"``; nvme is refused."""
+    path = join("zero_optimization", key)
+    if value == AUTO:
+        notes.auto_defaults.append(path)
+    if value is None or value == AUTO:
+        return None
+    cls = OffloadOptimizerConfig if key == "offload_optimizer" else OffloadParamConfig
+    if not isinstance(value, dict):
+        raise fail(path, f'must be an object like {{"device": "cpu"}}, got {show(value)}')
+    offload = build(cls, value, path, notes)
+    if offload.device == "nvme":
+        raise fail(
+            join(path, "device"),
+            '"nvme" (ZeRO-Infinity) is not supported by shardwise: it needs NVMe drives and the '
+            'DeepSpeed async-io extension; use "cpu" or "none"',
+        )
+    return None if offload.device == "none" else offload
+
+
+def _check_zero(zero: ZeroConfig) -> None:
+    path = "zero_optimization"
+    if zero.stage not in (0, 1, 2, 3):
+        raise fail(join(path, "stage"), f"must be 0, 1, 2 or 3, got {zero.stage}")
+    for key, (feature, default) in _UNSUPPORTED_WHEN_SET.items():
+        if getattr(zero, key) != default:
+            raise fail(join(path, key), f"{feature} is not supported by shardwise; remove the key")
+    if zero.offload_param is not None and zero.stage != 3:
+        raise fail(join(path, "offload_param"), f"needs ZeRO stage 3 (stage is {zero.stage})")
+    if zero.offload_optimizer is not None:
+        if zero.stage == 0:
+            raise fail(join(path, "offload_optimizer"), "needs ZeRO stage 1, 2 or 3 (stage is 0)")
+        if zero.offload_optimizer.ratio < 1 and zero.stage != 3:
+            raise fail(
+                join(path, "offload_optimizer.ratio"),
+                f"partial offloading is only supported with ZeRO stage 3 (stage is {zero.stage})",
+            )

@@ -1,0 +1,270 @@
+"""The training engine: DeepSpeed's call surface, composed of strategy objects.
+
+The engine itself holds no parallelism logic. It owns the step bookkeeping (micro steps,
+accumulation boundary, global steps) and delegates:
+
+- gradient reduction to ``self.reducer`` (data parallel buckets; ZeRO reduce-scatter later),
+- the update to ``self.optimizer`` and ``self.lr_scheduler``,
+- the gradient norm to ``self.reducer.owned_grads()`` over ``self.reducer.norm_group``.
+
+One accumulation cycle of GAS micro-steps::
+
+    for micro in range(GAS):
+        loss = engine(batch)          # forward
+        engine.backward(loss)         # loss / GAS; reduction only on the last micro-step
+        engine.step()                 # update only on the last micro-step
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardwise import clip
+
+logger = logging.getLogger("shardwise")
+
+
+class EngineError(RuntimeError):
+    """A call the engine cannot honour in its current state; the message says what to do."""
+
+
+class Engine(nn.Module):
+    """Wraps a model; ``engine(*inputs)`` runs it, ``backward``/``step`` train it."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        lr_scheduler: Any,
+        reducer: Any,
+        mesh: Any,
+        config: Any,
+        batch: Any,
+        training_dataloader: Any = None,
+        loss_fn: Any = None,
+    ) -> None:
+        super().__init__()
+        self.module = module
+        self.optimizer = optimizer
+        self.lr_scheduler = lr_scheduler
+        self.reducer = reducer
+        self.mesh = mesh
+        self.config = config
+        self.batch = batch
+        self.training_dataloader = training_dataloader
+        self.loss_fn = loss_fn
+        self.global_steps = 0
+        self.global_samples = 0
+        self.micro_steps = 0
+        self.skipped_steps = 0
+        self._boundary_override: bool | None = None
+        self._in_no_sync = False
+        self._global_grad_norm: float | None = None
+        self._step_applied = True
+
+    # ------------------------------------------------------------------ accessors (DeepSpeed's)
+    def train_batch_size(self) -> int:
+        return self.batch.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.batch.micro_batch_size
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.batch.gradient_accumulation_steps
+
+    def gradient_clipping(self) -> float:
+        return self.config.gradient_clipping
+
+    def steps_per_print(self) -> int:
+        return self.config.steps_per_print
+
+    def zero_optimization_stage(self) -> int:
+        return self.config.zero_optimization.stage
+
+    def fp16_enabled(self) -> bool:
+        return self.config.fp16.enabled
+
+    def bfloat16_enabled(self) -> bool:
+        return self.config.bf16.enabled
+
+    def get_lr(self) -> list[float]:
+        return [g["lr"] for g in self.optimizer.param_groups] if self.optimizer else []
+
+    def get_global_grad_norm(self) -> float | None:
+        return self._global_grad_norm
+
+    def was_step_applied(self) -> bool:
+        return self._step_applied
+
+    @property
+    def device(self) -> torch.device:
+        p = next(self.module.parameters(), None)
+        return p.device if p is not None else torch.device("cpu")
+
+    @property
+    def global_rank(self) -> int:
+        return self.mesh.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.mesh.topology.world_size
+
+    @property
+    def local_rank(self) -> int:
+        from shardwise import comm
+
+        return comm.get_local_rank()
+
+    @property
+    def dp_world_size(self) -> int:
+        return self.mesh.topology.dp
+
+    @property
+    def dp_rank(self) -> int:
+        return self.mesh.dp_rank
+
+    # ------------------------------------------------------------------ training
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        return self.module(*inputs, **kwargs)
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        if self._boundary_override is not None:
+            return self._boundary_override
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        self._boundary_override = is_boundary
+
+    def backward(
+        self,
+        loss: torch.Tensor,
+        release_loss: bool = False,
+        retain_graph: bool = False,
+        scale_wrt_gas: bool = True,
+    ) -> torch.Tensor:
+        """Backpropagate ``loss / GAS``; reduce gradients at the accumulation boundary."""
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            raise EngineError(
+                "engine.backward(loss) needs a scalar loss tensor; "
+                f"got {type(loss).__name__} of shape {getattr(loss, 'shape', None)}"
+            )
+        sync = self.is_gradient_accumulation_boundary() and not self._in_no_sync
+        scaled = loss / self.gradient_accumulation_steps() if scale_wrt_gas else loss
+        self.reducer.sync = sync
+        scaled.backward(retain_graph=retain_graph)
+        if sync:
+            self.reducer.finish()
+        return loss
+
+    def step(self, lr_kwargs: dict | None = None) -> None:
+        """Update at the accumulation boundary: clip, optimizer step, scheduler step, zero."""
+        if self._in_no_sync:
+            raise EngineError("engine.step() inside engine.no_sync(): leave the block first")
+        if self.optimizer is None:
+            raise EngineError(
+                "must provide optimizer during init in order to use step: pass optimizer= to "
+                'shardwise.initialize or an "optimizer" block in the config'
+            )
+        boundary = self.is_gradient_accumulation_boundary()
+        if boundary:
+            self._take_model_step(lr_kwargs)
+        self.micro_steps += 1
+        self._boundary_override = None
+
+    def _take_model_step(self, lr_kwargs: dict | None) -> None:
+        norm = clip.global_grad_norm(self.reducer.owned_grads(), self.reducer.norm_group)
+        self._global_grad_norm = norm
+        coef = clip.clip_coefficient(norm, self.gradient_clipping())
+        clip.scale_grads(self.module.parameters(), coef)
+        self.optimizer.step()
+        self._step_applied = True
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step(**(lr_kwargs or {}))
+        self.zero_grad()
+        self.global_steps += 1
+        self.global_samples += self.train_batch_size()
+
+    def zero_grad(self) -> None:
+        self.reducer.zero_grad()
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward inside this block accumulates locally and communicates nothing."""
+        if self._in_no_sync:
+            raise EngineError("engine.no_sync() is already active: it does not nest")
+        self._in_no_sync = True
+        try:
+            yield
+        finally:
+            self._in_no_sync = False
+
+    # ------------------------------------------------------------------ whole batches
+    def _loss_of(self, batch: Any) -> torch.Tensor:
+        """The loss of one micro-batch: ``loss_fn(module(inputs), labels)`` when a loss
+        function was given (batch = (inputs, labels)), else the module's own output, which
+        must then be the loss (or a tuple/dict whose first value / "loss" is)."""
+        if self.loss_fn is not None:
+            inputs, labels = batch
+            out = self(*inputs) if isinstance(inputs, (tuple, list)) else self(inputs)
+            return self.loss_fn(out, labels)
+        out = self(*batch) if isinstance(batch, (tuple, list)) else self(batch)
+        if isinstance(out, dict):
+            out = out["loss"]
+        elif isinstance(out, (tuple, list)):
+            out = out[0]
+        return out
+
+    def train_batch(self, data_iter: Iterator | None = None) -> torch.Tensor:
+        """One optimizer step over GAS micro-batches from ``data_iter``; the mean loss,
+        averaged over the data-parallel group (the same value on every rank)."""
+        from shardwise import comm
+
+        if data_iter is None:
+            if self.training_dataloader is None:
+                raise EngineError(
+                    "train_batch() needs data_iter, or training_data given to initialize()"
+                )
+            if not hasattr(self, "_data_iter"):
+                from shardwise.data import RepeatingLoader
+
+                self._data_iter = iter(RepeatingLoader(self.training_dataloader))
+            data_iter = self._data_iter
+        self.train()
+        total = torch.zeros(())
+        for _ in range(self.gradient_accumulation_steps()):
+            loss = self._loss_of(next(data_iter))
+            self.backward(loss)
+            self.step()
+            total += loss.detach().float().cpu()
+        total /= self.gradient_accumulation_steps()
+        comm.all_reduce(total, group=self.mesh.dp_group)
+        return total / self.dp_world_size
+
+    @torch.no_grad()
+    def eval_batch(self, data_iter: Iterator) -> torch.Tensor:
+        """The mean loss of GAS micro-batches without training, averaged over data ranks."""
+        from shardwise import comm
+
+        was_training = self.training
+        self.eval()
+        total = torch.zeros(())
+        for _ in range(self.gradient_accumulation_steps()):
+            total += self._loss_of(next(data_iter)).float().cpu()
+        self.train(was_training)
+        total /= self.gradient_accumulation_steps()
+        comm.all_reduce(total, group=self.mesh.dp_group)
+        return total / self.dp_world_size
+
+    # ------------------------------------------------------------------ state
+    def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
+        """The full model state dict with the original keys, on CPU, identical on every rank."""
+        return {k: v.detach().cpu().clone() for k, v in self.module.state_dict().items()}
+
+    def module_state_dict(self) -> dict[str, torch.Tensor]:
+        return self.consolidated_state_dict()

@@ -1,0 +1,203 @@
+"""``shardwise.initialize``: from a model and a config to a ready engine, in a fixed order.
+
+    config (parsed and validated before any work) -> torch.distributed -> Topology and groups
+    -> batch sizes for the data-parallel size -> unsupported features refused
+    -> same weights on every rank -> optimizer -> LR scheduler -> gradient reducer
+    -> data loader -> Engine
+
+Everything a user can get wrong in the config fails in the first step, before a process
+group or a tensor is touched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardwise import comm
+from shardwise.config import Config, ConfigError, parse_config
+from shardwise.engine import Engine
+from shardwise.parallel.data import DataParallelReducer, broadcast_parameters
+from shardwise.topology import ProcessMesh, Topology
+
+logger = logging.getLogger("shardwise")
+
+# Without an explicit reduce_bucket_size we pick buckets small enough to overlap with
+# backward (DeepSpeed's 5e8-element default would make one bucket of any model we test).
+DEFAULT_BUCKET_ELEMENTS = 2**22
+
+
+def initialize(
+    args: Any = None,
+    model: nn.Module | None = None,
+    optimizer: torch.optim.Optimizer | Callable | None = None,
+    model_parameters: Iterable | None = None,
+    training_data: Any = None,
+    lr_scheduler: Any = None,
+    distributed_port: int = 29500,
+    mpu: Any = None,
+    dist_init_required: bool | None = None,
+    collate_fn: Callable | None = None,
+    config: dict | str | None = None,
+    mesh_param: Any = None,
+    config_params: dict | str | None = None,
+    loss_fn: Callable | None = None,
+) -> tuple[Engine, Any, Any, Any]:
+    """DeepSpeed's ``initialize``: returns ``(engine, optimizer, training_dataloader, lr_scheduler)``.
+
+    ``config`` is a dict or a JSON path (``config_params`` is the older alias; or
+    ``args.deepspeed_config``). ``optimizer`` / ``lr_scheduler`` may be instances or callables
+    (``optimizer(params)``, ``lr_scheduler(optimizer)``) and override the config's blocks.
+    ``loss_fn(outputs, labels)`` lets ``train_batch`` work with a model that returns outputs.
+    """
+    if model is None:
+        raise ValueError("shardwise.initialize requires a model: initialize(model=..., config=...)")
+    cfg = parse_config(_config_source(args, config, config_params))
+    from shardwise.launch.env import init_distributed
+
+    init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
+    mesh = _build_mesh(cfg)
+    batch = cfg.resolve_batch(mesh.topology.dp)
+    _refuse_unimplemented(cfg, mpu)
+    _log_start(cfg, mesh, batch)
+    broadcast_parameters(model, src=mesh.axis_ranks("dp")[0], group=mesh.dp_group)
+    opt = _build_optimizer(cfg, model, optimizer, model_parameters)
+    sched = _build_scheduler(cfg, opt, lr_scheduler)
+    bucket = _bucket_elements(cfg)
+    reducer = DataParallelReducer(model.parameters(), group=mesh.dp_group, bucket_bytes=bucket)
+    loader = _build_loader(cfg, training_data, batch, mesh, collate_fn)
+    engine = Engine(model, opt, sched, reducer, mesh, cfg, batch, loader, loss_fn)
+    return engine, opt, loader, sched
+
+
+def _config_source(args: Any, config: Any, config_params: Any) -> Any:
+    from_args = getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
+    given = [c for c in (config, config_params) if c is not None]
+    if from_args is not None and given:
+        raise ConfigError(
+            "a config came both from args.deepspeed_config and from initialize(config=...): "
+            "pass only one",
+            key="config",
+        )
+    if len(given) == 2:
+        raise ConfigError("pass config= or config_params=, not both", key="config")
+    return from_args if from_args is not None else (given[0] if given else None)
+
+
+def _build_mesh(cfg: Config) -> ProcessMesh:
+    topo = Topology.build(
+        comm.get_world_size(), pp=_pipeline_stages(cfg), tp=cfg.tensor_parallel.size
+    )
+    return ProcessMesh.create(topo)
+
+
+def _pipeline_stages(cfg: Config) -> int:
+    stages = cfg.pipeline.stages
+    return 1 if stages in (None, "auto") else int(stages)
+
+
+def _refuse_unimplemented(cfg: Config, mpu: Any) -> None:
+    """Features the config validates but this version cannot run: say so, never ignore."""
+    todo = []
+    if cfg.zero_optimization.stage > 0:
+        todo.append(f"zero_optimization.stage={cfg.zero_optimization.stage}")
+    if cfg.fp16.enabled:
+        todo.append("fp16.enabled")
+    if cfg.bf16.enabled:
+        todo.append("bf16.enabled")
+    if cfg.tensor_parallel.size > 1:
+        todo.append(f"tensor_parallel.size={cfg.tensor_parallel.size}")
+    if _pipeline_stages(cfg) > 1:
+        todo.append(f"pipeline.stages={cfg.pipeline.stages}")
+    if mpu is not None:
+        todo.append("mpu (pass tensor_parallel/pipeline sizes in the config instead)")
+    if todo:
+        raise ConfigError(
+            f"not implemented yet in shardwise: {', '.join(todo)}. Remove or disable these "
+            "keys; see docs/config.md for the status of each feature",
+            key=todo[0].split("=")[0],
+        )
+
+
+def _log_start(cfg: Config, mesh: ProcessMesh, batch: Any) -> None:
+    if mesh.rank != 0:
+        return
+    clipping = cfg.gradient_clipping
+    logger.info(
+        "shardwise: %s; train_batch_size=%d micro=%d gas=%d; gradient_clipping=%s",
+        mesh.topology.rank_table().splitlines()[0],
+        batch.train_batch_size,
+        batch.micro_batch_size,
+        batch.gradient_accumulation_steps,
+        clipping if clipping > 0 else "off",
+    )
+
+
+def _build_optimizer(
+    cfg: Config, model: nn.Module, optimizer: Any, model_parameters: Iterable | None
+) -> torch.optim.Optimizer | None:
+    params = list(model_parameters) if model_parameters is not None else None
+    if params is None:
+        params = [p for p in model.parameters() if p.requires_grad]
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return optimizer
+    if callable(optimizer):
+        return optimizer(params)
+    if cfg.optimizer is None:
+        return None
+    from shardwise.optim import build_optimizer
+
+    return build_optimizer(cfg.optimizer, params)
+
+
+def _build_scheduler(cfg: Config, opt: Any, lr_scheduler: Any) -> Any:
+    if lr_scheduler is not None:
+        if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
+            return lr_scheduler(opt)
+        return lr_scheduler
+    if cfg.scheduler is None or opt is None:
+        return None
+    from shardwise.lr_schedules import build_scheduler
+
+    return build_scheduler(cfg.scheduler, opt)
+
+
+def _bucket_elements(cfg: Config) -> int:
+    elements = DEFAULT_BUCKET_ELEMENTS
+    if "reduce_bucket_size" in cfg.raw.get("zero_optimization", {}):
+        elements = int(cfg.zero_optimization.reduce_bucket_size) or DEFAULT_BUCKET_ELEMENTS
+    return elements * 4  # the reducer counts bytes; fp32 gradients
+
+
+def _build_loader(
+    cfg: Config, training_data: Any, batch: Any, mesh: ProcessMesh, collate_fn: Any
+) -> Any:
+    if training_data is None:
+        return None
+    from shardwise.data import build_dataloader
+
+    return build_dataloader(
+        training_data,
+        micro_batch_size=batch.micro_batch_size,
+        dp_rank=mesh.dp_rank,
+        dp_size=mesh.topology.dp,
+        gradient_accumulation_steps=batch.gradient_accumulation_steps,
+        shuffle=True,
+        seed=cfg.seed if cfg.seed is not None else 0,
+        collate_fn=collate_fn,
+    )
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """DeepSpeed's flags: ``--deepspeed``, ``--deepspeed_config`` (and deprecated aliases)."""
+    group = parser.add_argument_group("DeepSpeed", "DeepSpeed configurations")
+    group.add_argument("--deepspeed", default=False, action="store_true", help="enable the engine")
+    group.add_argument("--deepspeed_config", default=None, type=str, help="config JSON path")
+    group.add_argument("--deepscale", default=False, action="store_true", help="deprecated")
+    group.add_argument("--deepscale_config", default=None, type=str, help="deprecated")
+    return parser
