@@ -58,12 +58,12 @@ def initialize(
     if model is None:
         raise ValueError("shardwise.initialize requires a model: initialize(model=..., config=...)")
     cfg = parse_config(_config_source(args, config, config_params))
+    _refuse_unimplemented(cfg, mpu)
     from shardwise.launch.env import init_distributed
 
     init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
     mesh = _build_mesh(cfg)
     batch = cfg.resolve_batch(mesh.topology.dp)
-    _refuse_unimplemented(cfg, mpu)
     _log_start(cfg, mesh, batch)
     broadcast_parameters(model, src=mesh.axis_ranks("dp")[0], group=mesh.dp_group)
     opt = _build_optimizer(cfg, model, optimizer, model_parameters)
@@ -124,12 +124,22 @@ def _refuse_unimplemented(cfg: Config, mpu: Any) -> None:
         )
 
 
+def _ensure_logging() -> None:
+    """Show shardwise's INFO lines (rank 0 only logs them) unless the user configured logging."""
+    if not logger.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("[shardwise] %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+
+
 def _log_start(cfg: Config, mesh: ProcessMesh, batch: Any) -> None:
     if mesh.rank != 0:
         return
+    _ensure_logging()
     clipping = cfg.gradient_clipping
     logger.info(
-        "shardwise: %s; train_batch_size=%d micro=%d gas=%d; gradient_clipping=%s",
+        "%s; train_batch_size=%d micro=%d gas=%d; gradient_clipping=%s",
         mesh.topology.rank_table().splitlines()[0],
         batch.train_batch_size,
         batch.micro_batch_size,
