@@ -148,7 +148,7 @@ def _bytes_of_one_step(gas: int) -> dict:
     return {
         "per_micro": per_micro,
         "grad_bytes": grad_bytes,
-        "buckets": len(engine.reducer.buckets),
+        "buckets": len(engine.strategy.buckets),
     }
 
 

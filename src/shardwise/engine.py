@@ -1,11 +1,18 @@
 """The training engine: DeepSpeed's call surface, composed of strategy objects.
 
 The engine itself holds no parallelism logic. It owns the step bookkeeping (micro steps,
-accumulation boundary, global steps) and delegates:
+accumulation boundary, global steps, skipped steps) and delegates to a gradient strategy
+``self.strategy`` (plain data parallelism, or ZeRO), which provides:
 
-- gradient reduction to ``self.reducer`` (data parallel buckets; ZeRO reduce-scatter later),
-- the update to ``self.optimizer`` and ``self.lr_scheduler``,
-- the gradient norm to ``self.reducer.owned_grads()`` over ``self.reducer.norm_group``.
+    before_backward(sync) / after_backward(sync)   reduce gradients (sync = boundary)
+    owned_grads(), norm_group                      the pieces of the global gradient norm
+    step(optimizer, coef)                          the update, gradients scaled by coef
+    zero_grad(), consolidated_state_dict(module)
+
+and to ``self.scaler`` (precision.LossScaler) for fp16's loss scale. The update:
+
+    norm_S = ||S g||  (one all-reduce; inf/nan anywhere = overflow on every rank)
+    overflow -> skip, lower S;  else coef = clip(norm_S / S) / S -> strategy.step(coef)
 
 One accumulation cycle of GAS micro-steps::
 
@@ -19,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -42,18 +50,22 @@ class Engine(nn.Module):
         module: nn.Module,
         optimizer: torch.optim.Optimizer | None,
         lr_scheduler: Any,
-        reducer: Any,
+        strategy: Any,
         mesh: Any,
         config: Any,
         batch: Any,
         training_dataloader: Any = None,
         loss_fn: Any = None,
+        scaler: Any = None,
     ) -> None:
         super().__init__()
         self.module = module
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
-        self.reducer = reducer
+        self.strategy = strategy
+        from shardwise.precision import LossScaler
+
+        self.scaler = scaler if scaler is not None else LossScaler()
         self.mesh = mesh
         self.config = config
         self.batch = batch
@@ -156,10 +168,11 @@ class Engine(nn.Module):
             )
         sync = self.is_gradient_accumulation_boundary() and not self._in_no_sync
         scaled = loss / self.gradient_accumulation_steps() if scale_wrt_gas else loss
-        self.reducer.sync = sync
+        if self.scaler.scale != 1.0:
+            scaled = scaled * self.scaler.scale
+        self.strategy.before_backward(sync)
         scaled.backward(retain_graph=retain_graph)
-        if sync:
-            self.reducer.finish()
+        self.strategy.after_backward(sync)
         return loss
 
     def step(self, lr_kwargs: dict | None = None) -> None:
@@ -178,20 +191,28 @@ class Engine(nn.Module):
         self._boundary_override = None
 
     def _take_model_step(self, lr_kwargs: dict | None) -> None:
-        norm = clip.global_grad_norm(self.reducer.owned_grads(), self.reducer.norm_group)
-        self._global_grad_norm = norm
-        coef = clip.clip_coefficient(norm, self.gradient_clipping())
-        clip.scale_grads(self.module.parameters(), coef)
-        self.optimizer.step()
-        self._step_applied = True
-        if self.lr_scheduler is not None:
-            self.lr_scheduler.step(**(lr_kwargs or {}))
+        scale = self.scaler.scale
+        norm = clip.global_grad_norm(self.strategy.owned_grads(), self.strategy.norm_group)
+        overflow = not math.isfinite(norm)
+        self._step_applied = not overflow
+        if overflow:
+            self.skipped_steps += 1
+            logger.info(
+                "step %d: gradient overflow, skipped (loss scale %g)", self.global_steps, scale
+            )
+        else:
+            self._global_grad_norm = norm / scale
+            coef = clip.clip_coefficient(norm / scale, self.gradient_clipping()) / scale
+            self.strategy.step(self.optimizer, coef)
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step(**(lr_kwargs or {}))
+        self.scaler.update(overflow)
         self.zero_grad()
         self.global_steps += 1
         self.global_samples += self.train_batch_size()
 
     def zero_grad(self) -> None:
-        self.reducer.zero_grad()
+        self.strategy.zero_grad()
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -264,7 +285,7 @@ class Engine(nn.Module):
     # ------------------------------------------------------------------ state
     def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
         """The full model state dict with the original keys, on CPU, identical on every rank."""
-        return {k: v.detach().cpu().clone() for k, v in self.module.state_dict().items()}
+        return self.strategy.consolidated_state_dict(self.module)
 
     def module_state_dict(self) -> dict[str, torch.Tensor]:
         return self.consolidated_state_dict()

@@ -69,7 +69,7 @@ def initialize(
     opt = _build_optimizer(cfg, model, optimizer, model_parameters)
     sched = _build_scheduler(cfg, opt, lr_scheduler)
     bucket = _bucket_elements(cfg)
-    reducer = DataParallelReducer(model.parameters(), group=mesh.dp_group, bucket_bytes=bucket)
+    reducer = DataParallelReducer(model.parameters(), group=mesh.dp_group, bucket_elements=bucket)
     loader = _build_loader(cfg, training_data, batch, mesh, collate_fn)
     engine = Engine(model, opt, sched, reducer, mesh, cfg, batch, loader, loss_fn)
     return engine, opt, loader, sched
@@ -181,7 +181,7 @@ def _bucket_elements(cfg: Config) -> int:
     elements = DEFAULT_BUCKET_ELEMENTS
     if "reduce_bucket_size" in cfg.raw.get("zero_optimization", {}):
         elements = int(cfg.zero_optimization.reduce_bucket_size) or DEFAULT_BUCKET_ELEMENTS
-    return elements * 4  # the reducer counts bytes; fp32 gradients
+    return elements
 
 
 def _build_loader(

@@ -1,0 +1,94 @@
+"""Precision policies: the compute dtype, and fp16's dynamic loss scale.
+
+Mixed precision keeps the model (parameters, activations, gradients) in 16 bits and an fp32
+master copy of the weights inside the optimizer; the optimizer steps the master copy and the
+16-bit weights are its rounding. bf16 has fp32's exponent range, so it needs no loss scale.
+fp16 gradients underflow below 6e-8, so the loss is multiplied by a scale S before backward
+and the gradients by 1/S before the step:
+
+    g = (1/S) * d(S * loss)/dw
+
+Dynamic scaling (DeepSpeed's ``DynamicLossScaler``): an overflow (any inf/nan gradient on any
+rank) skips the step; after ``hysteresis`` overflows the scale halves (never below
+``min_loss_scale``); every ``loss_scale_window`` clean iterations since the last overflow it
+doubles.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def compute_dtype(config: Any) -> torch.dtype:
+    """The dtype the model computes in under ``config`` (fp32 unless fp16/bf16 is enabled)."""
+    if config.bf16.enabled:
+        return torch.bfloat16
+    if config.fp16.enabled:
+        return torch.float16
+    return torch.float32
+
+
+class LossScaler:
+    """A static or dynamic loss scale with DeepSpeed's update rule."""
+
+    def __init__(
+        self,
+        init_scale: float = 1.0,
+        dynamic: bool = False,
+        scale_window: int = 1000,
+        hysteresis: int = 2,
+        consecutive_hysteresis: bool = False,
+        min_scale: float = 1.0,
+    ) -> None:
+        self.scale = float(init_scale)
+        self.dynamic = dynamic
+        self.scale_window = scale_window
+        self.delayed_shift = hysteresis
+        self.cur_hysteresis = hysteresis
+        self.consecutive_hysteresis = consecutive_hysteresis
+        self.min_scale = min_scale
+        self.cur_iter = 0
+        self.last_overflow_iter = -1
+
+    @classmethod
+    def from_config(cls, config: Any) -> LossScaler:
+        fp16 = config.fp16
+        if not fp16.enabled:
+            return cls()  # bf16 and fp32: a static scale of 1
+        return cls(
+            init_scale=fp16.initial_scale,
+            dynamic=fp16.dynamic,
+            scale_window=fp16.loss_scale_window,
+            hysteresis=fp16.hysteresis,
+            consecutive_hysteresis=fp16.consecutive_hysteresis,
+            min_scale=fp16.min_loss_scale,
+        )
+
+    def update(self, overflow: bool) -> None:
+        """Advance one iteration; ``overflow`` says whether its gradients were not finite."""
+        if not self.dynamic:
+            return
+        if overflow:
+            if self.delayed_shift == 1 or self.cur_hysteresis == 1:
+                self.scale = max(self.scale / 2, self.min_scale)
+            else:
+                self.cur_hysteresis -= 1
+            self.last_overflow_iter = self.cur_iter
+        else:
+            if self.consecutive_hysteresis:
+                self.cur_hysteresis = self.delayed_shift
+            if (self.cur_iter - self.last_overflow_iter) % self.scale_window == 0:
+                if not self.consecutive_hysteresis:
+                    self.cur_hysteresis = self.delayed_shift
+                self.scale *= 2
+        self.cur_iter += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        keys = ("scale", "cur_hysteresis", "cur_iter", "last_overflow_iter")
+        return {k: getattr(self, k) for k in keys}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for k, v in state.items():
+            setattr(self, k, v)
