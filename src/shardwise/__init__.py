@@ -9,6 +9,7 @@ from shardwise.config import ConfigError
 from shardwise.engine import Engine, EngineError
 from shardwise.initialize import add_config_arguments, initialize
 from shardwise.launch.env import init_distributed
+from shardwise.spawn import spawn
 from shardwise.topology import ProcessMesh, Topology, new_subgroup
 
 __version__ = "0.1.0"
@@ -16,13 +17,6 @@ __version__ = "0.1.0"
 # DeepSpeed's spellings, for scripts ported by changing the import only.
 DeepSpeedEngine = Engine
 DeepSpeedConfigError = ConfigError
-
-
-def spawn(*args, **kwargs):  # noqa: ANN002, ANN003, ANN201 - thin re-export, see shardwise.spawn
-    """Run ``fn(rank, *args)`` on N local processes with the process group set up."""
-    from shardwise.spawn import spawn as _spawn
-
-    return _spawn(*args, **kwargs)
 
 
 __all__ = [

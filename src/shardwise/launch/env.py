@@ -99,17 +99,12 @@ def _torchrun_env(environ: Mapping[str, str]) -> DistEnv:
     # DeepSpeed's launcher says LOCAL_SIZE / CROSS_RANK where torchrun says LOCAL_WORLD_SIZE / GROUP_RANK.
     local_world = _get_int(environ, "LOCAL_WORLD_SIZE", "LOCAL_SIZE") or world
     local_rank = _get_int(environ, "LOCAL_RANK")
-    local_rank = rank % local_world if local_rank is None else local_rank
+    local_rank = rank % max(local_world, 1) if local_rank is None else local_rank
     node_rank = _get_int(environ, "GROUP_RANK", "CROSS_RANK")
     port = _get_int(environ, "MASTER_PORT")
-    launcher = "torchrun"
-    if "TORCHELASTIC_RUN_ID" not in environ and (
-        _get_int(environ, "SLURM_PROCID"),
-        _get_int(environ, "SLURM_NTASKS"),
-    ) == (rank, world):
-        launcher = (
-            "slurm"  # RANK/WORLD_SIZE merely mirror srun's task ids (exported by us or a script)
-        )
+    # RANK/WORLD_SIZE that merely mirror srun's task ids (exported by us or a batch script).
+    slurm_ids = (_get_int(environ, "SLURM_PROCID"), _get_int(environ, "SLURM_NTASKS"))
+    mirrors_srun = "TORCHELASTIC_RUN_ID" not in environ and slurm_ids == (rank, world)
     env = DistEnv(
         rank=rank,
         world_size=world,
@@ -118,7 +113,7 @@ def _torchrun_env(environ: Mapping[str, str]) -> DistEnv:
         node_rank=rank // max(local_world, 1) if node_rank is None else node_rank,
         master_addr=environ.get("MASTER_ADDR", DEFAULT_MASTER_ADDR),
         master_port=DEFAULT_MASTER_PORT if port is None else port,
-        launcher=launcher,
+        launcher="slurm" if mirrors_srun else "torchrun",
     )
     names = dict(
         rank="RANK",
@@ -178,7 +173,7 @@ def _slurm_env(environ: Mapping[str, str], hostnames: Callable[[str], list[str]]
     env = DistEnv(
         rank=rank,
         world_size=world,
-        local_rank=rank % local_world if local_rank is None else local_rank,
+        local_rank=rank % max(local_world, 1) if local_rank is None else local_rank,
         local_world_size=local_world,
         node_rank=node_rank,
         master_addr=_slurm_master(environ, hostnames, one_node=local_world == world),
@@ -304,6 +299,43 @@ def _export(env: DistEnv) -> None:
     )
 
 
+def _init_group(
+    env: DistEnv,
+    backend: str,
+    timeout: datetime.timedelta,
+    init_method: str | None,
+    verbose: bool,
+) -> DistEnv:
+    import torch
+    import torch.distributed as dist
+
+    if backend == "nccl":
+        torch.cuda.set_device(env.local_rank)  # before init: NCCL binds each rank to its device
+    if backend == "mpi":  # MPI knows its own ranks
+        dist.init_process_group("mpi", timeout=timeout)
+        return replace(env, rank=dist.get_rank(), world_size=dist.get_world_size())
+    if init_method is None and env.world_size == 1:
+        store = dist.HashStore()  # in memory: a lone process needs no rendezvous and no port
+        dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
+        return env
+    _export(env)
+    dist.init_process_group(
+        backend,
+        init_method=init_method or "env://",
+        rank=env.rank,
+        world_size=env.world_size,
+        timeout=timeout,
+    )
+    if verbose and env.rank == 0:
+        print(
+            f"[shardwise] {backend} world of {env.world_size} processes ready "
+            f"(launcher {env.launcher}, master {env.master_addr}:{env.master_port})",
+            file=sys.stderr,
+            flush=True,
+        )
+    return env
+
+
 def init_distributed(
     dist_backend: str | None = None,
     auto_mpi_discovery: bool = True,
@@ -327,43 +359,18 @@ def init_distributed(
     ``$SHARDWISE_TIMEOUT_S`` or 30 min. ``auto_mpi_discovery`` and ``config`` are accepted
     for DeepSpeed compatibility and unused: an mpirun launch raises (see ``detect_env``).
     """
-    import torch
     import torch.distributed as dist
 
     del auto_mpi_discovery, config
     if dist.is_available() and dist.is_initialized():
         return _env_of_initialized_group()
     env = detect_env()
-    if env.launcher == "torchrun" and "MASTER_PORT" not in os.environ:
+    if env.launcher != "slurm" and "MASTER_PORT" not in os.environ:
         env = replace(env, master_port=distributed_port)
     if rank >= 0 or world_size > 0:
         env = _override(env, rank, world_size)
     if dist_init_required is False:
         return env
-    backend = resolve_backend(dist_backend)
-    pg_timeout = resolve_timeout(timeout)
-    if backend == "nccl":
-        torch.cuda.set_device(env.local_rank)  # before init: NCCL binds each rank to its device
-    if backend == "mpi":  # MPI knows its own ranks
-        dist.init_process_group("mpi", timeout=pg_timeout)
-        return replace(env, rank=dist.get_rank(), world_size=dist.get_world_size())
-    if init_method is None and env.world_size == 1:
-        store = dist.HashStore()  # in memory: a lone process needs no rendezvous and no port
-        dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=pg_timeout)
-        return env
-    _export(env)
-    dist.init_process_group(
-        backend,
-        init_method=init_method or "env://",
-        rank=env.rank,
-        world_size=env.world_size,
-        timeout=pg_timeout,
+    return _init_group(
+        env, resolve_backend(dist_backend), resolve_timeout(timeout), init_method, verbose
     )
-    if verbose and env.rank == 0:
-        print(
-            f"[shardwise] {backend} world of {env.world_size} processes ready "
-            f"(launcher {env.launcher}, master {env.master_addr}:{env.master_port})",
-            file=sys.stderr,
-            flush=True,
-        )
-    return env

@@ -1,0 +1,169 @@
+"""The ``shardwise`` command: ``run`` launches a script, ``topo`` prints a layout.
+
+    shardwise run --nproc-per-node 2 train.py --lr 1e-3
+    shardwise topo --dp 2 --pp 2 --tp 2 --nnodes 2 --nproc-per-node 4
+    shardwise topo --subgroup even --world-size 8
+
+Flags take torchrun's spellings and DeepSpeed's (``--num_gpus``, ``--num_nodes``,
+``--master_port``...), so either habit works. ``topo`` starts no process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from shardwise.topology import AXIS_NAMES, Topology, TopologyError
+
+# (flags, argparse options): torchrun's spelling first, then the aliases DeepSpeed users type.
+RUN_FLAGS = [
+    (("--nproc-per-node", "--nproc_per_node", "--num_gpus", "--num_accelerators"),
+     dict(dest="nproc_per_node", help="processes on this node: N, auto, cpu or gpu (default: one per CUDA device, else 1)")),
+    (("--nnodes", "--num_nodes"), dict(type=int, help="number of nodes (default 1)")),
+    (("--node-rank", "--node_rank"), dict(type=int, help="this node's rank (default 0)")),
+    (("--master-addr", "--master_addr"), dict(help="host of node 0 (required with several nodes)")),
+    (("--master-port", "--master_port"),
+     dict(type=int, help="port on node 0 (default: a free one on one node, 29500 on several)")),
+    (("--local-addr",), dict(help="address this node advertises (default 127.0.0.1 on one node)")),
+    (("--max-restarts", "--max_restarts"),
+     dict(type=int, default=0, help="restart all workers up to N times after a failure")),
+    (("--rdzv-id", "--rdzv_id"), dict(help="job id shared by all nodes when restarts use c10d")),
+    (("-m", "--module"), dict(action="store_true", help="run the script as `python -m`")),
+    (("--omp-num-threads",), dict(type=int, help="OMP_NUM_THREADS of each worker (default: inherited, else 1)")),
+    (("--local-rank-arg",), dict(action="store_true", help="also pass --local_rank=N, as DeepSpeed's launcher")),
+    (("-H", "--hostfile"), dict(help="DeepSpeed hostfile: 'host slots=N' lines")),
+    (("-i", "--include"), dict(default="", help="NODE[:SLOT,...][@NODE...] to keep")),
+    (("-e", "--exclude"), dict(default="", help="NODE[:SLOT,...][@NODE...] to drop")),
+    (("--slurm",), dict(action="store_true", help="nodes, node rank and master from srun (one task per node)")),
+    (("--dry-run",), dict(action="store_true", help="print the torchrun command instead of running it")),
+]  # fmt: skip
+
+
+def _add_run_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "run", help="launch a script on N processes per node (through torchrun)", allow_abbrev=False
+    )
+    for flags, options in RUN_FLAGS:
+        p.add_argument(*flags, **options)
+    p.add_argument("script", help="the training script (or module with -m)")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+
+
+def _add_topo_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("topo", help="print the rank table of a layout (starts nothing)")
+    p.add_argument(
+        "--dp", type=int, default=None, help="data-parallel size (default: what is left)"
+    )
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    p.add_argument("--nnodes", "--num_nodes", dest="nnodes", type=int, default=None)
+    p.add_argument(
+        "--nproc-per-node", "--nproc_per_node", dest="nproc_per_node", type=int, default=None
+    )
+    p.add_argument("--world-size", dest="world_size", type=int, default=None)
+    p.add_argument(
+        "--subgroup",
+        default=None,
+        help="'even', 'odd' or ranks like 0,2,4,6: print that group instead",
+    )
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="shardwise", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_run_parser(sub)
+    _add_topo_parser(sub)
+    return parser
+
+
+def topo_world_size(args: argparse.Namespace) -> int:
+    """``--world-size``, else ``--nnodes`` x ``--nproc-per-node``, else dp x pp x tp.
+
+    ``--nproc-per-node`` alone only places the ranks on nodes.
+    """
+    per_node = args.nproc_per_node
+    if args.nnodes is None:
+        return args.world_size or (args.dp or 1) * args.pp * args.tp
+    if not per_node:
+        raise ValueError("--nnodes needs --nproc-per-node to place ranks on nodes")
+    launched = args.nnodes * per_node
+    if args.world_size and args.world_size != launched:
+        raise ValueError(
+            f"--world-size={args.world_size} but --nnodes={args.nnodes} x "
+            f"--nproc-per-node={per_node} = {launched}: give one or the other"
+        )
+    return launched
+
+
+def _format_groups(topo: Topology) -> list[str]:
+    lines = []
+    for axis in ("dp", "pp", "tp"):
+        groups = topo.axis_groups(axis)
+        listed = " ".join(str(g) for g in groups)
+        lines.append(
+            f"{AXIS_NAMES[axis]} groups ({axis}={topo.size(axis)}, {len(groups)} groups): {listed}"
+        )
+    return lines
+
+
+def parse_subgroup(spec: str, world_size: int) -> list[int]:
+    """``even`` / ``odd`` / ``0,2,4,6`` -> sorted member ranks, all inside the world."""
+    if spec in ("even", "odd"):
+        return list(range(0 if spec == "even" else 1, world_size, 2))
+    try:
+        ranks = sorted({int(r) for r in spec.split(",")})
+    except ValueError:
+        raise ValueError(f"--subgroup={spec!r}: use 'even', 'odd' or ranks like 0,2,4,6") from None
+    outside = [r for r in ranks if not 0 <= r < world_size]
+    if outside:
+        raise ValueError(f"--subgroup ranks {outside} are outside the world of size {world_size}")
+    return ranks
+
+
+def subgroup_table(members: Sequence[int], world_size: int, nproc_per_node: int = 0) -> str:
+    """Every rank of the world, whether it is in the group, and its rank inside it."""
+    per_node = nproc_per_node or world_size
+    rows = [("rank", "host", "local_rank", "member", "group_rank")]
+    for r in range(world_size):
+        inside = r in members
+        group_rank = str(members.index(r)) if inside else "-"
+        rows.append(
+            (
+                str(r),
+                f"node{r // per_node}",
+                str(r % per_node),
+                "yes" if inside else "no",
+                group_rank,
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(v.rjust(w) for v, w in zip(row, widths, strict=True)) for row in rows]
+    header = f"Subgroup of {len(members)} of {world_size} processes: {list(members)}"
+    return "\n".join([header, *lines])
+
+
+def topo_command(args: argparse.Namespace) -> str:
+    """The text ``shardwise topo`` prints."""
+    world = topo_world_size(args)
+    per_node = args.nproc_per_node or 0
+    if args.subgroup is not None:
+        return subgroup_table(parse_subgroup(args.subgroup, world), world, per_node)
+    topo = Topology.build(world, dp=args.dp, pp=args.pp, tp=args.tp)
+    return "\n".join([topo.rank_table(nproc_per_node=per_node), "", *_format_groups(topo)])
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``shardwise`` console script and ``python -m shardwise``."""
+    parser = make_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "topo":
+            print(topo_command(args))
+            return 0
+        from shardwise.launch.run import launch  # imports torchrun only when launching
+
+        return launch(args)
+    except (ValueError, TopologyError) as e:
+        print(f"shardwise {args.command}: error: {e}", file=sys.stderr)
+        return 2

@@ -1,0 +1,243 @@
+"""``shardwise run``: turn our flags into torchrun's and hand over to its elastic agent.
+
+We build the argv of ``torch.distributed.run`` and call its ``main`` in this process: the
+agent then starts, watches and restarts the workers. Nothing here opens a socket.
+
+Decisions (see docs/launch.md):
+- One node and no ``--master-addr/--master-port``: torchrun's ``--standalone`` (its store
+  binds a free port itself, so concurrent jobs on one machine never collide) and
+  ``--local-addr 127.0.0.1`` (nothing is advertised beyond loopback).
+- Several nodes, or an explicit address/port: static rendezvous at ``--master-addr`` and
+  ``--master-port`` (default 29500, as torchrun and DeepSpeed), honouring ``--node-rank``.
+- ``--max-restarts N > 0`` with an address: c10d rendezvous, and one store per round
+  (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``): torch's shared store hangs restarted workers.
+- ``OMP_NUM_THREADS=1`` per worker unless set (``--omp-num-threads`` changes it).
+- No ``--local_rank=N`` argument unless ``--local-rank-arg`` (workers read ``LOCAL_RANK``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import shlex
+import socket
+import sys
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+from shardwise.launch import hostfile, slurm
+from shardwise.launch.env import DEFAULT_MASTER_PORT, _get_int
+
+LOOPBACK = "127.0.0.1"
+NPROC_WORDS = ("auto", "cpu", "gpu", "xpu")  # torchrun's symbolic --nproc-per-node values
+LOCAL_RANK_MACRO = "${local_rank}"
+SHARE_STORE_VAR = (
+    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"  # torchrun's agent substitutes each worker's local rank
+)
+
+
+def _torchrun_flags() -> set[str]:
+    """Option strings this torch's torchrun accepts (``--local-addr`` is not in every version)."""
+    from torch.distributed import run as torchrun
+
+    return {s for action in torchrun.get_args_parser()._actions for s in action.option_strings}
+
+
+def default_nproc() -> int:
+    """Processes per node when not given: one per CUDA device, else 1 (DeepSpeed: all devices)."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 1
+
+
+def _check_nproc(value: object) -> str:
+    text = str(value)
+    if text in NPROC_WORDS or (text.isdigit() and int(text) >= 1):
+        return text
+    raise ValueError(f"--nproc-per-node={text!r} must be an integer >= 1 or one of {NPROC_WORDS}")
+
+
+def _rendezvous_argv(args: argparse.Namespace, nnodes: int) -> list[str]:
+    """How the agents meet: standalone, static (fixed node ranks) or c10d (survives restarts)."""
+    if nnodes == 1 and args.master_addr is None and args.master_port is None:
+        return ["--standalone"]
+    if nnodes > 1 and not args.master_addr:
+        raise ValueError(
+            f"--master-addr is required with --nnodes={nnodes}: give the host of node 0 "
+            "(or use --slurm, or a hostfile with -H)"
+        )
+    addr, port = args.master_addr or LOOPBACK, args.master_port or DEFAULT_MASTER_PORT
+    if args.max_restarts > 0:
+        # The static rendezvous keeps one store across attempts and restarted workers hang on
+        # the previous attempt's keys (pytorch/pytorch#135712, still so in torch 2.13): c10d
+        # with an unshared store per round (see launch_env) restarts cleanly.
+        return [
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={addr}:{port}",
+            f"--rdzv-id={args.rdzv_id or f'shardwise-{port}'}",
+        ]
+    node_rank = args.node_rank or 0
+    if not 0 <= node_rank < nnodes:
+        raise ValueError(f"--node-rank={node_rank} must be in 0..{nnodes - 1} (--nnodes={nnodes})")
+    return [f"--node-rank={node_rank}", f"--master-addr={addr}", f"--master-port={port}"]
+
+
+def build_torchrun_argv(args: argparse.Namespace) -> list[str]:
+    """The argv of ``torch.distributed.run`` for a parsed ``shardwise run`` command line.
+
+    Pure: reads ``args`` only (see the module docstring for the rules it applies).
+    """
+    nnodes = args.nnodes or 1
+    if nnodes < 1:
+        raise ValueError(f"--nnodes={nnodes} must be >= 1")
+    if args.max_restarts < 0:
+        raise ValueError(f"--max-restarts={args.max_restarts} must be >= 0")
+    nproc = args.nproc_per_node if args.nproc_per_node is not None else default_nproc()
+    argv = [f"--nnodes={nnodes}", f"--nproc-per-node={_check_nproc(nproc)}"]
+    argv += _rendezvous_argv(args, nnodes)
+    local_addr = args.local_addr or (LOOPBACK if nnodes == 1 else None)
+    if local_addr and "--local-addr" in _torchrun_flags():
+        argv.append(f"--local-addr={local_addr}")
+    argv.append(f"--max-restarts={args.max_restarts}")
+    if args.module:
+        argv.append("--module")
+    argv.append(args.script)
+    if args.local_rank_arg:  # DeepSpeed's launcher style: before the user's own arguments
+        argv.append(f"--local_rank={LOCAL_RANK_MACRO}")
+    return argv + list(args.script_args)
+
+
+def launch_env(args: argparse.Namespace, environ: Mapping[str, str]) -> dict[str, str]:
+    """Variables to add to the environment the workers inherit."""
+    updates = {}
+    if args.omp_num_threads is not None:
+        updates["OMP_NUM_THREADS"] = str(args.omp_num_threads)
+    elif "OMP_NUM_THREADS" not in environ:
+        updates["OMP_NUM_THREADS"] = "1"  # N processes x all cores each would oversubscribe the CPU
+    if args.max_restarts > 0 and SHARE_STORE_VAR not in environ:
+        # A fresh store per rendezvous round, so restarted workers never read stale keys.
+        updates[SHARE_STORE_VAR] = "1"
+    if getattr(args, "visible_devices", None):
+        updates["CUDA_VISIBLE_DEVICES"] = args.visible_devices
+    return updates
+
+
+def _this_node(names: list[str], hostname: str | None) -> int:
+    """Index of this machine in ``names``, matched by host name, FQDN or short name."""
+    hostname = hostname or socket.gethostname()
+    own = {hostname, socket.getfqdn()} if hostname == socket.gethostname() else {hostname}
+    own |= {h.split(".")[0] for h in own} | {"localhost", LOOPBACK}
+    for i, name in enumerate(names):
+        if name in own or name.split(".")[0] in own:
+            return i
+    raise ValueError(
+        f"this machine ({hostname}) is not among the hosts {names}: run on one of them "
+        "or pass --node-rank"
+    )
+
+
+def resolve_hosts(args: argparse.Namespace, hostname: str | None = None) -> argparse.Namespace:
+    """Apply DeepSpeed's ``-H/--hostfile`` and ``-i/--include`` / ``-e/--exclude``.
+
+    Each node runs the same command and finds its own line: nnodes = hosts kept, node rank =
+    this host's position, processes = its slots, master = the first host. Without a hostfile
+    the filters apply to ``localhost`` with one slot per CUDA device (1 on CPU).
+    """
+    if not (args.hostfile or args.include or args.exclude):
+        return args
+    if (args.include or args.exclude) and (
+        args.nnodes is not None or args.nproc_per_node is not None
+    ):
+        raise ValueError(
+            "--num_nodes/--nnodes and --num_gpus/--nproc-per-node cannot be combined with "
+            "--include/--exclude: the filter already chooses the nodes and slots"
+        )
+    if args.hostfile:
+        try:
+            slots = hostfile.parse_hostfile(Path(args.hostfile).read_text())
+        except OSError as e:
+            raise ValueError(f"--hostfile {args.hostfile}: {e.strerror}") from None
+    else:
+        slots = {"localhost": default_nproc()}
+    if args.nnodes is not None:  # DeepSpeed: the first N hosts ...
+        slots = dict(list(slots.items())[: args.nnodes])
+    if args.nproc_per_node is not None:  # ... and the first N slots of each
+        slots = {h: min(n, int(_check_nproc(args.nproc_per_node))) for h, n in slots.items()}
+    hosts = {h: list(range(n)) for h, n in slots.items()}
+    kept = hostfile.parse_resource_filter(hosts, args.include or "", args.exclude or "")
+    if not kept:
+        raise ValueError("no host left after --include/--exclude")
+    names = list(kept)
+    node_rank = args.node_rank if args.node_rank is not None else _this_node(names, hostname)
+    mine = kept[names[node_rank]]
+    out = copy.copy(args)
+    out.nnodes, out.node_rank, out.nproc_per_node = len(names), node_rank, str(len(mine))
+    if len(names) > 1 and not args.master_addr:
+        out.master_addr = names[0]
+    if mine != list(range(len(mine))):  # a subset of the devices: hide the others
+        out.visible_devices = ",".join(map(str, mine))
+    return out
+
+
+def resolve_slurm(
+    args: argparse.Namespace,
+    environ: Mapping[str, str],
+    hostnames: Callable[[str], list[str]] = slurm.hostnames,
+) -> argparse.Namespace:
+    """``--slurm``: nodes, node rank and master from ``srun --ntasks-per-node=1 shardwise run``."""
+    if not args.slurm:
+        return args
+    nodelist = next(
+        (
+            environ[v]
+            for v in ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
+            if environ.get(v)
+        ),
+        None,
+    )
+    node_id = _get_int(environ, "SLURM_NODEID")
+    if nodelist is None or node_id is None:
+        raise ValueError("--slurm needs SLURM_JOB_NODELIST and SLURM_NODEID: run it under srun")
+    hosts = hostnames(nodelist)
+    nnodes = _get_int(environ, "SLURM_STEP_NUM_NODES", "SLURM_NNODES") or len(hosts)
+    ntasks = _get_int(environ, "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS")
+    if ntasks is not None and ntasks != nnodes:
+        raise ValueError(
+            f"--slurm: SLURM_NTASKS={ntasks} on {nnodes} nodes; start one `shardwise run` per "
+            "node (srun --ntasks-per-node=1), it starts --nproc-per-node workers itself"
+        )
+    out = copy.copy(args)
+    out.nnodes = args.nnodes or nnodes
+    out.node_rank = node_id if args.node_rank is None else args.node_rank
+    if out.nnodes > 1:  # one node keeps --standalone
+        job_id = _get_int(environ, "SLURM_JOB_ID", "SLURM_JOBID")
+        out.master_addr = args.master_addr or hosts[0]
+        port = _get_int(environ, "MASTER_PORT") or (
+            slurm.job_port(job_id) if job_id is not None else None
+        )
+        out.master_port = args.master_port or port
+        out.rdzv_id = args.rdzv_id or (f"slurm-{job_id}" if job_id is not None else None)
+    return out
+
+
+def launch(args: argparse.Namespace) -> int:
+    """Run the workers under torchrun's elastic agent, in this process; the exit code."""
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    args = resolve_slurm(resolve_hosts(args), os.environ)
+    argv = build_torchrun_argv(args)
+    updates = launch_env(args, os.environ)
+    if args.dry_run:
+        print(shlex.join([*(f"{k}={v}" for k, v in updates.items()), "torchrun", *argv]))
+        return 0
+    if not args.module and not Path(args.script).is_file():
+        raise ValueError(f"script {args.script!r} not found (give a path, or -m for a module)")
+    os.environ.update(updates)
+    try:
+        torchrun.main(argv)
+    except ChildFailedError as e:  # the agent already gave up after --max-restarts
+        print(f"shardwise run: workers failed\n{e}", file=sys.stderr)
+        return 1
+    return 0
