@@ -17,14 +17,15 @@ rows at once). That reassociation costs a few ulps (~1e-7 relative) per step.
 import pytest
 import torch
 import torch.nn.functional as F
+from equivalence import MB, assert_params_match, engine_config, engine_run, reference_run
 from harness import run_distributed
 from models import make_data, make_model, rank_slice
 
 import shardwise
 from shardwise import comm
 
-STEPS = 6
-MB = 4
+# Several small buckets, so the overlap path (hooks launching buckets) is exercised.
+SMALL_BUCKETS = {"stage": 0, "reduce_bucket_size": 300}
 
 # (name, dp, gas, clipping, optimizer)
 LAYOUTS = [
@@ -38,92 +39,16 @@ LAYOUTS = [
     ("dp4-adamw", 4, 1, 0.0, "adamw"),
 ]
 
-OPTIMIZERS = {
-    "sgd": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}},
-    "adamw": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.01}},
-}
-
-
-def _torch_optimizer(name: str, params):
-    spec = OPTIMIZERS[name]["params"]
-    if name == "sgd":
-        return torch.optim.SGD(params, **spec)
-    return torch.optim.AdamW(params, **spec)
-
-
-def reference_run(dp: int, gas: int, clipping: float, opt_name: str) -> dict:
-    """One process, plain PyTorch, the whole global batch of B = MB*dp*gas rows per step."""
-    model = make_model()
-    opt = _torch_optimizer(opt_name, model.parameters())
-    batch = MB * dp * gas
-    x, y = make_data(batch * STEPS)
-    losses, norms = [], []
-    for k in range(STEPS):
-        rows = slice(k * batch, (k + 1) * batch)
-        loss = F.mse_loss(model(x[rows]), y[rows])
-        loss.backward()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clipping or 1e9)))
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return {"losses": losses, "norms": norms, "params": model.state_dict()}
-
-
-def _engine_config(gas: int, clipping: float, opt_name: str) -> dict:
-    return {
-        "train_micro_batch_size_per_gpu": MB,
-        "gradient_accumulation_steps": gas,
-        "gradient_clipping": clipping,
-        "optimizer": OPTIMIZERS[opt_name],
-        # Several small buckets, so the overlap path (hooks launching buckets) is exercised.
-        "zero_optimization": {"stage": 0, "reduce_bucket_size": 300},
-    }
-
-
-def engine_run(dp: int, gas: int, clipping: float, opt_name: str) -> dict:
-    """Each rank trains on its slice of every global batch through the engine."""
-    engine, *_ = shardwise.initialize(
-        model=make_model(), config=_engine_config(gas, clipping, opt_name)
-    )
-    rank = engine.dp_rank
-    x, y = make_data(MB * dp * gas * STEPS)
-    losses, norms = [], []
-    for k in range(STEPS):
-        micro = []
-        for j in range(gas):
-            rows = rank_slice(k, j, rank, MB, dp, gas)
-            loss = F.mse_loss(engine(x[rows]), y[rows])
-            engine.backward(loss)
-            engine.step()
-            micro.append(loss.detach())
-        step_loss = torch.stack(micro).mean()
-        comm.all_reduce(step_loss, group=engine.mesh.dp_group)
-        losses.append(step_loss.item() / dp)
-        norms.append(engine.get_global_grad_norm())
-    assert engine.global_steps == STEPS, engine.global_steps
-    assert engine.micro_steps == STEPS * gas, engine.micro_steps
-    return {"losses": losses, "norms": norms, "params": engine.consolidated_state_dict()}
-
-
-def assert_params_match(got: dict, want: dict, opt_name: str, tag: str) -> None:
-    assert got.keys() == want.keys(), tag
-    for name, w in want.items():
-        diff = (got[name] - w).abs()
-        if opt_name == "sgd":
-            assert diff.max() < 2e-6, f"{tag}: {name} differs by {diff.max():.2e}"
-        else:
-            frac = (diff > 1e-5).float().mean()
-            assert frac < 1e-3, f"{tag}: {name}: {frac:.2%} of elements differ by > 1e-5"
-            assert diff.max() < 5e-3, f"{tag}: {name} differs by {diff.max():.2e}"
-
 
 @pytest.mark.parametrize("name,dp,gas,clipping,opt_name", LAYOUTS, ids=[r[0] for r in LAYOUTS])
 def test_layout_trains_like_one_process(name, dp, gas, clipping, opt_name):
     want = reference_run(dp, gas, clipping, opt_name)
     if dp == 1:
-        results = [engine_run(1, gas, clipping, opt_name)]
+        results = [engine_run(1, gas, clipping, opt_name, zero_optimization=SMALL_BUCKETS)]
     else:
-        results = run_distributed(engine_run, dp, dp, gas, clipping, opt_name)
+        results = run_distributed(
+            engine_run, dp, dp, gas, clipping, opt_name, zero_optimization=SMALL_BUCKETS
+        )
     for rank, got in enumerate(results):
         tag = f"layout {name} rank {rank}"
         assert got["losses"] == pytest.approx(want["losses"], rel=1e-5, abs=1e-6), tag
@@ -134,7 +59,9 @@ def test_layout_trains_like_one_process(name, dp, gas, clipping, opt_name):
 
 
 def _bytes_of_one_step(gas: int) -> dict:
-    engine, *_ = shardwise.initialize(model=make_model(), config=_engine_config(gas, 0.0, "sgd"))
+    engine, *_ = shardwise.initialize(
+        model=make_model(), config=engine_config(gas, 0.0, "sgd", zero_optimization=SMALL_BUCKETS)
+    )
     dp, rank = engine.dp_world_size, engine.dp_rank
     x, y = make_data(MB * dp * gas)
     per_micro = []
@@ -166,7 +93,9 @@ def test_step_sends_the_ring_all_reduce_volume(dp, gas):
 
 
 def _no_sync_then_step() -> dict:
-    engine, *_ = shardwise.initialize(model=make_model(), config=_engine_config(1, 0.0, "sgd"))
+    engine, *_ = shardwise.initialize(
+        model=make_model(), config=engine_config(1, 0.0, "sgd", zero_optimization=SMALL_BUCKETS)
+    )
     x, y = make_data(8, seed=engine.dp_rank)
     comm.reset_stats()
     with engine.no_sync():

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from shardwise import clip
+from shardwise.precision import compute_dtype
 
 logger = logging.getLogger("shardwise")
 
@@ -143,6 +144,11 @@ class Engine(nn.Module):
 
     # ------------------------------------------------------------------ training
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        dtype = compute_dtype(self.config)
+        if dtype != torch.float32:
+            # 16-bit weights need 16-bit inputs; integer inputs (token ids) pass unchanged.
+            inputs = tuple(_cast(x, dtype) for x in inputs)
+            kwargs = {k: _cast(v, dtype) for k, v in kwargs.items()}
         return self.module(*inputs, **kwargs)
 
     def is_gradient_accumulation_boundary(self) -> bool:
@@ -219,6 +225,11 @@ class Engine(nn.Module):
         """Backward inside this block accumulates locally and communicates nothing."""
         if self._in_no_sync:
             raise EngineError("engine.no_sync() is already active: it does not nest")
+        if not getattr(self.strategy, "supports_no_sync", True):
+            raise EngineError(
+                "no_sync is incompatible with gradient partitioning (ZeRO stage >= 2): every "
+                "micro-step must reduce-scatter; use gradient_accumulation_steps instead"
+            )
         self._in_no_sync = True
         try:
             yield
@@ -289,3 +300,16 @@ class Engine(nn.Module):
 
     def module_state_dict(self) -> dict[str, torch.Tensor]:
         return self.consolidated_state_dict()
+
+    def memory_breakdown(self) -> dict[str, int]:
+        """Bytes this rank holds in parameters, gradients, optimizer states (master weights
+        included) and communication buffers, counted from the live tensors."""
+        from shardwise.memory import breakdown
+
+        return breakdown(self.module, self.optimizer, self.strategy)
+
+
+def _cast(x: Any, dtype: torch.dtype) -> Any:
+    if isinstance(x, torch.Tensor) and x.is_floating_point():
+        return x.to(dtype)
+    return x

@@ -23,6 +23,8 @@ from shardwise import comm
 from shardwise.config import Config, ConfigError, parse_config
 from shardwise.engine import Engine
 from shardwise.parallel.data import DataParallelReducer, broadcast_parameters
+from shardwise.parallel.zero import ZeroStrategy
+from shardwise.precision import LossScaler, compute_dtype
 from shardwise.topology import ProcessMesh, Topology
 
 logger = logging.getLogger("shardwise")
@@ -66,12 +68,16 @@ def initialize(
     batch = cfg.resolve_batch(mesh.topology.dp)
     _log_start(cfg, mesh, batch)
     broadcast_parameters(model, src=mesh.axis_ranks("dp")[0], group=mesh.dp_group)
+    model.to(compute_dtype(cfg))
     opt = _build_optimizer(cfg, model, optimizer, model_parameters)
+    strategy = _build_strategy(cfg, model, opt, mesh)
+    if opt is not None and getattr(strategy, "optimizer", None) is not None:
+        opt = strategy.optimizer  # rebuilt over the master shards
     sched = _build_scheduler(cfg, opt, lr_scheduler)
-    bucket = _bucket_elements(cfg)
-    reducer = DataParallelReducer(model.parameters(), group=mesh.dp_group, bucket_elements=bucket)
     loader = _build_loader(cfg, training_data, batch, mesh, collate_fn)
-    engine = Engine(model, opt, sched, reducer, mesh, cfg, batch, loader, loss_fn)
+    engine = Engine(
+        model, opt, sched, strategy, mesh, cfg, batch, loader, loss_fn, LossScaler.from_config(cfg)
+    )
     return engine, opt, loader, sched
 
 
@@ -101,15 +107,32 @@ def _pipeline_stages(cfg: Config) -> int:
     return 1 if stages in (None, "auto") else int(stages)
 
 
+def _build_strategy(cfg: Config, model: nn.Module, opt: Any, mesh: ProcessMesh) -> Any:
+    """Plain data parallelism for fp32 stage 0; the sharded optimizer for everything else."""
+    zero = cfg.zero_optimization
+    offload = zero.offload_optimizer
+    device = torch.device(offload.device) if offload is not None else None
+    bucket = _bucket_elements(cfg)
+    if zero.stage == 0 and compute_dtype(cfg) == torch.float32 and device is None:
+        return DataParallelReducer(model.parameters(), group=mesh.dp_group, bucket_elements=bucket)
+    if opt is None:
+        raise ConfigError(
+            f"zero_optimization.stage={zero.stage} and 16-bit training keep the master weights "
+            'in the optimizer: give an "optimizer" block or pass optimizer= to initialize',
+            key="optimizer",
+        )
+    return ZeroStrategy(
+        opt, zero.stage, group=mesh.dp_group, bucket_elements=bucket, offload_device=device
+    )
+
+
 def _refuse_unimplemented(cfg: Config, mpu: Any) -> None:
     """Features the config validates but this version cannot run: say so, never ignore."""
     todo = []
-    if cfg.zero_optimization.stage > 0:
+    if cfg.zero_optimization.stage > 2:
         todo.append(f"zero_optimization.stage={cfg.zero_optimization.stage}")
-    if cfg.fp16.enabled:
-        todo.append("fp16.enabled")
-    if cfg.bf16.enabled:
-        todo.append("bf16.enabled")
+    if cfg.zero_optimization.offload_param is not None:
+        todo.append("zero_optimization.offload_param")
     if cfg.tensor_parallel.size > 1:
         todo.append(f"tensor_parallel.size={cfg.tensor_parallel.size}")
     if _pipeline_stages(cfg) > 1:
@@ -169,6 +192,9 @@ def _build_scheduler(cfg: Config, opt: Any, lr_scheduler: Any) -> Any:
     if lr_scheduler is not None:
         if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
             return lr_scheduler(opt)
+        if getattr(lr_scheduler, "optimizer", opt) is not opt:
+            # A scheduler built on the user's optimizer must drive the rebuilt (sharded) one.
+            lr_scheduler.optimizer = opt
         return lr_scheduler
     if cfg.scheduler is None or opt is None:
         return None

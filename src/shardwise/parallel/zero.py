@@ -1,0 +1,274 @@
+"""ZeRO stages 1 and 2: optimizer states (and gradients) partitioned over data-parallel ranks.
+
+Every bucket of parameters is one flat buffer of P elements padded to a multiple of N (the
+data-parallel size) and cut into N equal shards; rank r owns shard r of every bucket:
+
+    shard_r = flat[r*P/N : (r+1)*P/N]
+
+Rank r keeps the fp32 master weights and the optimizer states of its shards only (12P/N bytes
+for Adam instead of 12P), and steps them alone. One step, per bucket:
+
+    reduce-scatter(gradients) -> rank r holds (1/N) * sum_ranks g[shard_r]
+    optimizer step on shard_r (the master copy) -> write shard_r of the 16/32-bit parameters
+    all-gather(parameters)    -> every rank again holds the whole updated model
+
+Volume: (N-1)/N * P for each collective, 2(N-1)/N * P in all: the same as one all-reduce.
+
+Stage 1 keeps the full gradient buffer: gradients accumulate locally over micro-steps and the
+reduce-scatter runs on the boundary only (launched per bucket from gradient hooks, overlapped
+with backward). Stage 2 frees the full gradient as soon as its bucket is reduce-scattered: every
+micro-step sends its bucket and the rank accumulates only its shard, so no rank holds a full
+gradient after backward. Stage 0 with 16-bit training is the same machinery with one part
+(all-reduce, replicated fp32 masters).
+
+The user's optimizer is rebuilt over the master shards with the same class and hyper-parameters
+for each of its parameter groups; elementwise optimizers (SGD, Adam, AdamW, Adagrad...) then
+compute exactly what they compute unsharded.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from shardwise import clip, comm
+from shardwise.parallel.flat import FlatLayout, plan_buckets
+
+_IN_FLIGHT = 2  # stage 2: reduce-scatters in flight before the oldest is waited for
+
+
+@dataclass
+class _Bucket:
+    layout: FlatLayout
+    params_flat: torch.Tensor  # the whole bucket's parameters (compute dtype); params are views
+    master: torch.nn.Parameter  # this rank's shard in fp32 (a view of params_flat when it can be)
+    grads_flat: torch.Tensor | None = None  # stage 1: persistent; stage 2: transient send buffer
+    grad_shard: torch.Tensor | None = None  # this rank's reduced gradient shard
+    work: Any = None
+    out: torch.Tensor | None = None
+    ready: set = field(default_factory=set)
+
+
+class ZeroStrategy:
+    """The engine's gradient strategy for ZeRO stages 1-2 (and 16-bit stage 0)."""
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        stage: int,
+        group: Any = None,
+        bucket_elements: int = 2**22,
+        offload_device: torch.device | None = None,
+    ) -> None:
+        self.stage = stage
+        self.group = group
+        self.world = comm.get_world_size(group)
+        self.rank = comm.get_rank(group)
+        self.parts = self.world if stage >= 1 else 1
+        self.offload_device = offload_device
+        self.norm_group = group if self.parts > 1 else clip.LOCAL
+        self.sync = True
+        self._in_flight: list[_Bucket] = []
+        group_of = {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]}
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        layouts = plan_buckets(
+            params, bucket_elements, self.parts, key=lambda p: (p.dtype, p.device, group_of[id(p)])
+        )
+        self.buckets = [self._make_bucket(lay) for lay in layouts]
+        self._slot = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.layout.params)}
+        self.optimizer = _rebuild_optimizer(optimizer, self.buckets, group_of)
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(self._on_grad)
+            for b in self.buckets
+            for p in b.layout.params
+        ]
+        self.zero_grad()
+
+    # ------------------------------------------------------------------ construction
+    def _make_bucket(self, layout: FlatLayout) -> _Bucket:
+        flat = layout.new_buffer()
+        layout.gather_into(flat, "data")
+        for i, p in enumerate(layout.params):
+            p.data = layout.view(flat, i)
+        shard = layout.shard(flat, self.rank if self.parts > 1 else 0)
+        if shard.dtype == torch.float32 and self.offload_device is None:
+            master = torch.nn.Parameter(shard, requires_grad=True)  # shares storage: no copy
+        else:
+            device = self.offload_device or shard.device
+            master = torch.nn.Parameter(shard.detach().to(device, torch.float32, copy=True))
+        return _Bucket(layout=layout, params_flat=flat, master=master)
+
+    # ------------------------------------------------------------------ backward
+    def before_backward(self, sync: bool) -> None:
+        self.sync = sync
+
+    def _on_grad(self, p: torch.nn.Parameter) -> None:
+        b, i = self._slot[id(p)]
+        if self.stage >= 2:
+            if b.grads_flat is None:
+                b.grads_flat = b.layout.new_buffer()
+            b.layout.view(b.grads_flat, i).copy_(p.grad)
+            p.grad = None  # the full gradient lives only until its bucket is sent
+        elif not self.sync:
+            return
+        if b.work is not None or id(p) in b.ready:
+            return
+        b.ready.add(id(p))
+        if len(b.ready) == len(b.layout.params):
+            self._launch(b)
+
+    def _launch(self, b: _Bucket) -> None:
+        if self.stage >= 2:
+            if b.grads_flat is None:  # no parameter of this bucket was used this micro-step
+                b.grads_flat = b.layout.new_buffer()
+        else:
+            self._bind_grads(b)
+        if self.parts == 1:
+            b.out = b.grads_flat
+            b.work = comm.all_reduce(b.out, group=self.group, async_op=True)
+        else:
+            # Stage 1 reduces in place (the shard is a view of the full buffer); stage 2 into a
+            # fresh shard, so that the full buffer can be freed once the send is done.
+            b.out = (
+                b.layout.shard(b.grads_flat, self.rank)
+                if self.stage == 1
+                else torch.empty(
+                    b.layout.shard_numel, dtype=b.grads_flat.dtype, device=b.grads_flat.device
+                )
+            )
+            b.work = comm.reduce_scatter_tensor(
+                b.out, b.grads_flat, group=self.group, async_op=True
+            )
+        if self.stage >= 2:
+            self._in_flight.append(b)
+            while len(self._in_flight) > _IN_FLIGHT:
+                self._drain(self._in_flight.pop(0))
+
+    def _drain(self, b: _Bucket) -> None:
+        """Wait for a bucket's reduction and fold it into this rank's gradient shard."""
+        b.work.wait()
+        b.out.div_(self.world)
+        if self.stage >= 2:
+            b.grad_shard.add_(b.out)  # accumulate over micro-steps, in the compute dtype
+            b.grads_flat = None
+        else:
+            b.grad_shard = b.out
+        b.work, b.out = None, None
+        b.ready.clear()
+
+    def after_backward(self, sync: bool) -> None:
+        """Finish every bucket's reduction: on the boundary (stage 1), every micro-step (2).
+
+        Buckets whose parameters got no gradient are sent too (as zeros), so every rank
+        issues the same collectives in the same order."""
+        if self.stage < 2 and not sync:
+            return
+        for b in self.buckets:
+            if b.work is None:
+                self._launch(b)
+        for b in self.buckets:
+            if b.work is not None:
+                self._drain(b)
+        self._in_flight.clear()
+
+    # ------------------------------------------------------------------ step
+    def owned_grads(self) -> list[torch.Tensor]:
+        """Each element of the global gradient once: this rank's reduced shards."""
+        return [b.grad_shard for b in self.buckets if b.grad_shard is not None]
+
+    def step(self, optimizer: Any, coef: float) -> None:
+        """Step the master shards with gradients * coef, then all-gather the parameters."""
+        for b in self.buckets:
+            g = b.grad_shard if b.grad_shard is not None else torch.zeros_like(b.master)
+            b.master.grad = g.to(b.master.device, torch.float32) * coef
+        self.optimizer.step()
+        shard_of = self.rank if self.parts > 1 else 0
+        works = []
+        for b in self.buckets:
+            b.master.grad = None
+            local = b.layout.shard(b.params_flat, shard_of)
+            if local.data_ptr() != b.master.data_ptr():
+                local.copy_(b.master.detach())
+            if self.parts > 1:  # in place: this rank's input is its slice of the output
+                works.append(
+                    comm.all_gather_into_tensor(
+                        b.params_flat, local, group=self.group, async_op=True
+                    )
+                )
+        for w in works:
+            w.wait()
+
+    def zero_grad(self) -> None:
+        for b in self.buckets:
+            if self.stage >= 2:
+                # The shard persists (the ZeRO paper counts it: 2 Psi / N in 16 bits).
+                if b.grad_shard is None:
+                    lay = b.layout
+                    b.grad_shard = torch.zeros(lay.shard_numel, dtype=lay.dtype, device=lay.device)
+                b.grad_shard.zero_()
+                for p in b.layout.params:
+                    p.grad = None
+            else:
+                b.grad_shard = None
+                if b.grads_flat is None:
+                    b.grads_flat = b.layout.new_buffer()
+                b.grads_flat.zero_()
+                self._bind_grads(b)
+
+    def _bind_grads(self, b: _Bucket) -> None:
+        """Stage 1 / 0: every ``p.grad`` is a view of the bucket's full gradient buffer."""
+        for i, p in enumerate(b.layout.params):
+            view = b.layout.view(b.grads_flat, i)
+            if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
+                view.copy_(p.grad)
+            p.grad = view
+
+    # ------------------------------------------------------------------ state
+    def consolidated_state_dict(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """Parameters are whole on every rank after each step: the module's own state."""
+        return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
+
+    def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """The tensors holding this rank's model states, by kind (for memory_breakdown)."""
+        opt_state = [
+            t for s in self.optimizer.state.values() for t in s.values() if torch.is_tensor(t)
+        ]
+        # A master that is a view of the parameters (fp32, no offload) costs nothing extra.
+        masters = [
+            b.master.data for b in self.buckets if not _shares_storage(b.master, b.params_flat)
+        ]
+        grads = [b.grads_flat for b in self.buckets if b.grads_flat is not None and self.stage < 2]
+        grads += [
+            b.grad_shard for b in self.buckets if b.grad_shard is not None and self.stage >= 2
+        ]
+        return {
+            "params": [b.params_flat for b in self.buckets],
+            "grads": grads,
+            "optimizer": masters + opt_state,
+            "comm_buffers": [
+                b.grads_flat for b in self.buckets if self.stage >= 2 and b.grads_flat is not None
+            ],
+        }
+
+    supports_no_sync = property(lambda self: self.stage < 2)
+
+
+def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def _rebuild_optimizer(
+    optimizer: torch.optim.Optimizer, buckets: list[_Bucket], group_of: dict[int, int]
+) -> torch.optim.Optimizer:
+    """The same optimizer class and hyper-parameters, over this rank's master shards."""
+    groups = []
+    for gi, g in enumerate(optimizer.param_groups):
+        masters = [b.master for b in buckets if group_of[id(b.layout.params[0])] == gi]
+        groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": masters})
+    # Every hyper-parameter travels in the groups; the constructor only needs the ones it takes.
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+    return type(optimizer)(groups, **defaults)
