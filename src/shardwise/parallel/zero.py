@@ -50,6 +50,7 @@ class _Bucket:
     work: Any = None
     out: torch.Tensor | None = None
     ready: set = field(default_factory=set)
+    sent: bool = False  # launched during this backward (stage 2 drains some early)
 
 
 class ZeroStrategy:
@@ -114,18 +115,22 @@ class ZeroStrategy:
             p.grad = None  # the full gradient lives only until its bucket is sent
         elif not self.sync:
             return
-        if b.work is not None or id(p) in b.ready:
+        if b.sent or id(p) in b.ready:
             return
         b.ready.add(id(p))
         if len(b.ready) == len(b.layout.params):
             self._launch(b)
 
     def _launch(self, b: _Bucket) -> None:
+        b.sent = True
         if self.stage >= 2:
             if b.grads_flat is None:  # no parameter of this bucket was used this micro-step
                 b.grads_flat = b.layout.new_buffer()
         else:
             self._bind_grads(b)
+        # Divide before summing: N partial gradients of 16-bit values may overflow where their
+        # mean does not (N a power of two divides exactly).
+        b.grads_flat.div_(self.world)
         if self.parts == 1:
             b.out = b.grads_flat
             b.work = comm.all_reduce(b.out, group=self.group, async_op=True)
@@ -150,7 +155,6 @@ class ZeroStrategy:
     def _drain(self, b: _Bucket) -> None:
         """Wait for a bucket's reduction and fold it into this rank's gradient shard."""
         b.work.wait()
-        b.out.div_(self.world)
         if self.stage >= 2:
             b.grad_shard.add_(b.out)  # accumulate over micro-steps, in the compute dtype
             b.grads_flat = None
@@ -167,11 +171,12 @@ class ZeroStrategy:
         if self.stage < 2 and not sync:
             return
         for b in self.buckets:
-            if b.work is None:
+            if not b.sent:
                 self._launch(b)
         for b in self.buckets:
             if b.work is not None:
                 self._drain(b)
+            b.sent = False
         self._in_flight.clear()
 
     # ------------------------------------------------------------------ step
