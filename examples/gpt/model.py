@@ -1,0 +1,210 @@
+"""A small GPT (decoder-only transformer) for character-level language modelling.
+
+Parallelism-agnostic on purpose: plain ``nn.Linear`` / ``nn.Embedding`` with stable module names,
+so shardwise can later swap layers in place by name (``GPT.tp_plan``) or cut ``blocks`` into
+pipeline stages, without this file knowing about either.
+
+Shape legend: B batch, T time (sequence position), C n_embd, H heads (local to this rank once
+tensor parallelism splits them), D head_dim = C / n_head, V vocab_size.
+
+Convention: ``model(idx)`` returns logits (B, T, V); ``model(idx, targets)`` returns the scalar
+mean cross-entropy loss. One return type per call, so ``loss = engine(x, y)`` reads like a
+DeepSpeed script and ``logits = model(idx)`` serves generation.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = 128
+    block_size: int = 128  # longest context the position embedding covers
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    dropout: float = 0.0
+    bias: bool = False  # biases in Linear (except keys, see CausalSelfAttention) and LayerNorm
+    tie_weights: bool = False  # head.weight is tok_emb.weight; untied keeps TP/PP simpler
+
+    def __post_init__(self) -> None:
+        if self.n_embd % self.n_head:
+            raise ValueError(
+                f"GPTConfig: n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})"
+            )
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention with separate q, k, v projections.
+
+    Separate projections (not one fused qkv) so that splitting each weight by output columns
+    across tensor-parallel ranks hands every rank whole heads: rows h*D..(h+1)*D of q, k and v
+    belong to head h. The forward pass infers the number of heads from the local weight size,
+    so the same code runs on a full layer or on a column shard holding H/tp heads.
+
+    Keys never carry a bias: softmax ignores a shift shared by all keys, so the bias's exact
+    gradient is zero, and Adam would turn rounding noise on it into updates of about lr.
+    """
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.head_dim = cfg.n_embd // cfg.n_head
+        self.q = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.k = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
+        self.v = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.dropout = cfg.dropout
+        self.resid_drop = nn.Dropout(cfg.dropout)
+
+    def _heads(self, x: torch.Tensor) -> torch.Tensor:
+        # (B, T, H*D) -> (B, H, T, D); H comes from the tensor, not the config (see class doc)
+        B, T, _ = x.shape
+        return x.view(B, T, -1, self.head_dim).transpose(1, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self._heads(self.q(x))  # (B, T, C) @ (C, H*D) -> (B, H, T, D)
+        k = self._heads(self.k(x))  # (B, T, C) @ (C, H*D) -> (B, H, T, D)
+        v = self._heads(self.v(x))  # (B, T, C) @ (C, H*D) -> (B, H, T, D)
+        # softmax(q @ k^T / sqrt(D)) @ v with a causal mask:
+        # (B, H, T, D) @ (B, H, D, T) -> (B, H, T, T); (B, H, T, T) @ (B, H, T, D) -> (B, H, T, D)
+        y = F.scaled_dot_product_attention(
+            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
+        )
+        y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, H*D): heads side by side again
+        return self.resid_drop(self.proj(y))  # (B, T, H*D) @ (H*D, C) -> (B, T, C)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
+        self.proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.gelu(self.fc(x))  # (B, T, C) @ (C, 4C) -> (B, T, 4C)
+        return self.drop(self.proj(h))  # (B, T, 4C) @ (4C, C) -> (B, T, C)
+
+
+class Block(nn.Module):
+    """Pre-LN residual block: x + attn(ln(x)), then x + mlp(ln(x)).
+
+    Pre-LN keeps the residual stream an identity path, which trains stably without warmup
+    tricks at this size; post-LN would need a gentler learning rate.
+    """
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    # Hugging Face-style tensor-parallel plan: module-name pattern -> style; "*" stands for a
+    # block index. colwise splits a Linear's output features (q/k/v by whole heads, see
+    # CausalSelfAttention), rowwise its input features (then all-reduces the partial sums),
+    # vocab splits the embedding table by token id. Every pattern is checked against the real
+    # module names in tests/test_example_gpt.py.
+    tp_plan: dict[str, str] = {
+        "tok_emb": "vocab",
+        "blocks.*.attn.q": "colwise",
+        "blocks.*.attn.k": "colwise",
+        "blocks.*.attn.v": "colwise",
+        "blocks.*.attn.proj": "rowwise",
+        "blocks.*.mlp.fc": "colwise",
+        "blocks.*.mlp.proj": "rowwise",
+        "head": "colwise",
+    }
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.pos_emb = nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        if cfg.tie_weights:
+            # Both are (V, C): the embedding looks rows up, the head multiplies by its transpose.
+            self.head.weight = self.tok_emb.weight
+        self.apply(self._init_weights)
+        # GPT-2's scaled init: each block adds two residual branches, so shrink their output
+        # projections by 1/sqrt(2 * n_layer) to keep the residual stream's variance near 1.
+        for name, p in self.named_parameters():
+            if name.endswith(("attn.proj.weight", "mlp.proj.weight")):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        # Small weights make the initial logits nearly uniform: loss starts at about ln(V).
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def num_params(self) -> int:
+        """Parameters counted once (a tied head shares the embedding's tensor)."""
+        return sum(p.numel() for p in self.parameters())
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """idx (B, T) token ids -> logits (B, T, V), or the mean loss when targets (B, T) given."""
+        B, T = idx.shape
+        if T > self.cfg.block_size:
+            raise ValueError(f"sequence length {T} exceeds block_size {self.cfg.block_size}")
+        pos = torch.arange(T, device=idx.device)
+        x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))  # (B, T, C) + (T, C) -> (B, T, C)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.ln_f(x))  # (B, T, C) @ (C, V) -> (B, T, V)
+        if targets is None:
+            return logits
+        # Flatten to (B*T, V) vs (B*T,): every position is one next-token prediction.
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+    @torch.no_grad()
+    def generate(
+        self,
+        idx: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """Append max_new_tokens sampled tokens to idx (B, T); returns (B, T + max_new_tokens).
+
+        temperature 0 means greedy decoding. No KV cache: at this size recomputing the
+        (at most block_size) context is cheap and keeps the model code minimal.
+        """
+        was_training = self.training
+        self.eval()
+        for _ in range(max_new_tokens):
+            ctx = idx[:, -self.cfg.block_size :]  # the position embedding ends at block_size
+            logits = self(ctx)[:, -1, :]  # (B, V): only the last position predicts the next
+            if temperature == 0:
+                nxt = logits.argmax(dim=-1, keepdim=True)
+            else:
+                logits = logits / temperature
+                if top_k is not None:
+                    kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
+                    logits = logits.masked_fill(logits < kth, float("-inf"))
+                probs = F.softmax(logits, dim=-1)
+                nxt = torch.multinomial(probs, num_samples=1, generator=generator)  # (B, 1)
+            idx = torch.cat([idx, nxt], dim=1)
+        self.train(was_training)
+        return idx

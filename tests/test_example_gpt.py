@@ -1,0 +1,200 @@
+"""examples/gpt: the model, the data, and one short end-to-end run of train.py."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+GPT_DIR = Path(__file__).resolve().parents[1] / "examples" / "gpt"
+
+
+def _load(name: str):
+    # Unique module names: other examples may also have a model.py / data.py.
+    spec = importlib.util.spec_from_file_location(f"example_gpt_{name}", GPT_DIR / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(mod)
+    return mod
+
+
+M = _load("model")
+D = _load("data")
+
+
+def tiny(**kw) -> M.GPT:
+    torch.manual_seed(0)
+    cfg = dict(vocab_size=50, block_size=16, n_layer=2, n_head=2, n_embd=32)
+    return M.GPT(M.GPTConfig(**{**cfg, **kw}))
+
+
+# ----------------------------------------------------------------------------- model
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_shapes_and_initial_loss(tie):
+    model = tiny(tie_weights=tie)
+    g = torch.Generator().manual_seed(1)
+    idx, targets = torch.randint(0, 50, (2, 3, 16), generator=g)
+    assert model(idx).shape == (3, 16, 50)
+    # Targets unlike the inputs: a tied head scores each input token high (x . x > 0).
+    loss = model(idx, targets)
+    assert loss.dim() == 0
+    # Near-uniform logits at init: the loss is the entropy of a uniform guess, ln(V).
+    assert abs(loss.item() - math.log(50)) < 0.1, loss.item()
+    assert (model.head.weight is model.tok_emb.weight) == tie
+
+
+def test_causal_output_at_t_ignores_later_tokens():
+    model = tiny().eval()
+    a = torch.randint(0, 50, (2, 16), generator=torch.Generator().manual_seed(2))
+    b = a.clone()
+    b[:, 9:] = (b[:, 9:] + 7) % 50  # change every token after position 8
+    la, lb = model(a), model(b)
+    torch.testing.assert_close(la[:, :9], lb[:, :9], rtol=0, atol=1e-6)
+    assert (la[:, 9:] - lb[:, 9:]).abs().max() > 1e-3  # and the later ones do change
+
+
+def test_no_key_bias_even_with_bias():
+    model = tiny(bias=True)
+    for block in model.blocks:
+        assert block.attn.k.bias is None  # exact grad is zero: Adam would amplify noise
+        assert block.attn.q.bias is not None
+
+
+def test_heads_inferred_from_local_weight():
+    """A column shard of q/k/v with half the heads (what TP will hand a rank) still runs."""
+    model = tiny().eval()
+    attn = model.blocks[0].attn
+    half = attn.head_dim  # one of the two heads: its rows of q, k, v and columns of proj
+    x = torch.randn(2, 5, 32)
+    full = attn(x)
+    parts = []
+    for h in range(2):
+        rows = slice(h * half, (h + 1) * half)
+        shard = M.CausalSelfAttention(model.cfg).eval()
+        for n in ("q", "k", "v"):
+            getattr(shard, n).weight = torch.nn.Parameter(getattr(attn, n).weight[rows])
+        shard.proj.weight = torch.nn.Parameter(attn.proj.weight[:, rows])
+        parts.append(shard(x))
+    torch.testing.assert_close(parts[0] + parts[1], full, rtol=1e-5, atol=1e-6)
+
+
+def test_tp_plan_names_real_modules():
+    model = tiny()
+    names = {n for n, _ in model.named_modules()}
+    for pattern, style in M.GPT.tp_plan.items():
+        assert style in {"colwise", "rowwise", "vocab"}, (pattern, style)
+        rx = re.compile(re.escape(pattern).replace(r"\*", r"\d+"))
+        hits = [n for n in names if rx.fullmatch(n)]
+        expected = model.cfg.n_layer if "*" in pattern else 1
+        assert len(hits) == expected, (pattern, hits)
+        assert all(
+            isinstance(model.get_submodule(h), torch.nn.Linear | torch.nn.Embedding) for h in hits
+        )
+
+
+def test_generate_length_and_determinism():
+    model = tiny()
+    idx = torch.zeros(2, 3, dtype=torch.long)
+    out = model.generate(
+        idx, 20, temperature=0.9, top_k=5, generator=torch.Generator().manual_seed(0)
+    )
+    assert out.shape == (2, 23) and out.max() < 50
+    again = model.generate(
+        idx, 20, temperature=0.9, top_k=5, generator=torch.Generator().manual_seed(0)
+    )
+    assert torch.equal(out, again)
+    assert model.generate(idx, 1, temperature=0).shape == (2, 4)
+    assert model.training  # generate restores the mode it found
+
+
+def test_bad_config_names_the_fields():
+    with pytest.raises(ValueError, match="n_head"):
+        M.GPTConfig(n_embd=30, n_head=4)
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def test_corpus_is_deterministic_and_capped():
+    a = D.load_corpus(0.2)
+    assert len(a) == 200_000
+    assert a == D.load_corpus(0.2)
+    assert D.load_corpus(0.1) == a[:100_000]  # a prefix: the cap cuts one fixed sequence
+    files = D.stdlib_files()
+    assert [f.name for f in files] == sorted(f.name for f in files)
+    assert not any(f.name.startswith("_sysconfigdata") for f in files)
+
+
+def test_split_is_deterministic_and_complete():
+    text = "".join(chr(65 + i % 26) for i in range(100_000))
+    tr, va = D.split_corpus(text, 0.1, chunk=1000)
+    assert len(tr) + len(va) == len(text) and len(va) == 10_000
+    assert va[:1000] == text[9000:10000]  # the 10th chunk is the first val chunk
+    assert (tr, va) == D.split_corpus(text, 0.1, chunk=1000)
+    tr, va = D.split_corpus(text[:5000], 0.1, chunk=32_768)  # short: chunks shrink to fit
+    assert len(va) == 500 and len(tr) == 4500
+
+
+def test_tokenizer_round_trip_and_unknown(tmp_path):
+    text = D.load_corpus(0.05)
+    tok = D.CharTokenizer.from_text(text)
+    assert tok.chars == sorted(tok.chars) and D.UNK in tok.chars
+    assert tok.decode(tok.encode(text)) == text
+    assert tok.decode(tok.encode("é€")) == D.UNK * 2  # unseen characters map to UNK
+    tok.save(tmp_path / "vocab.json")
+    again = D.CharTokenizer.load(tmp_path / "vocab.json")
+    assert again.chars == tok.chars
+
+
+def test_windows_are_shifted_by_one_and_cover_the_tokens():
+    tokens = torch.arange(100, dtype=torch.int32)
+    ds = D.CharWindows(tokens, block_size=8)
+    assert len(ds) == 12  # starts 0, 8, ..., 88; the last needs tokens up to 96
+    x, y = ds[3]
+    assert x.dtype == torch.long and torch.equal(x, torch.arange(24, 32))
+    assert torch.equal(y, x + 1)
+    assert torch.equal(ds[-1][0], ds[11][0])
+    with pytest.raises(IndexError):
+        ds[12]
+    assert len(D.CharWindows(tokens, 8, stride=1)) == 92
+
+
+# ----------------------------------------------------------------------------- end to end
+
+
+def test_train_script_end_to_end(tmp_path):
+    """A few steps of the real script in one process: every output is written and loads."""
+    from safetensors.torch import load_file
+
+    out = tmp_path / "run"
+    cmd = [
+        sys.executable, str(GPT_DIR / "train.py"), "--out", str(out), "--steps", "6",
+        "--micro-batch", "4", "--grad-accum", "2", "--n-layer", "1", "--n-embd", "32",
+        "--n-head", "2", "--block-size", "32", "--corpus-mb", "0.2", "--eval-interval", "3",
+        "--eval-windows", "8", "--warmup", "2", "--sample-chars", "40",
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)  # a single process, not a rank of whatever world runs the tests
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "sample:\ndef " in proc.stdout, proc.stdout
+    for name in ("model.safetensors", "vocab.json", "config.json", "metrics.json", "loss.png"):
+        assert (out / name).stat().st_size > 0, name
+    assert not list(out.glob("*.tmp"))
+    meta = json.loads((out / "config.json").read_text())
+    model = M.GPT(M.GPTConfig(**meta["model"]))
+    model.load_state_dict(load_file(str(out / "model.safetensors")))  # strict: every key
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert len(metrics["train"]) == 6 and metrics["val_step"] == [0, 3, 6]
+    assert all(math.isfinite(v) for v in metrics["train"] + metrics["val"])
