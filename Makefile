@@ -7,7 +7,7 @@ VPIP := $(VPY) -m pip
 TORCH_PIN ?= torch==2.13.0
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: venv dev demo test lint clean
+.PHONY: venv dev demo test lint clean bench
 
 $(VENV)/.base: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -20,6 +20,13 @@ $(VENV)/.dev: $(VENV)/.base
 	$(VPIP) install -q -e ".[dev]"
 	touch $@
 
+# The peers the benchmarks measure (DeepSpeed) live in the `bench` extra, never in the test
+# install. The constraint keeps pip from swapping our torch for the one DeepSpeed would pick.
+$(VENV)/.bench: $(VENV)/.base
+	printf '%s\n' "$(TORCH_PIN)" > $(VENV)/bench-constraints.txt
+	$(VPIP) install -q -c $(VENV)/bench-constraints.txt -e ".[bench]"
+	touch $@
+
 venv: $(VENV)/.base
 dev: $(VENV)/.dev
 
@@ -27,12 +34,18 @@ demo: $(VENV)/.base
 	$(VPY) -m shardwise run --nproc-per-node 2 examples/gpt/train.py --out runs/demo
 
 lint: $(VENV)/.dev
-	$(VENV)/bin/ruff check src tests examples benchmarks
-	$(VENV)/bin/ruff format --check src tests examples benchmarks
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 # pytest exits 5 when it collects nothing: that is a failure, and `make` treats any non-zero as one.
 test: lint
 	$(VPY) -m pytest -q --durations=15 tests
+
+# DP (ours vs torch DDP vs DeepSpeed stage 0, 2 ranks) then the single-process overhead.
+# The first run compiles DeepSpeed's CPU comm op (a minute or two; cached in ~/.cache).
+bench: $(VENV)/.bench
+	DS_ACCELERATOR=cpu $(VPY) -m shardwise run --nproc-per-node 2 benchmarks/dp.py
+	$(VPY) benchmarks/overhead.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
