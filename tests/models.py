@@ -34,3 +34,59 @@ def rank_slice(step: int, micro: int, rank: int, mb: int, dp: int, gas: int) -> 
     global batch k = rows [k*B, (k+1)*B), micro-step-major, then rank (B = mb*dp*gas)."""
     start = step * mb * dp * gas + micro * mb * dp + rank * mb
     return slice(start, start + mb)
+
+
+def _normal_init(module: nn.Module) -> None:
+    if isinstance(module, nn.Linear):
+        nn.init.normal_(module.weight, std=0.3)
+
+
+class UnevenMLP(nn.Module):
+    """Sizes no data-parallel degree divides: body.0 has 16*7+7 = 119 elements, head 7*4+4 = 32
+    and ``scale`` 1 (fewer than N: some ranks' shard of it is all padding). The constructor sets
+    its child's bias, calls ``self.apply(init)`` reaching a nested Linear (as Hugging Face models
+    do), then re-initializes a nested bias in a loop over named_parameters (as nanoGPT does)."""
+
+    def __init__(self, d_in: int = 16, hidden: int = 7, d_out: int = 4) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(d_in, hidden), nn.Tanh())
+        self.head = nn.Linear(hidden, d_out)
+        self.scale = nn.Parameter(torch.full((1,), 1.5))
+        nn.init.constant_(self.head.bias, 0.1)  # a parent changing its child's parameter
+        self.apply(_normal_init)
+        for name, p in self.named_parameters():  # nanoGPT's loop: reaches a grandchild
+            if name == "body.0.bias":
+                nn.init.uniform_(p, -0.5, 0.5)
+
+    def forward(self, x):
+        return self.head(self.body(x)) * self.scale
+
+
+class TiedMLP(nn.Module):
+    """``mid`` runs twice per forward, and ``mid2`` shares its weight (tied parameters)."""
+
+    def __init__(self, d_in: int = 16, hidden: int = 7, d_out: int = 4) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(d_in, hidden)
+        self.mid = nn.Linear(hidden, hidden)
+        self.mid2 = nn.Linear(hidden, hidden)
+        self.mid2.weight = self.mid.weight
+        self.head = nn.Linear(hidden, d_out)
+
+    def forward(self, x):
+        h = torch.tanh(self.fc1(x))
+        h = torch.tanh(self.mid(torch.tanh(self.mid(h))))
+        return self.head(torch.tanh(self.mid2(h)))
+
+
+def make_uneven(seed: int = 0, **kw) -> UnevenMLP:
+    torch.manual_seed(seed)
+    return UnevenMLP(**kw)
+
+
+def make_tied(seed: int = 0, **kw) -> TiedMLP:
+    torch.manual_seed(seed)
+    return TiedMLP(**kw)
+
+
+MODELS = {"tiny": make_model, "uneven": make_uneven, "tied": make_tied}

@@ -121,10 +121,12 @@ def test_backward_needs_a_scalar():
 @pytest.mark.parametrize(
     "block,key",
     [
-        ({"zero_optimization": {"stage": 1}}, "zero_optimization.stage"),
-        ({"bf16": {"enabled": True}}, "bf16.enabled"),
-        ({"fp16": {"enabled": True}}, "fp16.enabled"),
         ({"tensor_parallel": {"size": 2}}, "tensor_parallel.size"),
+        ({"pipeline": {"stages": 2}}, "pipeline.stages"),
+        (
+            {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}},
+            "zero_optimization.offload_param",
+        ),
     ],
 )
 def test_features_not_built_yet_fail_loudly(block, key):

@@ -4,7 +4,7 @@ The public surface follows DeepSpeed's, so that ``import shardwise as deepspeed`
 DeepSpeed scripts: ``initialize``, ``init_distributed``, ``add_config_arguments``, ``comm``.
 """
 
-from shardwise import comm
+from shardwise import comm, zero
 from shardwise.config import ConfigError
 from shardwise.engine import Engine, EngineError
 from shardwise.initialize import add_config_arguments, initialize
@@ -34,4 +34,5 @@ __all__ = [
     "initialize",
     "new_subgroup",
     "spawn",
+    "zero",
 ]

@@ -108,11 +108,19 @@ def _pipeline_stages(cfg: Config) -> int:
 
 
 def _build_strategy(cfg: Config, model: nn.Module, opt: Any, mesh: ProcessMesh) -> Any:
-    """Plain data parallelism for fp32 stage 0; the sharded optimizer for everything else."""
+    """Plain data parallelism for fp32 stage 0; ZeRO-3 for stage 3; the sharded optimizer
+    (stages 1-2, and 16-bit stage 0) for everything else."""
     zero = cfg.zero_optimization
     offload = zero.offload_optimizer
     device = torch.device(offload.device) if offload is not None else None
     bucket = _bucket_elements(cfg)
+    if zero.stage != 3 and any(p.is_meta or hasattr(p, "ds_tensor") for p in model.parameters()):
+        raise ConfigError(
+            f"zero_optimization.stage={zero.stage}: the model was built under "
+            "shardwise.zero.Init() or on the meta device, and only ZeRO stage 3 trains it "
+            'without whole parameters: set "stage": 3',
+            key="zero_optimization.stage",
+        )
     if zero.stage == 0 and compute_dtype(cfg) == torch.float32 and device is None:
         return DataParallelReducer(model.parameters(), group=mesh.dp_group, bucket_elements=bucket)
     if opt is None:
@@ -120,6 +128,12 @@ def _build_strategy(cfg: Config, model: nn.Module, opt: Any, mesh: ProcessMesh) 
             f"zero_optimization.stage={zero.stage} and 16-bit training keep the master weights "
             'in the optimizer: give an "optimizer" block or pass optimizer= to initialize',
             key="optimizer",
+        )
+    if zero.stage == 3:
+        from shardwise.parallel.zero3 import Zero3Strategy
+
+        return Zero3Strategy.from_config(
+            model, opt, zero, group=mesh.dp_group, offload_device=device
         )
     return ZeroStrategy(
         opt, zero.stage, group=mesh.dp_group, bucket_elements=bucket, offload_device=device
@@ -129,7 +143,7 @@ def _build_strategy(cfg: Config, model: nn.Module, opt: Any, mesh: ProcessMesh) 
 def _refuse_unimplemented(cfg: Config, mpu: Any) -> None:
     """Features the config validates but this version cannot run: say so, never ignore."""
     todo = []
-    if cfg.zero_optimization.stage > 2:
+    if cfg.zero_optimization.stage > 3:
         todo.append(f"zero_optimization.stage={cfg.zero_optimization.stage}")
     if cfg.zero_optimization.offload_param is not None:
         todo.append("zero_optimization.offload_param")

@@ -1,0 +1,264 @@
+"""ZeRO stage 3: parameters, gradients and optimizer states all partitioned over data ranks.
+
+Each module's direct parameters (``module.parameters(recurse=False)``) that the optimizer
+trains form units, one per optimizer group and dtype: a flat buffer of P elements padded to a
+multiple of N and split on its only axis into N shards; rank r keeps shard r of the
+parameters, of the gradient and of the optimizer state (zero3_hooks.py has the layout and the
+gather/release schedule). Per rank, for Psi parameters with Adam (ZeRO, arXiv 1910.02054, 5.3):
+
+    bf16 + fp32 master:  (2 + 2 + 12) Psi / N     (shard, gradient shard, master + 2 states)
+    fp32:                (4 + 4 +  8) Psi / N     (the master *is* the parameter shard)
+
+up to padding (< N elements per unit). Parameters with fewer than
+``persistence_threshold`` elements (DeepSpeed's ``stage3_param_persistence_threshold``) stay
+whole on every rank, with whole gradients (all-reduced on the boundary) and whole optimizer
+states: ZeRO-0 for the small tensors whose gathers would cost more latency than memory.
+
+One step at GAS = 1 sends, per unit of P elements (ring model, comm.py):
+
+    forward all-gather (N-1)/N P + backward all-gather (N-1)/N P + reduce-scatter (N-1)/N P
+    = 3 (N-1)/N P  =  1.5x the all-reduce of plain data parallelism, 2 (N-1)/N P.
+
+The step updates the fp32 master shard and writes it into the parameter shard; nothing is sent
+then (the next forward gathers). Gradients are reduce-scattered every micro-step (the full
+gradient cannot wait: its parameters are released) and accumulate in the gradient shard.
+Norm for clipping: every rank's reduced shards, summed over the group, plus the persistent
+gradients once (rank 0 adds them).
+
+Why units are per module (DeepSpeed's choice) rather than per block (FSDP's): the hooks need
+no wrapping policy, a tied or reused parameter belongs to one unit that every module using it
+gathers, and the live memory is one module plus the prefetch window; prefetch hides the
+latency that finer units add. Limits: a parameter read outside the forward of a module that
+owns it (``x @ self.fc.weight`` in the parent) is not gathered (DeepSpeed's
+``register_external_parameter`` is not implemented); parameters the optimizer does not train
+stay whole; ``stage3_max_reuse_distance``, ``stage3_module_granularity_threshold`` and
+``stage3_use_all_reduce_for_fetch_params`` are not used (every unit is released after use and
+fetched by all-gather); activation checkpointing is untested with stage 3.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardwise import clip, comm
+from shardwise.parallel.zero import _rebuild_optimizer, _shares_storage
+from shardwise.parallel.zero3_hooks import LiveCount, Scheduler, Unit, UnitLayout
+from shardwise.zero import full_value, is_partitioned, materialize_meta, sync_rng, unpartition
+
+
+class Zero3Strategy:
+    """The engine's gradient strategy for ZeRO stage 3 (see engine.py for the protocol)."""
+
+    supports_no_sync = False  # every micro-step must reduce-scatter: parameters are released
+
+    def __init__(
+        self,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        group: Any = None,
+        offload_device: torch.device | None = None,
+        persistence_threshold: int = 0,
+        model_persistence_threshold: int = 2**62,
+        prefetch_elements: int = 50_000_000,
+        max_live: int = 1_000_000_000,
+    ) -> None:
+        self.module = module
+        self.group = group
+        self.world = comm.get_world_size(group)
+        self.rank = comm.get_rank(group)
+        self.offload_device = offload_device
+        self.norm_group = group if self.world > 1 else clip.LOCAL
+        self.live = LiveCount()
+        self.units: list[Unit] = []
+        group_of = {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]}
+        own_rng = sync_rng(group) if any(p.is_meta for p in module.parameters()) else None
+        units_of = self._plan(module, group_of, persistence_threshold, model_persistence_threshold)
+        if own_rng is not None:
+            torch.set_rng_state(own_rng)
+        for u in self.units:
+            u.master = self._master(u.shard)
+        self.optimizer = _rebuild_optimizer(optimizer, self.units, group_of)
+        self.scheduler = Scheduler(
+            module, units_of, self.units, self.world, prefetch_elements, max_live
+        )
+        self.zero_grad()
+
+    @classmethod
+    def from_config(
+        cls,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        zero: Any,
+        group: Any = None,
+        offload_device: torch.device | None = None,
+    ) -> Zero3Strategy:
+        """From the ``zero_optimization`` block (config.zero.ZeroConfig)."""
+        return cls(
+            module,
+            optimizer,
+            group=group,
+            offload_device=offload_device,
+            persistence_threshold=zero.stage3_param_persistence_threshold,
+            model_persistence_threshold=zero.stage3_model_persistence_threshold,
+            prefetch_elements=zero.stage3_prefetch_bucket_size,
+            max_live=zero.stage3_max_live_parameters,
+        )
+
+    # ------------------------------------------------------------------ construction
+    def _plan(
+        self, root: nn.Module, group_of: dict[int, int], threshold: int, budget: int
+    ) -> dict[nn.Module, list[Unit]]:
+        """Cut the model into units, module by module (so that at most one module's
+        parameters are whole at a time when they come partitioned or on the meta device);
+        return, for each module, the non-persistent units its forward needs."""
+        unit_of: dict[int, Unit] = {}
+        persistent: dict[int, nn.Parameter] = {}
+        units_of: dict[nn.Module, list[Unit]] = {}
+        for module in root.modules():
+            materialize_meta(module)
+            own = list(module.parameters(recurse=False))
+            sharded = []
+            for p in own:
+                if id(p) in unit_of or id(p) in persistent:
+                    continue  # tied: planned with its first module
+                if id(p) not in group_of:
+                    unpartition(p)  # not trained (frozen): kept whole, as it was given
+                elif _numel(p) < threshold and _numel(p) <= budget:
+                    budget -= _numel(p)
+                    persistent[id(p)] = p
+                else:
+                    sharded.append(p)
+            for params in _split(sharded, group_of):
+                u = self._make_unit(params, persistent=False)
+                unit_of.update({id(p): u for p in params})
+            mine = [unit_of[id(p)] for p in own if id(p) in unit_of]
+            if mine:
+                units_of[module] = list({id(u): u for u in mine}.values())
+        for params in _split(persistent.values(), group_of):
+            self._make_unit(params, persistent=True)
+        return units_of
+
+    def _make_unit(self, params: list[nn.Parameter], persistent: bool) -> Unit:
+        """Lay ``params`` end to end, keep this rank's shard (or all of it if persistent)."""
+        shapes = [p.ds_shape if is_partitioned(p) else p.shape for p in params]
+        layout = UnitLayout.of(params, shapes, 1 if persistent else self.world)
+        flat = torch.zeros(layout.padded, dtype=params[0].dtype, device=params[0].device)
+        for i, p in enumerate(params):
+            layout.view(flat, i).copy_(full_value(p))
+        shard = flat if persistent else layout.shard(flat, self.rank).clone()
+        u = Unit(layout, shard, persistent, self.group, self.rank, self.live)
+        for i, p in enumerate(params):
+            for name in ("ds_tensor", "ds_group"):
+                if hasattr(p, name):
+                    delattr(p, name)
+            p.ds_shape, p.ds_numel, p._shardwise_unit = layout.shapes[i], _numel(p), u
+            p.data = layout.view(flat, i) if persistent else shard.new_empty(0)
+        self.units.append(u)
+        return u
+
+    def _master(self, shard: torch.Tensor) -> nn.Parameter:
+        if shard.dtype == torch.float32 and self.offload_device is None:
+            return nn.Parameter(shard)  # shares storage: the step writes the shard directly
+        device = self.offload_device or shard.device
+        return nn.Parameter(shard.detach().to(device, torch.float32, copy=True))
+
+    # ------------------------------------------------------------------ backward
+    def before_backward(self, sync: bool) -> None:
+        self.sync = sync
+
+    def after_backward(self, sync: bool) -> None:
+        """Finish this micro-step's reduce-scatters and release every gathered unit; on the
+        boundary, all-reduce the persistent gradients (accumulated whole until then)."""
+        self.scheduler.finish_backward()
+        if sync:
+            for u in self.units:
+                if u.persistent:
+                    u.allreduce_grads(self.world)
+
+    # ------------------------------------------------------------------ step
+    def owned_grads(self) -> list[torch.Tensor]:
+        """Each element of the global gradient once: reduced shards on every rank, the
+        replicated persistent gradients on rank 0 only."""
+        out = [u.grad_shard for u in self.units if not u.persistent]
+        if self.rank == 0:
+            out += [u.grad_shard for u in self.units if u.persistent and u.grad_shard is not None]
+        return out
+
+    def step(self, optimizer: Any, coef: float) -> None:
+        """Step the fp32 master shards with gradients * coef; write them into the parameter
+        shards. No communication: the next forward gathers the new values."""
+        for u in self.units:
+            g = u.grad_shard if u.grad_shard is not None else torch.zeros_like(u.shard)
+            u.master.grad = g.to(u.master.device, torch.float32) * coef
+        self.optimizer.step()
+        with torch.no_grad():
+            for u in self.units:
+                u.master.grad = None
+                if u.master.data_ptr() != u.shard.data_ptr():
+                    u.shard.copy_(u.master.detach())
+
+    def zero_grad(self) -> None:
+        for u in self.units:
+            for p in u.params:
+                p.grad = None
+            if u.persistent:
+                u.grad_shard = None
+            else:
+                # The shard persists (the ZeRO paper counts it: 2 Psi / N in 16 bits).
+                if u.grad_shard is None:
+                    u.grad_shard = torch.zeros_like(u.shard)
+                u.grad_shard.zero_()
+
+    # ------------------------------------------------------------------ state
+    def consolidated_state_dict(self, module: nn.Module) -> dict[str, torch.Tensor]:
+        """Gather each unit in turn (one whole unit at a time beyond the result) and return
+        the module's state dict with its own keys, on CPU, identical on every rank."""
+        values: dict[int, torch.Tensor] = {}
+        with torch.no_grad():
+            for u in self.units:
+                held = u.full is not None
+                u.materialize()
+                for p in u.params:
+                    values[id(p)] = p.detach().cpu().clone()
+                if not held:
+                    u.release()
+        state = module.state_dict(keep_vars=True)
+        return {
+            k: values[id(v)] if id(v) in values else v.detach().cpu().clone()
+            for k, v in state.items()
+        }
+
+    def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """The tensors holding this rank's model states, by kind (for memory_breakdown)."""
+        opt_state = [
+            t for s in self.optimizer.state.values() for t in s.values() if torch.is_tensor(t)
+        ]
+        masters = [u.master.data for u in self.units if not _shares_storage(u.master, u.shard)]
+        managed = {id(p) for u in self.units for p in u.params}
+        frozen = [p.data for p in self.module.parameters() if id(p) not in managed]
+        grads = [u.grad_shard for u in self.units if u.grad_shard is not None]
+        grads += [p.grad for u in self.units for p in u.params if p.grad is not None]
+        buffers = [t for u in self.units for t in (u.full, u.send, u.out) if t is not None]
+        return {
+            "params": [u.shard for u in self.units] + frozen,
+            "grads": grads,
+            "optimizer": masters + opt_state,
+            "comm_buffers": buffers,
+        }
+
+
+def _numel(p: nn.Parameter) -> int:
+    return p.ds_numel if is_partitioned(p) else p.numel()
+
+
+def _split(params: Iterable[nn.Parameter], group_of: dict[int, int]) -> list[list[nn.Parameter]]:
+    """Parameters by (optimizer group, dtype, device), first-seen order kept: one flat buffer
+    cannot mix dtypes, and one master tensor belongs to one optimizer group."""
+    out: dict[Any, list[nn.Parameter]] = {}
+    for p in params:
+        out.setdefault((group_of[id(p)], p.dtype, p.device), []).append(p)
+    return list(out.values())
