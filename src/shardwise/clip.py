@@ -25,11 +25,14 @@ LOCAL = "local"
 
 def local_sq_sum(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
     """Sum of squares of the given tensors, accumulated in fp32 (fp64 would cost bandwidth)."""
-    total = torch.zeros((), dtype=torch.float32)
-    for t in tensors:
-        if t is not None:
-            total = total + t.detach().float().pow(2).sum().cpu()
-    return total
+    # vector_norm reads each tensor once with no temporary (pow(2).sum() writes a gradient-sized
+    # one: 3x slower on a 12M-parameter model, measured in benchmarks/README.md).
+    norms = [
+        torch.linalg.vector_norm(t.detach(), dtype=torch.float32) for t in tensors if t is not None
+    ]
+    if not norms:
+        return torch.zeros((), dtype=torch.float32)
+    return torch.stack([n.cpu() for n in norms]).square().sum()
 
 
 def global_grad_norm(owned: Iterable[torch.Tensor], group: Any = None) -> float:

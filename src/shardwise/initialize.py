@@ -22,7 +22,7 @@ from torch import nn
 from shardwise import comm
 from shardwise.config import Config, ConfigError, parse_config
 from shardwise.engine import Engine
-from shardwise.parallel.data import DataParallelReducer, broadcast_parameters
+from shardwise.parallel.data import DataParallelReducer, LocalGradients, broadcast_parameters
 from shardwise.parallel.zero import ZeroStrategy
 from shardwise.precision import LossScaler, compute_dtype
 from shardwise.topology import ProcessMesh, Topology
@@ -122,6 +122,8 @@ def _build_strategy(cfg: Config, model: nn.Module, opt: Any, mesh: ProcessMesh) 
             key="zero_optimization.stage",
         )
     if zero.stage == 0 and compute_dtype(cfg) == torch.float32 and device is None:
+        if mesh.topology.dp == 1:
+            return LocalGradients(model.parameters())
         return DataParallelReducer(model.parameters(), group=mesh.dp_group, bucket_elements=bucket)
     if opt is None:
         raise ConfigError(

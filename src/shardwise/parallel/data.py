@@ -91,10 +91,16 @@ class DataParallelReducer:
         return [b.buffer for b in self.buckets]
 
     def zero_grad(self) -> None:
-        """Zero every bucket in place (gradients stay bound to their buffers)."""
+        """Drop the gradients: autograd then hands each parameter a fresh one, which the
+        bucket takes in at launch (one copy), instead of zeroing the buckets and adding into
+        them (two passes over the gradient; measured in benchmarks/README.md)."""
         for b in self.buckets:
-            b.buffer.zero_()
-        self._bind_grads()
+            for p in b.layout.params:
+                p.grad = None
+
+    def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """The bucket buffers hold the gradients, whether or not ``p.grad`` points at them."""
+        return {"grads": [b.buffer for b in self.buckets]}
 
     # -- the backward pass
     def before_backward(self, sync: bool) -> None:
@@ -156,3 +162,36 @@ def broadcast_parameters(module: torch.nn.Module, src: int, group: Any = None) -
     with torch.no_grad():
         for t in list(module.parameters()) + list(module.buffers()):
             comm.broadcast(t.data, src=src, group=group)
+
+
+class LocalGradients:
+    """The gradient strategy of a single data-parallel rank: nothing to reduce, no buckets.
+
+    Gradients stay the tensors autograd made, so one process costs what a plain loop costs.
+    """
+
+    norm_group = clip.LOCAL
+
+    def __init__(self, params: Iterable[torch.nn.Parameter]) -> None:
+        self.params = [p for p in params if p.requires_grad]
+
+    def before_backward(self, sync: bool) -> None:
+        pass
+
+    def after_backward(self, sync: bool) -> None:
+        pass
+
+    def owned_grads(self) -> list[torch.Tensor]:
+        return [p.grad for p in self.params if p.grad is not None]
+
+    def step(self, optimizer: torch.optim.Optimizer, coef: float) -> None:
+        if coef != 1.0:
+            torch._foreach_mul_(self.owned_grads(), coef)
+        optimizer.step()
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def consolidated_state_dict(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:
+        return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
