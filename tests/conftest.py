@@ -18,3 +18,14 @@ REFERENCE = REPO.parent / "shared" / "reference"
 def _worlds():
     yield
     shutdown_worlds()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_default_group():
+    """A single-process engine test initializes torch.distributed in the pytest process;
+    tear it down after each test so that no test depends on which ran before it."""
+    yield
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

@@ -127,6 +127,8 @@ def test_backward_needs_a_scalar():
             {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}},
             "zero_optimization.offload_param",
         ),
+        ({"communication_data_type": "fp16"}, "communication_data_type"),
+        ({"activation_checkpointing": {"checkpoint_layers": "all"}}, "checkpoint_layers"),
     ],
 )
 def test_features_not_built_yet_fail_loudly(block, key):
@@ -179,3 +181,15 @@ def test_add_config_arguments():
     parser = shardwise.add_config_arguments(argparse.ArgumentParser())
     args = parser.parse_args(["--deepspeed", "--deepspeed_config", "c.json"])
     assert args.deepspeed and args.deepspeed_config == "c.json"
+
+
+def test_steps_per_print_logs_progress_on_rank_0(caplog):
+    engine, *_ = _engine(steps_per_print=2)
+    x, y = make_data(2)
+    with caplog.at_level("INFO", logger="shardwise"):
+        for _ in range(4):
+            engine.backward(F.mse_loss(engine(x), y))
+            engine.step()
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step=")]
+    assert [line.split()[0] for line in lines] == ["step=2", "step=4"], lines
+    assert "lr=[0.1]" in lines[0] and "grad_norm=" in lines[0], lines[0]

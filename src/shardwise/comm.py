@@ -13,7 +13,8 @@ N ranks:
     reduce_scatter     (N-1)/N * S     (S = the full input)
     all_gather         (N-1)/N * S     (S = the full output)
     broadcast, reduce  (N-1)/N * S     (pipelined chain, amortized per rank)
-    scatter, gather    (N-1)/N * S on the root, 0 elsewhere (S = all chunks)
+    scatter            (N-1)/N * S on the root, 0 elsewhere (S = all chunks)
+    gather             S/N on every rank but the root, 0 on the root
     send               S;  recv 0
 
 The log also keeps the most recent calls, so a hang can name the collective it is stuck in.
@@ -243,7 +244,7 @@ def gather(
         return
     is_root = get_rank() == dst
     s = _nbytes(tensor) * n
-    _LOG.record("gather", s, (n - 1) / n * s if is_root else 0, n)
+    _LOG.record("gather", s, 0 if is_root else s / n, n)  # every other rank sends its chunk
     dist.gather(tensor, gather_list if is_root else None, dst=dst, group=group)
 
 

@@ -216,6 +216,15 @@ class Engine(nn.Module):
         self.zero_grad()
         self.global_steps += 1
         self.global_samples += self.train_batch_size()
+        every = self.steps_per_print()
+        if self.mesh.rank == 0 and every and self.global_steps % every == 0:
+            lrs = ", ".join(f"{lr:.3g}" for lr in self.get_lr())
+            norm = self._global_grad_norm
+            logger.info(
+                f"step={self.global_steps} skipped={self.skipped_steps} lr=[{lrs}] "
+                f"grad_norm={norm if norm is None else f'{norm:.4g}'} "
+                f"loss_scale={self.scaler.scale:g}"
+            )
 
     def zero_grad(self) -> None:
         self.strategy.zero_grad()

@@ -153,6 +153,7 @@ def _refuse_unimplemented(cfg: Config, mpu: Any) -> None:
         todo.append(f"tensor_parallel.size={cfg.tensor_parallel.size}")
     if _pipeline_stages(cfg) > 1:
         todo.append(f"pipeline.stages={cfg.pipeline.stages}")
+    todo += _unbuilt_options(cfg)
     if mpu is not None:
         todo.append("mpu (pass tensor_parallel/pipeline sizes in the config instead)")
     if todo:
@@ -170,6 +171,22 @@ def _ensure_logging() -> None:
         handler.setFormatter(logging.Formatter("[shardwise] %(message)s"))
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)
+
+
+def _unbuilt_options(cfg: Config) -> list[str]:
+    """Options whose non-default values would change results if ignored."""
+    todo = []
+    comm_dtype = cfg.communication_data_type
+    names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+    if comm_dtype is not None and comm_dtype != names[compute_dtype(cfg)]:
+        todo.append(f"communication_data_type={comm_dtype} (reductions use the compute dtype)")
+    if cfg.fp16.fp16_master_weights_and_grads:
+        todo.append("fp16.fp16_master_weights_and_grads")
+    if cfg.activation_checkpointing.checkpoint_layers:
+        todo.append("activation_checkpointing.checkpoint_layers")
+    if cfg.activation_checkpointing.partition_activations:
+        todo.append("activation_checkpointing.partition_activations")
+    return todo
 
 
 def _log_start(cfg: Config, mesh: ProcessMesh, batch: Any) -> None:
@@ -242,6 +259,7 @@ def _build_loader(
         shuffle=True,
         seed=cfg.seed if cfg.seed is not None else 0,
         collate_fn=collate_fn,
+        drop_last=cfg.dataloader_drop_last,
     )
 
 
