@@ -120,7 +120,7 @@ def run_all(rank: int) -> dict:
 FORMULAS = {
     "broadcast": "(N-1)/N*S",
     "scatter": "(N-1)/N*S on the root",
-    "gather": "(N-1)/N*S on the root",
+    "gather": "S/N off the root",
     "reduce": "(N-1)/N*S",
     "all_reduce": "2(N-1)/N*S",
     "all_gather": "(N-1)/N*S",
@@ -136,8 +136,10 @@ def ring_model(op: str, payload: int, n: int, rank: int) -> int:
     per = (n - 1) / n * payload
     if op == "all_reduce":
         return round(2 * per)
-    if op in ("scatter", "gather"):
+    if op == "scatter":
         return round(per) if rank == ROOT else 0
+    if op == "gather":  # every rank but the root sends its chunk
+        return 0 if rank == ROOT else round(payload / n)
     return {"send": payload, "recv": 0}.get(op, round(per))
 
 
