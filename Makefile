@@ -45,6 +45,7 @@ test: lint
 # The first run compiles DeepSpeed's CPU comm op (a minute or two; cached in ~/.cache).
 bench: $(VENV)/.bench
 	DS_ACCELERATOR=cpu $(VPY) -m shardwise run --nproc-per-node 2 benchmarks/dp.py
+	DS_ACCELERATOR=cpu $(VPY) -m shardwise run --nproc-per-node 2 benchmarks/zero.py
 	$(VPY) benchmarks/overhead.py
 
 clean:
