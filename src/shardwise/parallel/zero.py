@@ -188,7 +188,8 @@ class ZeroStrategy:
         """Step the master shards with gradients * coef, then all-gather the parameters."""
         for b in self.buckets:
             g = b.grad_shard if b.grad_shard is not None else torch.zeros_like(b.master)
-            b.master.grad = g.to(b.master.device, torch.float32) * coef
+            g = g.to(b.master.device, torch.float32)  # a no-op for fp32 without offload
+            b.master.grad = g * coef if coef != 1.0 else g
         self.optimizer.step()
         shard_of = self.rank if self.parts > 1 else 0
         works = []
