@@ -52,7 +52,10 @@ def test_layout_trains_like_one_process(name, dp, gas, clipping, opt_name):
     for rank, got in enumerate(results):
         tag = f"layout {name} rank {rank}"
         assert got["losses"] == pytest.approx(want["losses"], rel=1e-5, abs=1e-6), tag
-        assert got["norms"] == pytest.approx(want["norms"], rel=1e-5), tag
+        if clipping:
+            assert got["norms"] == pytest.approx(want["norms"], rel=1e-5), tag
+        else:  # nothing needs the norm, so it is not computed (DeepSpeed does the same)
+            assert got["norms"] == [None] * len(want["norms"]), tag
         assert_params_match(got["params"], want["params"], opt_name, tag)
     if clipping:
         assert max(want["norms"]) > clipping, f"{name}: clipping never engaged; the test is void"

@@ -198,7 +198,12 @@ class Engine(nn.Module):
 
     def _take_model_step(self, lr_kwargs: dict | None) -> None:
         scale = self.scaler.scale
-        norm = clip.global_grad_norm(self.strategy.owned_grads(), self.strategy.norm_group)
+        # The norm costs a pass over the gradient and an all-reduce: only when clipping or the
+        # fp16 overflow check needs it (as DeepSpeed; get_global_grad_norm() is None then).
+        norm, measured = 0.0, False
+        if self.gradient_clipping() > 0 or self.scaler.dynamic or scale != 1.0:
+            measured = True
+            norm = clip.global_grad_norm(self.strategy.owned_grads(), self.strategy.norm_group)
         overflow = not math.isfinite(norm)
         self._step_applied = not overflow
         if overflow:
@@ -207,7 +212,7 @@ class Engine(nn.Module):
                 "step %d: gradient overflow, skipped (loss scale %g)", self.global_steps, scale
             )
         else:
-            self._global_grad_norm = norm / scale
+            self._global_grad_norm = norm / scale if measured else None
             coef = clip.clip_coefficient(norm / scale, self.gradient_clipping()) / scale
             self.strategy.step(self.optimizer, coef)
             if self.lr_scheduler is not None:
