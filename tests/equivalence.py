@@ -106,3 +106,26 @@ def assert_params_match(got: dict, want: dict, opt_name: str, tag: str, atol: fl
             frac = (diff > max(atol, 1e-5)).float().mean()
             assert frac < 1e-3, f"{tag}: {name}: {frac:.2%} of elements differ by > {atol:.0e}"
             assert diff.max() < 5e-3, f"{tag}: {name} differs by {diff.max():.2e}"
+
+
+def assert_layout_matches(
+    results: list, want: dict, name: str, opt_name: str, dtype: str, clip: float
+) -> None:
+    """Every rank matches the reference (tolerances per dtype, justified in the test modules),
+    clipping really engaged, and all ranks hold identical final parameters."""
+    import pytest
+
+    bf16 = dtype == "bf16"
+    rel = 1e-2 if bf16 else 1e-5
+    for rank, got in enumerate(results):
+        tag = f"layout {name} rank {rank}"
+        assert got["losses"] == pytest.approx(want["losses"], rel=rel, abs=1e-6), tag
+        assert got["norms"] == pytest.approx(want["norms"], rel=rel * 2), tag
+        assert_params_match(
+            got["params"], want["params"], opt_name, tag, atol=4e-3 if bf16 else 2e-6
+        )
+    assert max(want["norms"]) > clip, f"{name}: clipping never engaged; the test is void"
+    first = results[0]["params"]
+    for rank, got in enumerate(results[1:], 1):
+        for k in first:
+            assert torch.equal(first[k], got["params"][k]), f"{name}: rank {rank} diverged on {k}"
