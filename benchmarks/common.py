@@ -8,12 +8,14 @@ Shapes: B = micro-batch rows, T = sequence length, C = d_model, H = heads, V = v
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import os
 import statistics
 from collections.abc import Iterable, Sequence
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -183,3 +185,22 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
     rule = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
     return "\n".join([line(headers), rule, *(line(r) for r in rows)])
+
+
+def import_deepspeed() -> tuple[object | None, str]:
+    """DeepSpeed, or None and the reason; the same answer on every rank (else they'd hang)."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    try:
+        import deepspeed
+
+        found, why = deepspeed, ""
+    except Exception as e:  # ImportError, or a broken install failing at import time
+        found, why = None, f"{type(e).__name__}: {e}".splitlines()[0]
+    ok = torch.tensor([1 if found else 0])
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    if found and not ok.item():
+        return None, "not importable on every rank"
+    if found:
+        logging.getLogger("DeepSpeed").setLevel(logging.WARNING)  # it logs its config at INFO
+        found.init_distributed(dist_backend="gloo")  # reuses our world; sets up deepspeed.comm
+    return found, why

@@ -16,7 +16,6 @@ broken engine is worth nothing.
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 import time
@@ -32,6 +31,7 @@ from common import (  # noqa: E402
     add_model_args,
     format_table,
     grad_mb,
+    import_deepspeed,
     make_batches,
     make_model,
     median_ms,
@@ -124,25 +124,7 @@ def build_ddp(args: argparse.Namespace) -> Contender:
     return Contender("torch DDP", step, state_mb)
 
 
-def import_deepspeed() -> tuple[object | None, str]:
-    """DeepSpeed, or None and the reason; the same answer on every rank (else they'd hang)."""
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    try:
-        import deepspeed
-
-        found, why = deepspeed, ""
-    except Exception as e:  # ImportError, or a broken install failing at import time
-        found, why = None, f"{type(e).__name__}: {e}".splitlines()[0]
-    ok = torch.tensor([1 if found else 0])
-    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-    if found and not ok.item():
-        return None, "not importable on every rank"
-    return found, why
-
-
 def build_deepspeed(args: argparse.Namespace, deepspeed: object) -> Contender:
-    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)  # it logs its whole config at INFO
-    deepspeed.init_distributed(dist_backend="gloo")  # reuses our world; sets up deepspeed.comm
     model = make_model(args)
     opt = adamw(model)
     config = {

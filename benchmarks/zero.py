@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script: fin
 from common import (  # noqa: E402
     add_model_args,
     format_table,
+    import_deepspeed,
     make_batches,
     make_model,
     median_ms,
@@ -49,7 +50,6 @@ from zero_peers import (  # noqa: E402
     build_fsdp2,
     build_ours,
     formula_bytes,
-    import_deepspeed,
 )
 
 # Same weights and data: engines may only add in another order, a few ulps in fp32; in bf16

@@ -9,8 +9,6 @@ model from the same seed and its own torch AdamW with the same hyper-parameters.
 from __future__ import annotations
 
 import argparse
-import logging
-import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -291,25 +289,6 @@ def build_fsdp2(args: argparse.Namespace, dtype: str) -> Contender:
 
     c = Contender("torch FSDP2", 3, backward, update, probe)
     return c
-
-
-def import_deepspeed() -> tuple[object | None, str]:
-    """DeepSpeed, or None and the reason; the same answer on every rank (else they'd hang)."""
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    try:
-        import deepspeed
-
-        found, why = deepspeed, ""
-    except Exception as e:  # ImportError, or a broken install failing at import time
-        found, why = None, f"{type(e).__name__}: {e}".splitlines()[0]
-    ok = torch.tensor([1 if found else 0])
-    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-    if found and not ok.item():
-        return None, "not importable on every rank"
-    if found:
-        logging.getLogger("DeepSpeed").setLevel(logging.WARNING)  # it logs its config at INFO
-        found.init_distributed(dist_backend="gloo")  # reuses our world; sets up deepspeed.comm
-    return found, why
 
 
 def build_deepspeed(args: argparse.Namespace, ds: object, stage: int, dtype: str) -> Contender:
