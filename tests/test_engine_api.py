@@ -121,7 +121,10 @@ def test_backward_needs_a_scalar():
 @pytest.mark.parametrize(
     "block,key",
     [
-        ({"tensor_parallel": {"size": 2}}, "tensor_parallel.size"),
+        (
+            {"tensor_parallel": {"size": 2}, "zero_optimization": {"stage": 3}},
+            "zero_optimization.stage",
+        ),
         ({"pipeline": {"stages": 2}}, "pipeline.stages"),
         (
             {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}},

@@ -243,8 +243,10 @@ def test_process_mesh_creates_every_group_once_in_the_same_order(monkeypatch):
         assert mesh.tp_group == f"group{Topology(dp=2, pp=2, tp=2).peers(rank, 'tp')}", (
             f"rank {rank}"
         )
+        replica = [r for r in range(8) if Topology(dp=2, pp=2, tp=2).coord(r).dp == rank // 2 % 2]
+        assert mesh.model_parallel_group == f"group{replica}", f"rank {rank}"
     assert orders[0] == orders[1], "every rank must call new_group in the same order"
-    assert len(orders[0]) == 12, "4 groups per axis, 3 axes"
+    assert len(orders[0]) == 14, "4 groups per axis, 3 axes, and 2 model replicas (pp x tp)"
 
 
 def test_process_mesh_refuses_a_world_of_another_size(monkeypatch):

@@ -35,11 +35,21 @@ def local_sq_sum(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
     return torch.stack([n.cpu() for n in norms]).square().sum()
 
 
-def global_grad_norm(owned: Iterable[torch.Tensor], group: Any = None) -> float:
-    """sqrt of the sum over ``group`` of each rank's owned squared gradient elements."""
+def global_grad_norm(
+    owned: Iterable[torch.Tensor], group: Any = None, model_group: Any = None
+) -> float:
+    """sqrt of the sum over ``group`` of each rank's owned squared gradient elements.
+
+    ``group`` is the data-parallel group (or LOCAL for replicated gradients); ``model_group``
+    the ranks holding the other parts of the same model replica (pipeline stages,
+    tensor-parallel slices), whose sums are added too. Parameters replicated across
+    tensor-parallel ranks must be left out of ``owned`` on all but one of them.
+    """
     sq = local_sq_sum(owned)
     if not (isinstance(group, str) and group == LOCAL):
         comm.all_reduce(sq, group=group)
+    if model_group is not None:
+        comm.all_reduce(sq, group=model_group)
     return float(sq.sqrt())
 
 

@@ -203,7 +203,11 @@ class Engine(nn.Module):
         norm, measured = 0.0, False
         if self.gradient_clipping() > 0 or self.scaler.dynamic or scale != 1.0:
             measured = True
-            norm = clip.global_grad_norm(self.strategy.owned_grads(), self.strategy.norm_group)
+            norm = clip.global_grad_norm(
+                self.strategy.owned_grads(),
+                self.strategy.norm_group,
+                self.mesh.model_parallel_group if self.mesh.model_parallel_size > 1 else None,
+            )
         overflow = not math.isfinite(norm)
         self._step_applied = not overflow
         if overflow:
@@ -310,7 +314,12 @@ class Engine(nn.Module):
     # ------------------------------------------------------------------ state
     def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
         """The full model state dict with the original keys, on CPU, identical on every rank."""
-        return self.strategy.consolidated_state_dict(self.module)
+        state = self.strategy.consolidated_state_dict(self.module)
+        if self.mesh.topology.tp > 1:
+            from shardwise.parallel.consolidate import consolidate_tensor_parallel
+
+            state = consolidate_tensor_parallel(state, self.module, self.mesh.tp_group)
+        return state
 
     def module_state_dict(self) -> dict[str, torch.Tensor]:
         return self.consolidated_state_dict()

@@ -67,10 +67,14 @@ def initialize(
     mesh = _build_mesh(cfg)
     batch = cfg.resolve_batch(mesh.topology.dp)
     _log_start(cfg, mesh, batch)
-    broadcast_parameters(model, src=mesh.axis_ranks("dp")[0], group=mesh.dp_group)
+    if mesh.topology.tp > 1:
+        _apply_tensor_parallel(cfg, model, mesh)
+    else:
+        broadcast_parameters(model, src=mesh.axis_ranks("dp")[0], group=mesh.dp_group)
     model.to(compute_dtype(cfg))
     opt = _build_optimizer(cfg, model, optimizer, model_parameters)
     strategy = _build_strategy(cfg, model, opt, mesh)
+    strategy.norm_skip = _counted_elsewhere(model, mesh)
     if opt is not None and getattr(strategy, "optimizer", None) is not None:
         opt = strategy.optimizer  # rebuilt over the master shards
     sched = _build_scheduler(cfg, opt, lr_scheduler)
@@ -142,6 +146,28 @@ def _build_strategy(cfg: Config, model: nn.Module, opt: Any, mesh: ProcessMesh) 
     )
 
 
+def _apply_tensor_parallel(cfg: Config, model: nn.Module, mesh: ProcessMesh) -> None:
+    """Split the model's layers across the tensor-parallel group, from identical weights.
+
+    Every rank first takes rank 0's whole weights (the user may not have seeded), so that the
+    slices of all ranks come from one model; then the plan rewrites the layers in place."""
+    from shardwise.parallel.parallelize import parallelize, resolve_plan
+
+    broadcast_parameters(model, src=0, group=None)
+    plan = resolve_plan(model, cfg.tensor_parallel.plan)
+    parallelize(model, plan, mesh, sequence_parallel=cfg.tensor_parallel.sequence_parallel)
+
+
+def _counted_elsewhere(model: nn.Module, mesh: ProcessMesh) -> frozenset[int]:
+    """Parameters replicated across tensor-parallel ranks count in the gradient norm on
+    tensor-parallel rank 0 only (each element of the model's gradient counts once)."""
+    if mesh.topology.tp == 1 or mesh.tp_rank == 0:
+        return frozenset()
+    from shardwise.parallel.placement import get_placement
+
+    return frozenset(id(p) for p in model.parameters() if get_placement(p).tp_replicated)
+
+
 def _refuse_unimplemented(cfg: Config, mpu: Any) -> None:
     """Features the config validates but this version cannot run: say so, never ignore."""
     todo = []
@@ -149,8 +175,8 @@ def _refuse_unimplemented(cfg: Config, mpu: Any) -> None:
         todo.append(f"zero_optimization.stage={cfg.zero_optimization.stage}")
     if cfg.zero_optimization.offload_param is not None:
         todo.append("zero_optimization.offload_param")
-    if cfg.tensor_parallel.size > 1:
-        todo.append(f"tensor_parallel.size={cfg.tensor_parallel.size}")
+    if cfg.tensor_parallel.size > 1 and cfg.zero_optimization.stage == 3:
+        todo.append("zero_optimization.stage=3 with tensor_parallel.size > 1 (use stage 1 or 2)")
     if _pipeline_stages(cfg) > 1:
         todo.append(f"pipeline.stages={cfg.pipeline.stages}")
     todo += _unbuilt_options(cfg)

@@ -117,6 +117,14 @@ class Topology:
             groups.append([self.rank(**{**base, axis: i}) for i in range(self.size(axis))])
         return groups
 
+    def model_parallel_groups(self) -> list[list[int]]:
+        """Ranks that share a data-parallel coordinate: together they hold one model replica
+        (its pipeline stages and tensor-parallel slices). The gradient norm sums over them."""
+        return [
+            [self.rank(pp=p, dp=d, tp=t) for p in range(self.pp) for t in range(self.tp)]
+            for d in range(self.dp)
+        ]
+
     def peers(self, rank: int, axis: str) -> list[int]:
         """The ranks in ``rank``'s group along ``axis`` (itself included)."""
         c = self.coord(rank)
@@ -173,6 +181,10 @@ class ProcessMesh:
                 group = dist.new_group(members) if len(members) < topology.world_size else None
                 if rank in members:
                     mesh.groups[axis] = group if group is not None else dist.group.WORLD
+        for members in topology.model_parallel_groups():
+            group = dist.new_group(members) if len(members) < topology.world_size else None
+            if rank in members:
+                mesh.groups["mp"] = group if group is not None else dist.group.WORLD
         return mesh
 
     @property
@@ -204,6 +216,15 @@ class ProcessMesh:
     @property
     def tp_group(self) -> Any:
         return self.group("tp")
+
+    @property
+    def model_parallel_group(self) -> Any:
+        """The pipeline x tensor ranks of this rank's model replica (None: not distributed)."""
+        return self.groups.get("mp")
+
+    @property
+    def model_parallel_size(self) -> int:
+        return self.topology.pp * self.topology.tp
 
     @property
     def dp_rank(self) -> int:

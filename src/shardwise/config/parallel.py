@@ -13,7 +13,15 @@ from typing import Any, ClassVar, Literal
 from shardwise.config.errors import Notes, fail, join, show
 from shardwise.config.schema import build, spec
 
-TPStyle = Literal["colwise", "rowwise", "vocab", "sequence_parallel"]
+TPStyle = Literal[
+    "colwise",
+    "rowwise",
+    "colwise_rep",
+    "vocab",
+    "sequence_parallel",
+    "loss_parallel",
+    "split_dropout",
+]
 PARTITION_METHODS = ("parameters", "uniform", "best")  # plus "type:<regex>"
 
 

@@ -50,6 +50,7 @@ class DataParallelReducer:
 
     # Every rank ends the step with the same full gradient: the norm needs no communication.
     norm_group = clip.LOCAL
+    norm_skip: frozenset[int] = frozenset()
 
     def __init__(
         self,
@@ -87,8 +88,17 @@ class DataParallelReducer:
                 self._bind(p)
 
     def owned_grads(self) -> list[torch.Tensor]:
-        """The gradients whose squares make up the global norm (all of them, once)."""
-        return [b.buffer for b in self.buckets]
+        """The gradients whose squares make up the global norm (all of them, once).
+
+        ``norm_skip`` holds the ids of parameters another tensor-parallel rank counts."""
+        if not self.norm_skip:
+            return [b.buffer for b in self.buckets]
+        return [
+            b.layout.view(b.buffer, i)
+            for b in self.buckets
+            for i, p in enumerate(b.layout.params)
+            if id(p) not in self.norm_skip
+        ]
 
     def zero_grad(self) -> None:
         """Drop the gradients: autograd then hands each parameter a fresh one, which the
@@ -171,6 +181,7 @@ class LocalGradients:
     """
 
     norm_group = clip.LOCAL
+    norm_skip: frozenset[int] = frozenset()
 
     def __init__(self, params: Iterable[torch.nn.Parameter]) -> None:
         self.params = [p for p in params if p.requires_grad]
@@ -182,7 +193,7 @@ class LocalGradients:
         pass
 
     def owned_grads(self) -> list[torch.Tensor]:
-        return [p.grad for p in self.params if p.grad is not None]
+        return [p.grad for p in self.params if p.grad is not None and id(p) not in self.norm_skip]
 
     def step(self, optimizer: torch.optim.Optimizer, coef: float) -> None:
         if coef != 1.0:

@@ -56,6 +56,8 @@ class _Bucket:
 class ZeroStrategy:
     """The engine's gradient strategy for ZeRO stages 1-2 (and 16-bit stage 0)."""
 
+    norm_skip: frozenset[int] = frozenset()
+
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
@@ -181,8 +183,18 @@ class ZeroStrategy:
 
     # ------------------------------------------------------------------ step
     def owned_grads(self) -> list[torch.Tensor]:
-        """Each element of the global gradient once: this rank's reduced shards."""
-        return [b.grad_shard for b in self.buckets if b.grad_shard is not None]
+        """Each element of the global gradient once: this rank's reduced shards (without the
+        parameters in ``norm_skip``, which another tensor-parallel rank counts)."""
+        shards = [b for b in self.buckets if b.grad_shard is not None]
+        if not self.norm_skip:
+            return [b.grad_shard for b in shards]
+        shard_of = self.rank if self.parts > 1 else 0
+        return [
+            b.grad_shard[at : at + n]
+            for b in shards
+            for i, _, at, n in b.layout.overlaps(shard_of)
+            if id(b.layout.params[i]) not in self.norm_skip
+        ]
 
     def step(self, optimizer: Any, coef: float) -> None:
         """Step the master shards with gradients * coef, then all-gather the parameters."""
