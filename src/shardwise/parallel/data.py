@@ -197,7 +197,7 @@ class LocalGradients:
 
     def step(self, optimizer: torch.optim.Optimizer, coef: float) -> None:
         if coef != 1.0:
-            torch._foreach_mul_(self.owned_grads(), coef)
+            torch._foreach_mul_([p.grad for p in self.params if p.grad is not None], coef)
         optimizer.step()
 
     def zero_grad(self) -> None:
