@@ -16,7 +16,6 @@ recompute that draws another dropout mask (a change of order 1 on the masked ele
 
 import copy
 import sys
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -28,7 +27,9 @@ from torch import nn
 
 import shardwise
 from shardwise.checkpointing import checkpoint
+from shardwise.parallel import random as tp_random
 from shardwise.parallel.activation import apply_activation_checkpointing, is_checkpointed
+from shardwise.parallel.random import TP_STREAM, RNGStatesTracker
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "gpt"))
 from model import GPT, GPTConfig  # noqa: E402
@@ -167,52 +168,28 @@ def test_deepspeed_style_checkpoint_call():
     assert_bit_equal(got, want, "shardwise.checkpointing.checkpoint")
 
 
-# --------------------------------------------------- tensor-parallel RNG trackers (stand-in)
-class StandInTracker:
-    """The interface of shardwise.parallel.random's tracker that checkpoint() relies on:
-    get_states/set_states, and fork() swapping its own state into the default generator."""
-
-    def __init__(self, seed: int) -> None:
-        self.state = torch.Generator().manual_seed(seed).get_state()
-
-    def get_states(self) -> dict:
-        return {"model-parallel-rng": self.state.clone()}
-
-    def set_states(self, states: dict) -> None:
-        self.state = states["model-parallel-rng"].clone()
-
-    @contextmanager
-    def fork(self):
-        outside = torch.get_rng_state()
-        torch.set_rng_state(self.state)
-        try:
-            yield
-        finally:
-            self.state = torch.get_rng_state()
-            torch.set_rng_state(outside)
-
-
+# --------------------------------------------------------------- tensor-parallel RNG trackers
 class TrackerDropout(nn.Module):
-    """Dropout drawn from the tracker's stream, as tensor-parallel attention dropout is."""
+    """Dropout drawn from a tracker's stream, as tensor-parallel attention dropout is."""
 
-    def __init__(self, tracker: StandInTracker) -> None:
+    def __init__(self, tracker: RNGStatesTracker) -> None:
         super().__init__()
         self.fc = nn.Linear(8, 8)
         self.tracker = tracker
 
     def forward(self, x):
-        with self.tracker.fork():
+        with self.tracker.fork(TP_STREAM):
             return F.dropout(torch.tanh(self.fc(x)), p=0.5)
 
 
-def test_checkpoint_replays_the_tensor_parallel_tracker_streams(monkeypatch):
-    tracker = StandInTracker(seed=7)
-    stand_in = type(sys)("shardwise.parallel.random")
-    stand_in.all_trackers = lambda: [tracker]
-    monkeypatch.setitem(sys.modules, "shardwise.parallel.random", stand_in)
+def test_checkpoint_replays_the_tensor_parallel_tracker_streams():
+    """fork() swaps the tracker's state into the default generator, out of torch's own stash:
+    without the replay the recompute draws a new mask and the gradient is wrong."""
+    tracker = RNGStatesTracker()
     results = []
     for wrap in (False, True):
-        tracker.set_states({"model-parallel-rng": torch.Generator().manual_seed(7).get_state()})
+        tracker.reset()
+        tracker.add(TP_STREAM, 7)
         torch.manual_seed(0)
         layer = TrackerDropout(tracker)
         x = torch.randn(4, 8)
@@ -221,11 +198,47 @@ def test_checkpoint_replays_the_tensor_parallel_tracker_streams(monkeypatch):
         for _ in range(2):
             out = checkpoint(layer, checkpoint(layer, x)) if wrap else layer(layer(x))
             out.square().sum().backward()
-        results.append((out.detach(), layer.fc.weight.grad.clone(), tracker.state.clone()))
+        state = tracker.get_states()[TP_STREAM]["cpu"]
+        results.append((out.detach(), layer.fc.weight.grad.clone(), state))
     for what, a, b in zip(("output", "grad", "tracker state"), *results, strict=True):
         assert torch.equal(a, b), (
             f"{what} differs with checkpointing: the tracker stream was not replayed and restored"
         )
+
+
+@pytest.fixture
+def default_tracker():
+    """The process's default tracker and torch's generator, put back after the test."""
+    tracker = tp_random.get_rng_tracker()
+    saved = tracker.get_states()
+    with torch.random.fork_rng():
+        yield tracker
+    tracker.reset()
+    tracker.set_states(saved)
+
+
+def test_deepspeed_seeding_names_reach_the_tracker(monkeypatch, default_tracker):
+    import shardwise.checkpointing as ckpt
+
+    assert ckpt.get_cuda_rng_tracker() is default_tracker
+    monkeypatch.setattr(ckpt, "_state", {"block": None, "mpu": None})
+    tracker = ckpt.get_cuda_rng_tracker()
+    want = torch.Generator().manual_seed(5 + tp_random.TP_SEED_OFFSET + 1).get_state()
+    ckpt.model_parallel_cuda_manual_seed(5, tp_rank=1)
+    assert torch.equal(tracker.get_states()[TP_STREAM]["cpu"], want), "explicit tp_rank"
+
+    class MPU:  # Megatron's model-parallel unit, as DeepSpeed scripts pass it to configure
+        def get_model_parallel_rank(self) -> int:
+            return 1
+
+    ckpt.configure(MPU())
+    ckpt.model_parallel_cuda_manual_seed(5)
+    assert torch.equal(tracker.get_states()[TP_STREAM]["cpu"], want), "rank from configure(mpu)"
+    ckpt.configure(None)
+    monkeypatch.setattr(ckpt.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(ckpt.dist, "get_world_size", lambda: 4)
+    with pytest.raises(ValueError, match="tp_rank=engine.mesh.tp_rank"):
+        ckpt.model_parallel_cuda_manual_seed(5)
 
 
 # ----------------------------------------------------------------------------- the engine
@@ -398,7 +411,7 @@ def test_unsupported_deepspeed_keys_are_refused_by_initialize(key):
 def test_configure_takes_deepspeeds_arguments_and_refuses_what_it_lacks(monkeypatch):
     import shardwise.checkpointing as ckpt
 
-    monkeypatch.setattr(ckpt, "_configured", [])
+    monkeypatch.setattr(ckpt, "_state", {"block": None, "mpu": None})
     assert not ckpt.is_configured()
     config = {
         "train_batch_size": 8,
@@ -408,8 +421,8 @@ def test_configure_takes_deepspeeds_arguments_and_refuses_what_it_lacks(monkeypa
         None, deepspeed_config=config, num_checkpoints=4, synchronize=True, profile=False
     )
     assert ckpt.is_configured()
-    assert ckpt._configured[0].number_checkpoints == 4
-    assert ckpt._configured[0].contiguous_memory_optimization
+    assert ckpt._state["block"].number_checkpoints == 4
+    assert ckpt._state["block"].contiguous_memory_optimization
     ckpt.reset()
     for argument, key in [
         ("partition_activations", "partition_activations"),

@@ -26,16 +26,16 @@ effect. ``docs/config.md`` lists each one.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import os
 from collections.abc import Callable
-from types import ModuleType
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.utils.checkpoint
 
 from shardwise.config import ActivationCheckpointingConfig, Config, ConfigError, parse_config
+from shardwise.parallel import random as tp_random
 
 __all__ = [
     "checkpoint",
@@ -56,9 +56,9 @@ _ARGUMENT_KEYS = {
     "synchronize": "synchronize_checkpoint_boundary",
     "profile": "profile",
 }
-# What configure() last set (DeepSpeed's API is process-wide by design: configure once, then
-# every checkpoint() call of the model reads it). No process group is kept here.
-_configured: list[ActivationCheckpointingConfig] = []
+# What configure() last set, and its mpu (DeepSpeed's API is process-wide by design: configure
+# once, then the model's checkpoint() calls and model_parallel_cuda_manual_seed read it).
+_state: dict[str, Any] = {"block": None, "mpu": None}
 
 
 def checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -104,11 +104,11 @@ def configure(
     """DeepSpeed's ``configure``: options from ``deepspeed_config``'s ``activation_checkpointing``
     block (a dict, a JSON path or a parsed Config), overridden by the arguments that are not None.
 
-    ``mpu_`` is accepted and unused: DeepSpeed reads it only to partition activations over the
-    model-parallel ranks, which shardwise refuses. Raises ConfigError (naming the config key and
-    the argument) for ``partition_activations=True`` and ``checkpoint_in_cpu=True``.
+    ``mpu_`` (Megatron's model-parallel unit) only gives ``model_parallel_cuda_manual_seed`` the
+    tensor-parallel rank; DeepSpeed also partitions activations with it, which shardwise refuses.
+    Raises ConfigError (naming the config key and the argument) for ``partition_activations=True``
+    and ``checkpoint_in_cpu=True``.
     """
-    del mpu_  # see the docstring
     if isinstance(deepspeed_config, Config):
         block = deepspeed_config.activation_checkpointing
     elif deepspeed_config is not None:
@@ -136,7 +136,7 @@ def configure(
             f"shardwise: {REFUSED[refused[0]]}. Leave it false",
             key=f"{_BLOCK}.{refused[0]}",
         )
-    _configured[:] = [block]
+    _state.update(block=block, mpu=mpu_)
 
 
 # Keys whose true value asks for something shardwise does not do, and why.
@@ -154,55 +154,49 @@ def refused_options(block: ActivationCheckpointingConfig) -> list[str]:
 
 def is_configured() -> bool:
     """True once ``configure`` has run (DeepSpeed's ``is_configured``)."""
-    return bool(_configured)
+    return _state["block"] is not None
 
 
 def reset() -> None:
     """DeepSpeed frees its contiguous checkpoint buffers here; shardwise keeps none."""
 
 
-def get_cuda_rng_tracker() -> Any:
-    """The tensor-parallel RNG tracker (``shardwise.parallel.random``), DeepSpeed's name."""
-    return _require_random("get_cuda_rng_tracker").get_cuda_rng_tracker()
+def get_cuda_rng_tracker() -> tp_random.RNGStatesTracker:
+    """The process's tensor-parallel RNG tracker; ``with get_cuda_rng_tracker().fork():`` draws
+    from the per-TP-rank stream (``shardwise.parallel.random``)."""
+    return tp_random.get_rng_tracker()
 
 
-def model_parallel_cuda_manual_seed(seed: int) -> Any:
-    """Seed the default and the tensor-parallel generators (``shardwise.parallel.random``)."""
-    return _require_random("model_parallel_cuda_manual_seed").model_parallel_cuda_manual_seed(seed)
+def model_parallel_cuda_manual_seed(seed: int, tp_rank: int | None = None) -> None:
+    """Megatron's seeding: the default stream gets ``seed`` (the same on every tensor-parallel
+    rank), the tracker's "model-parallel-rng" stream ``seed + 2718 + tp_rank``.
+
+    The TP rank is ``tp_rank`` if given (e.g. ``engine.mesh.tp_rank``), else the one of the
+    mpu passed to ``configure`` (as DeepSpeed reads it), else 0 in a world of one process.
+    """
+    if tp_rank is None:
+        tp_rank = _tp_rank(_state["mpu"])
+    tp_random.model_parallel_seed(seed, tp_rank)
 
 
-# The coupling to shardwise.parallel.random is the functions below, importing it lazily: the
-# trackers are optional, and a missing module means there is no tracker to replay.
-_RANDOM = "shardwise.parallel.random"
+def _tp_rank(mpu: Any) -> int:
+    for name in ("get_tensor_model_parallel_rank", "get_model_parallel_rank"):
+        if hasattr(mpu, name):
+            return int(getattr(mpu, name)())
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return 0
+    raise ValueError(
+        "model_parallel_cuda_manual_seed(seed): the tensor-parallel rank is unknown (shardwise "
+        "keeps no global model-parallel state): pass tp_rank=engine.mesh.tp_rank, or call "
+        "shardwise.checkpointing.configure(mpu) first"
+    )
 
 
-def _random_module() -> ModuleType | None:
-    try:
-        return importlib.import_module(_RANDOM)
-    except ModuleNotFoundError as error:
-        if error.name != _RANDOM:
-            raise
-        return None
-
-
-def _require_random(name: str) -> ModuleType:
-    module = _random_module()
-    if module is None or not hasattr(module, name):
-        raise NotImplementedError(
-            f"shardwise.checkpointing.{name} needs {_RANDOM}.{name} (the tensor-parallel RNG "
-            "tracker), which this installation lacks"
-        )
-    return module
-
-
-def _tracker_states() -> list[tuple[Any, Any]]:
+def _tracker_states() -> list[tuple[tp_random.RNGStatesTracker, Any]]:
     """(tracker, its states) for every live tensor-parallel RNG tracker."""
-    module = _random_module()
-    if module is None or not hasattr(module, "all_trackers"):
-        return []
-    return [(tracker, tracker.get_states()) for tracker in module.all_trackers()]
+    return [(tracker, tracker.get_states()) for tracker in tp_random.all_trackers()]
 
 
-def _set_tracker_states(saved: list[tuple[Any, Any]]) -> None:
+def _set_tracker_states(saved: list[tuple[tp_random.RNGStatesTracker, Any]]) -> None:
     for tracker, states in saved:
         tracker.set_states(states)
