@@ -27,7 +27,7 @@ PARTITION_METHODS = ("parameters", "uniform", "best")  # plus "type:<regex>"
 
 @dataclass(frozen=True)
 class TensorParallelConfig:
-    """``"tensor_parallel": {"size": 2, "plan": {"*.q_proj": "colwise", "*.o_proj": "rowwise"}}``.
+    """``"tensor_parallel": {"size": 2, "plan": {"layers.*.q_proj": "colwise", ...}}``.
 
     ``plan`` maps module-name patterns to a style, the strings Hugging Face models publish in their
     ``tp_plan``: colwise (split the output features), rowwise (split the input features, all-reduce
