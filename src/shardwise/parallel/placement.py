@@ -44,7 +44,8 @@ class Placement:
     def logical_box(self) -> tuple[tuple[int, int], ...]:
         """The box without padding: what this rank holds of the real tensor."""
         return tuple(
-            (start, min(stop, n)) for (start, stop), n in zip(self.box, self.global_shape, strict=True)
+            (start, min(stop, n))
+            for (start, stop), n in zip(self.box, self.global_shape, strict=True)
         )
 
 
@@ -83,6 +84,5 @@ def split_box(
     into padding when ``global_shape[dim]`` does not divide: the size is rounded up)."""
     size = -(-global_shape[dim] // parts)
     return tuple(
-        (rank * size, (rank + 1) * size) if d == dim else (0, n)
-        for d, n in enumerate(global_shape)
+        (rank * size, (rank + 1) * size) if d == dim else (0, n) for d, n in enumerate(global_shape)
     )

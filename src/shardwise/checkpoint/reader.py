@@ -1,0 +1,265 @@
+"""Open a checkpoint, check it, and read only the slices a rank needs.
+
+On open: manifest.json parses and is ours; every rank's file exists with the recorded size;
+its header (which holds the rank state) matches its CRC-32 and lists every piece with the
+recorded dtype and shape. On read (``verify=True``): the first read of a piece reads it whole
+and checks its CRC-32 (so a piece is read whole once, even when a slice is asked); later reads
+of that piece, or every read with ``verify=False``, read only the bytes of the slice (for a
+box piece: the rows of dim 0 it spans). Every error is a ``CheckpointError`` naming the file
+and the tensor. Nothing is unpickled: JSON and raw bytes only.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import zlib
+from typing import Any
+
+import torch
+
+from shardwise.checkpoint import manifest as mf
+from shardwise.checkpoint.manifest import CheckpointError, SavedPiece, rank_file
+from shardwise.checkpoint.rank_state import StateError, decode
+from shardwise.checkpoint.safetensors_file import (
+    FormatError,
+    Header,
+    dtype_code,
+    dtype_from_code,
+    read_header,
+    read_range,
+)
+
+RANK_STATE_KEY = "shardwise.rank_state"
+Index = tuple[slice, ...] | slice | None
+
+
+class CheckpointReader:
+    """A checked, read-only view of the checkpoint in directory ``path``."""
+
+    def __init__(self, path: str, verify: bool = True) -> None:
+        self.path = path
+        self.verify = verify
+        where = os.path.join(path, mf.MANIFEST)
+        if not os.path.isfile(where):
+            raise CheckpointError(
+                f"{where} does not exist: {path} is not a checkpoint, or its save did not finish"
+            )
+        with open(where, "rb") as f:
+            self.manifest = mf.parse(f.read(), where)
+        self._pieces = {
+            name: mf.pieces_of(self.manifest, name) for name in self.manifest["tensors"]
+        }
+        self._headers: dict[str, Header] = {}
+        self._handles: dict[str, Any] = {}
+        self._verified: set[tuple[str, str]] = set()
+        for file, record in self.manifest["files"].items():
+            self._headers[file] = self._check_file(file, record)
+        for pieces in self._pieces.values():
+            for p in pieces:
+                self._entry(p.file, p.key, p.dtype, p.shape)
+
+    # ------------------------------------------------------------------ what it holds
+
+    @property
+    def meta(self) -> dict:
+        return self.manifest["meta"]
+
+    @property
+    def world_size(self) -> int:
+        return int(self.manifest["world_size"])
+
+    @property
+    def tag(self) -> str:
+        return str(self.manifest["tag"])
+
+    def names(self) -> list[str]:
+        return list(self._pieces)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._pieces
+
+    def pieces(self, name: str) -> list[SavedPiece]:
+        if name not in self._pieces:
+            some = ", ".join(list(self._pieces)[:5])
+            raise CheckpointError(
+                f"tensor {name!r} is not in checkpoint {self.path} ({len(self._pieces)} tensors: "
+                f"{some}, ...): was it saved from another model?"
+            )
+        return list(self._pieces[name])
+
+    # ------------------------------------------------------------------ reading
+
+    def read(
+        self, piece: SavedPiece, index: Index = None, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The stored tensor of ``piece`` (shape ``piece.shape``), or its part ``index``: a tuple
+        of unit-step slices for a whole-box piece, one slice for a flat piece. A fresh tensor,
+        or ``out`` filled (same shape) when given."""
+        where = f"{os.path.join(self.path, piece.file)} tensor {piece.key!r}"
+        index = _normalize(index, piece, where)
+        header = self._headers[piece.file]
+        begin, end = header.entries[piece.key]["data_offsets"]
+        try:
+            if self.verify and (piece.file, piece.key) not in self._verified:
+                whole = self._read_checked(piece.file, piece.key, piece.dtype, piece.crc32)
+                self._verified.add((piece.file, piece.key))
+                whole = whole.view(piece.shape)
+                return _deliver(whole[index] if index else whole, out, fresh=not index)
+            part = self._read_part(self._handle(piece.file), header, piece, index)
+            return _deliver(part, out, fresh=True)
+        except FormatError as e:
+            raise CheckpointError(f"{where}: {e}") from e
+
+    def _read_checked(
+        self, file: str, key: str, dtype: torch.dtype, crc: int | None
+    ) -> torch.Tensor:
+        """All of ``key``'s bytes as a 1-D tensor, checked against ``crc``."""
+        header = self._headers[file]
+        begin, end = header.entries[key]["data_offsets"]
+        flat = read_range(self._handle(file), header.data_start, begin, end, dtype, None)
+        if zlib.crc32(memoryview(flat.view(torch.uint8).numpy())) != crc:
+            raise CheckpointError(
+                f"{os.path.join(self.path, file)} tensor {key!r}: checksum mismatch, the file "
+                "is corrupted"
+            )
+        return flat
+
+    def _read_part(self, f: Any, header: Header, p: SavedPiece, index: tuple) -> torch.Tensor:
+        begin, end = header.entries[p.key]["data_offsets"]
+        if not index or not p.shape:
+            return read_range(f, header.data_start, begin, end, p.dtype, None).view(p.shape)
+        rows = index[0].indices(p.shape[0])[:2]
+        row_bytes = math.prod(p.shape[1:]) * p.dtype.itemsize
+        block = read_range(
+            f, header.data_start, begin + rows[0] * row_bytes, begin + rows[1] * row_bytes,
+            p.dtype, None,
+        ).view(rows[1] - rows[0], *p.shape[1:])  # fmt: skip
+        rest = index[1:]
+        if all(s.indices(n)[:2] == (0, n) for s, n in zip(rest, p.shape[1:], strict=True)):
+            return block
+        return block[(slice(None), *rest)].clone()
+
+    def rank_state(self, rank: int) -> dict:
+        """What rank ``rank`` saved as its rank state, tensors restored."""
+        file = rank_file(rank)
+        if file not in self._headers:
+            raise CheckpointError(f"{self.path} has no rank {rank} (world size {self.world_size})")
+        where = os.path.join(self.path, file)
+        try:
+            state = json.loads(self._headers[file].metadata[RANK_STATE_KEY])
+            return decode(state, lambda key: self._state_tensor(file, key))
+        except (KeyError, TypeError, ValueError, StateError) as e:
+            raise CheckpointError(
+                f"{where}: unreadable rank state ({type(e).__name__}: {e})"
+            ) from e
+
+    def _state_tensor(self, file: str, key: str) -> torch.Tensor:
+        crc = self.manifest["files"][file]["state_crc32"].get(key)
+        entry = self._headers[file].entries.get(key)
+        if crc is None or entry is None:
+            raise CheckpointError(f"{os.path.join(self.path, file)}: no rank-state tensor {key!r}")
+        dtype, shape = dtype_from_code(entry["dtype"]), tuple(entry["shape"])
+        self._entry(file, key, dtype, shape)
+        return self._read_checked(file, key, dtype, crc).view(shape)
+
+    def verify_all(self) -> int:
+        """Read every stored tensor and check its CRC-32; return the bytes checked."""
+        total = 0
+        for pieces in self._pieces.values():
+            for p in pieces:
+                total += (
+                    self._read_checked(p.file, p.key, p.dtype, p.crc32).numel() * p.dtype.itemsize
+                )
+        for rank in range(self.world_size):
+            self.rank_state(rank)
+        return total
+
+    # ------------------------------------------------------------------ files
+
+    def _check_file(self, file: str, record: dict) -> Header:
+        path = os.path.join(self.path, file)
+        if not os.path.isfile(path):
+            raise CheckpointError(
+                f"{path} is missing (the file of rank {record['rank']}): the checkpoint is "
+                "incomplete"
+            )
+        size = os.path.getsize(path)
+        if size != record["size"]:
+            raise CheckpointError(
+                f"{path} has {size} bytes, the manifest says {record['size']}: truncated or "
+                "overwritten"
+            )
+        try:
+            header = read_header(path, size)
+        except FormatError as e:
+            raise CheckpointError(f"{path}: {e}") from e
+        if header.data_start != record["header_bytes"] or (
+            self.verify and header.crc32 != record["header_crc32"]
+        ):
+            raise CheckpointError(f"{path}: header checksum mismatch, the file is corrupted")
+        return header
+
+    def _entry(self, file: str, key: str, dtype: torch.dtype, shape: tuple) -> None:
+        """Check that ``file`` holds ``key`` as the manifest says."""
+        header = self._headers[file]
+        entry = header.entries.get(key)
+        path = os.path.join(self.path, file)
+        if entry is None:
+            raise CheckpointError(f"{path} has no tensor {key!r}, which the manifest lists")
+        try:
+            begin, end = (int(x) for x in entry["data_offsets"])
+            ok = entry["dtype"] == dtype_code(dtype) and tuple(entry["shape"]) == tuple(shape)
+        except (KeyError, TypeError, ValueError):
+            ok = False
+        ok = ok and 0 <= begin and end - begin == math.prod(shape) * dtype.itemsize
+        if not ok or header.data_start + end > record_size(self.manifest, file):
+            raise CheckpointError(
+                f"{path} tensor {key!r}: stored as {entry}, the manifest says {dtype} {shape}"
+            )
+
+    def _handle(self, file: str) -> Any:
+        if file not in self._handles:
+            self._handles[file] = open(os.path.join(self.path, file), "rb")  # noqa: SIM115
+        return self._handles[file]
+
+    def close(self) -> None:
+        for f in self._handles.values():
+            f.close()
+        self._handles.clear()
+
+    def __enter__(self) -> CheckpointReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def record_size(manifest: dict, file: str) -> int:
+    return int(manifest["files"][file]["size"])
+
+
+def _normalize(index: Index, piece: SavedPiece, where: str) -> tuple:
+    """``index`` as a tuple of unit-step slices over the stored tensor (() = all of it)."""
+    if index is None:
+        return ()
+    if piece.flat is not None and isinstance(index, slice):
+        index = (index,)
+    if not isinstance(index, tuple):
+        index = (index,)
+    shape = piece.shape
+    if len(index) > len(shape) or not all(isinstance(s, slice) for s in index):
+        raise CheckpointError(f"{where}: index {index!r} is not {len(shape)} slices")
+    if any(s.indices(n)[2] != 1 for s, n in zip(index, shape, strict=False)):
+        raise CheckpointError(f"{where}: index {index!r} has a step; only unit steps are read")
+    index = index + (slice(None),) * (len(shape) - len(index))
+    return tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, shape, strict=True))
+
+
+def _deliver(t: torch.Tensor, out: torch.Tensor | None, fresh: bool) -> torch.Tensor:
+    if out is None:
+        return t if fresh else t.clone()
+    if tuple(out.shape) != tuple(t.shape):
+        raise CheckpointError(f"out has shape {tuple(out.shape)}, the slice read {tuple(t.shape)}")
+    return out.copy_(t)
