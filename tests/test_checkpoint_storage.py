@@ -202,6 +202,8 @@ def test_slice_reads(verify, two_rank_ckpt, monkeypatch):
         assert torch.equal(r.read(flat, slice(2, 7)), r.read(flat)[2:7])
         out = torch.empty(2, 6)
         assert r.read(box, (slice(0, 2),), out=out) is out and torch.equal(out, whole[:2])
+        out = torch.empty(box.shape)  # straight from the file into it
+        assert r.read(box, out=out) is out and torch.equal(out, whole)
         with pytest.raises(CheckpointError, match="step"):
             r.read(box, (slice(0, 3, 2),))
         with pytest.raises(CheckpointError, match="not in checkpoint"):

@@ -96,29 +96,51 @@ class CheckpointReader:
     ) -> torch.Tensor:
         """The stored tensor of ``piece`` (shape ``piece.shape``), or its part ``index``: a tuple
         of unit-step slices for a whole-box piece, one slice for a flat piece. A fresh tensor,
-        or ``out`` filled (same shape) when given."""
+        or ``out`` filled (same shape) when given (read straight into it when it is a
+        contiguous tensor of the piece's dtype; its contents are undefined after an error)."""
         where = f"{os.path.join(self.path, piece.file)} tensor {piece.key!r}"
         index = _normalize(index, piece, where)
         header = self._headers[piece.file]
-        begin, end = header.entries[piece.key]["data_offsets"]
+        direct = (
+            out is not None
+            and not index
+            and out.is_contiguous()
+            and out.dtype == piece.dtype
+            and tuple(out.shape) == piece.shape
+            and out.device.type == "cpu"
+        )
+        target = out.view(-1) if direct else None
         try:
             if self.verify and (piece.file, piece.key) not in self._verified:
-                whole = self._read_checked(piece.file, piece.key, piece.dtype, piece.crc32)
+                whole = self._read_checked(piece.file, piece.key, piece.dtype, piece.crc32, target)
                 self._verified.add((piece.file, piece.key))
+                if direct:
+                    return out
                 whole = whole.view(piece.shape)
                 return _deliver(whole[index] if index else whole, out, fresh=not index)
+            if direct:
+                begin, end = header.entries[piece.key]["data_offsets"]
+                read_range(
+                    self._handle(piece.file), header.data_start, begin, end, piece.dtype, target
+                )
+                return out
             part = self._read_part(self._handle(piece.file), header, piece, index)
             return _deliver(part, out, fresh=True)
         except FormatError as e:
             raise CheckpointError(f"{where}: {e}") from e
 
     def _read_checked(
-        self, file: str, key: str, dtype: torch.dtype, crc: int | None
+        self,
+        file: str,
+        key: str,
+        dtype: torch.dtype,
+        crc: int | None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """All of ``key``'s bytes as a 1-D tensor, checked against ``crc``."""
+        """All of ``key``'s bytes as a 1-D tensor (``out`` if given), checked against ``crc``."""
         header = self._headers[file]
         begin, end = header.entries[key]["data_offsets"]
-        flat = read_range(self._handle(file), header.data_start, begin, end, dtype, None)
+        flat = read_range(self._handle(file), header.data_start, begin, end, dtype, out)
         if zlib.crc32(memoryview(flat.view(torch.uint8).numpy())) != crc:
             raise CheckpointError(
                 f"{os.path.join(self.path, file)} tensor {key!r}: checksum mismatch, the file "
