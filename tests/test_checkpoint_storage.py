@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from shardwise.checkpoint import reader as reader_module
-from shardwise.checkpoint.export import assemble, export_consolidated, inspect
+from shardwise.checkpoint.export import assemble, export_consolidated
 from shardwise.checkpoint.pieces import Piece
 from shardwise.checkpoint.storage import (
     CheckpointError,

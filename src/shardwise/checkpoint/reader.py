@@ -21,7 +21,6 @@ import torch
 
 from shardwise.checkpoint import manifest as mf
 from shardwise.checkpoint.manifest import CheckpointError, SavedPiece, rank_file
-from shardwise.checkpoint.rank_state import StateError, decode
 from shardwise.checkpoint.safetensors_file import (
     FormatError,
     Header,
@@ -30,6 +29,7 @@ from shardwise.checkpoint.safetensors_file import (
     read_header,
     read_range,
 )
+from shardwise.checkpoint.state_codec import StateError, decode
 
 RANK_STATE_KEY = "shardwise.rank_state"
 Index = tuple[slice, ...] | slice | None

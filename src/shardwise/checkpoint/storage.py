@@ -32,9 +32,9 @@ from shardwise import comm
 from shardwise.checkpoint import manifest as mf
 from shardwise.checkpoint.manifest import CheckpointError, rank_file
 from shardwise.checkpoint.pieces import Piece
-from shardwise.checkpoint.rank_state import StateError, encode
 from shardwise.checkpoint.reader import CheckpointReader  # noqa: F401 - part of this API
 from shardwise.checkpoint.safetensors_file import FormatError, write_tensors
+from shardwise.checkpoint.state_codec import StateError, encode
 
 LATEST = "latest"
 RANK_STATE_KEY = "shardwise.rank_state"

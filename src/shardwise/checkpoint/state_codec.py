@@ -1,6 +1,6 @@
-"""A rank's own state (RNG states, step counters, loader position, client_state) as JSON.
+"""Encode a rank's own state (RNG states, counters, client_state) as JSON, never pickle.
 
-No pickle: values are JSON, and what JSON cannot say is tagged so that it round-trips exactly
+Values are JSON, and what JSON cannot say is tagged so that it round-trips exactly
 (``random.setstate`` wants a tuple back, ``numpy`` an array of the same dtype):
 
     tuple             {"__sw_tuple__": [...]}
