@@ -210,6 +210,35 @@ def test_slice_reads(verify, two_rank_ckpt, monkeypatch):
             r.pieces("model/missing")
 
 
+def test_a_checked_slice_reads_and_checks_only_its_chunks(tmp_path, monkeypatch):
+    # 4 MiB of float32 = 4 checksum chunks of 256 rows each.
+    big = torch.arange(1024 * 1024, dtype=torch.float32).view(1024, 1024)
+    path = Path(
+        save_pieces(
+            str(tmp_path),
+            "t",
+            [Piece("model/big", (1024, 1024), ((0, 1024), (0, 1024)), None, big)],
+            {},
+            {},
+        )
+    )
+    _flip(
+        path / "rank_00000.safetensors",
+        _data_offset(path / "rank_00000.safetensors", "model/big") + 3 * 2**20 + 8,
+    )
+    ranges = []
+    real = reader_module.read_range
+    monkeypatch.setattr(
+        reader_module, "read_range", lambda *a: ranges.append(a[3] - a[2]) or real(*a)
+    )
+    with CheckpointReader(str(path)) as r:
+        (piece,) = r.pieces("model/big")
+        assert torch.equal(r.read(piece, (slice(300, 310), slice(5, 9))), big[300:310, 5:9])
+        assert ranges == [2**20], f"read {ranges} bytes for 10 rows inside one chunk"
+        with pytest.raises(CheckpointError, match=r"model/big.*checksum mismatch in bytes 3145728"):
+            r.read(piece, (slice(1000, 1001),))  # the damaged fourth chunk
+
+
 # ----------------------------------------------------------------------------- atomicity
 
 

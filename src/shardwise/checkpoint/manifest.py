@@ -4,12 +4,14 @@
      "created": 1700000000.0, "world_size": 2, "versions": {"torch": ..., ...},
      "meta": {...the caller's: layout, step, ...},
      "files": {"rank_00000.safetensors": {"rank": 0, "size": ..., "header_bytes": ...,
-                                          "header_crc32": ..., "state_crc32": {key: ...}},
+                                          "header_crc32": ..., "state_crc32": {key: [...]}},
                ...},
      "tensors": {"model/w": {"dtype": "float32", "global_shape": [8, 6],
                              "pieces": [{"box": [[0, 4], [0, 6]], "flat": null,
                                          "file": "rank_00000.safetensors", "key": "model/w",
-                                         "crc32": ...}, ...]}, ...}}
+                                         "crc32": [...]}, ...]}, ...}}
+
+``crc32`` lists the CRC-32 of each ``crc_chunk`` bytes of the stored tensor (safetensors_file).
 
 A piece is described as in ``pieces.py``. Whole-box pieces are stored cropped to the logical box
 (padding past ``global_shape`` is not written); flat pieces are stored as given, so a loader
@@ -27,7 +29,12 @@ from typing import Any
 import torch
 
 from shardwise.checkpoint.pieces import Piece
-from shardwise.checkpoint.safetensors_file import FormatError, dtype_from_name, dtype_name
+from shardwise.checkpoint.safetensors_file import (
+    CRC_CHUNK,
+    FormatError,
+    dtype_from_name,
+    dtype_name,
+)
 
 FORMAT = "shardwise.checkpoint"
 VERSION = 1
@@ -56,7 +63,7 @@ class SavedPiece:
     flat: tuple[int, int] | None
     file: str
     key: str
-    crc32: int | None = None
+    crc32: tuple[int, ...] = ()  # per CRC_CHUNK bytes of the stored tensor
 
     @property
     def box_shape(self) -> tuple[int, ...]:
@@ -92,7 +99,7 @@ def stored_piece(p: Piece) -> tuple[tuple[tuple[int, int], ...], torch.Tensor] |
     return logical, p.tensor[crop] if logical != tuple(p.box) else p.tensor
 
 
-def piece_entry(p: Piece, box: tuple, key: str, crc: int) -> dict[str, Any]:
+def piece_entry(p: Piece, box: tuple, key: str, crc: list[int]) -> dict[str, Any]:
     return {
         "name": p.name,
         "dtype": dtype_name(p.tensor.dtype),
@@ -125,6 +132,7 @@ def build(tag: str, meta: dict, infos: list[dict], created: float, versions: dic
     return {
         "format": FORMAT,
         "version": VERSION,
+        "crc_chunk": CRC_CHUNK,
         "tag": tag,
         "created": created,
         "world_size": len(infos),
@@ -145,8 +153,11 @@ def parse(text: bytes, where: str) -> dict:
         raise CheckpointError(
             f"{where}: not a shardwise checkpoint manifest (no format {FORMAT!r})"
         )
-    if m.get("version") != VERSION:
-        raise CheckpointError(f"{where}: format version {m.get('version')!r}, we read {VERSION}")
+    if m.get("version") != VERSION or m.get("crc_chunk") != CRC_CHUNK:
+        raise CheckpointError(
+            f"{where}: format version {m.get('version')!r} with checksums per "
+            f"{m.get('crc_chunk')!r} bytes; we read version {VERSION}, {CRC_CHUNK}"
+        )
     try:
         _check_files(m["files"], m["world_size"])
         if not all(isinstance(m[k], dict) for k in ("meta", "files", "tensors", "versions")):
@@ -168,8 +179,8 @@ def _check_files(files: dict, world_size: int) -> None:
         for k in ("size", "header_bytes", "header_crc32"):
             if not isinstance(f[k], int):
                 raise ValueError(f"{name}: {k} is not an integer")
-        if not all(isinstance(v, int) for v in f["state_crc32"].values()):
-            raise ValueError(f"{name}: state_crc32 values are not integers")
+        for crcs in f["state_crc32"].values():
+            _crcs(crcs)
 
 
 def _ranges(value: Any) -> tuple[tuple[int, int], ...]:
@@ -177,6 +188,12 @@ def _ranges(value: Any) -> tuple[tuple[int, int], ...]:
     if any(not 0 <= a <= b for a, b in out):
         raise ValueError(f"bad ranges {value!r}")
     return out
+
+
+def _crcs(value: Any) -> tuple[int, ...]:
+    if not isinstance(value, list) or not value or not all(isinstance(v, int) for v in value):
+        raise ValueError(f"checksums {value!r} are not a list of integers")
+    return tuple(value)
 
 
 def pieces_of(m: dict, name: str) -> list[SavedPiece]:
@@ -190,5 +207,6 @@ def pieces_of(m: dict, name: str) -> list[SavedPiece]:
         flat = None if p["flat"] is None else _ranges([p["flat"]])[0]
         if p["file"] not in m["files"] or len(box) != len(shape):
             raise ValueError(f"tensor {name!r}: piece {p!r} names an unknown file or bad box")
-        out.append(SavedPiece(name, dtype, shape, box, flat, p["file"], str(p["key"]), p["crc32"]))
+        crcs = _crcs(p["crc32"])
+        out.append(SavedPiece(name, dtype, shape, box, flat, p["file"], str(p["key"]), crcs))
     return out

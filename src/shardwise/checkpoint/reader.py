@@ -2,10 +2,9 @@
 
 On open: manifest.json parses and is ours; every rank's file exists with the recorded size;
 its header (which holds the rank state) matches its CRC-32 and lists every piece with the
-recorded dtype and shape. On read (``verify=True``): the first read of a piece reads it whole
-and checks its CRC-32 (so a piece is read whole once, even when a slice is asked); later reads
-of that piece, or every read with ``verify=False``, read only the bytes of the slice (for a
-box piece: the rows of dim 0 it spans). Every error is a ``CheckpointError`` naming the file
+recorded dtype and shape. On read: the bytes of the slice asked (for a box piece: the rows of
+dim 0 it spans) and, with ``verify=True``, the rest of the 1 MiB checksum chunks they touch,
+each chunk checked against its CRC-32 the first time it is read. Every error is a ``CheckpointError`` naming the file
 and the tensor. Nothing is unpickled: JSON and raw bytes only.
 """
 
@@ -22,6 +21,7 @@ import torch
 from shardwise.checkpoint import manifest as mf
 from shardwise.checkpoint.manifest import CheckpointError, SavedPiece, rank_file
 from shardwise.checkpoint.safetensors_file import (
+    CRC_CHUNK,
     FormatError,
     Header,
     dtype_code,
@@ -97,71 +97,78 @@ class CheckpointReader:
         """The stored tensor of ``piece`` (shape ``piece.shape``), or its part ``index``: a tuple
         of unit-step slices for a whole-box piece, one slice for a flat piece. A fresh tensor,
         or ``out`` filled (same shape) when given (read straight into it when it is a
-        contiguous tensor of the piece's dtype; its contents are undefined after an error)."""
+        contiguous CPU tensor of the piece's dtype; its contents are undefined after an error).
+
+        Reads the elements from the first to the last of ``index`` in row-major order (for a
+        box piece: the rows of dim 0 it spans), plus, with ``verify``, the rest of the checksum
+        chunks they touch, unless those were checked already."""
         where = f"{os.path.join(self.path, piece.file)} tensor {piece.key!r}"
         index = _normalize(index, piece, where)
-        header = self._headers[piece.file]
-        direct = (
-            out is not None
-            and not index
-            and out.is_contiguous()
-            and out.dtype == piece.dtype
-            and tuple(out.shape) == piece.shape
-            and out.device.type == "cpu"
+        shape, numel = piece.shape, math.prod(piece.shape)
+        inner = math.prod(shape[1:]) if shape else 1
+        rows = index[0] if index else slice(0, shape[0] if shape else 1)
+        rest = (
+            index[1:]
+            if any((s.start, s.stop) != (0, n) for s, n in zip(index[1:], shape[1:], strict=False))
+            else ()
         )
-        target = out.view(-1) if direct else None
+        lo, hi = rows.start * inner, rows.stop * inner
+        direct = (
+            out is not None and (lo, hi) == (0, numel) and not rest and out.is_contiguous()
+            and out.dtype == piece.dtype and tuple(out.shape) == shape and out.device.type == "cpu"
+        )  # fmt: skip
         try:
-            if self.verify and (piece.file, piece.key) not in self._verified:
-                whole = self._read_checked(piece.file, piece.key, piece.dtype, piece.crc32, target)
-                self._verified.add((piece.file, piece.key))
-                if direct:
-                    return out
-                whole = whole.view(piece.shape)
-                return _deliver(whole[index] if index else whole, out, fresh=not index)
-            if direct:
-                begin, end = header.entries[piece.key]["data_offsets"]
-                read_range(
-                    self._handle(piece.file), header.data_start, begin, end, piece.dtype, target
-                )
-                return out
-            part = self._read_part(self._handle(piece.file), header, piece, index)
-            return _deliver(part, out, fresh=True)
+            flat = self._elements(piece.file, piece.key, piece.dtype, piece.crc32, lo, hi,
+                                  out.view(-1) if direct else None)  # fmt: skip
         except FormatError as e:
             raise CheckpointError(f"{where}: {e}") from e
+        if direct:
+            return out
+        part = flat.view(rows.stop - rows.start, *shape[1:]) if shape else flat.view(())
+        if rest:
+            part = part[(slice(None), *rest)]
+        return _deliver(part, out)
 
-    def _read_checked(
+    def _elements(
         self,
         file: str,
         key: str,
         dtype: torch.dtype,
-        crc: int | None,
+        crcs: tuple[int, ...],
+        lo: int,
+        hi: int,
         out: torch.Tensor | None = None,
+        force: bool = False,
     ) -> torch.Tensor:
-        """All of ``key``'s bytes as a 1-D tensor (``out`` if given), checked against ``crc``."""
+        """Elements [lo, hi) of stored tensor ``key`` as a 1-D tensor (``out`` if given, else
+        possibly a view of a larger buffer), the checksum chunks they touch checked once."""
         header = self._headers[file]
         begin, end = header.entries[key]["data_offsets"]
-        flat = read_range(self._handle(file), header.data_start, begin, end, dtype, out)
-        if zlib.crc32(memoryview(flat.view(torch.uint8).numpy())) != crc:
-            raise CheckpointError(
-                f"{os.path.join(self.path, file)} tensor {key!r}: checksum mismatch, the file "
-                "is corrupted"
-            )
-        return flat
-
-    def _read_part(self, f: Any, header: Header, p: SavedPiece, index: tuple) -> torch.Tensor:
-        begin, end = header.entries[p.key]["data_offsets"]
-        if not index or not p.shape:
-            return read_range(f, header.data_start, begin, end, p.dtype, None).view(p.shape)
-        rows = index[0].indices(p.shape[0])[:2]
-        row_bytes = math.prod(p.shape[1:]) * p.dtype.itemsize
-        block = read_range(
-            f, header.data_start, begin + rows[0] * row_bytes, begin + rows[1] * row_bytes,
-            p.dtype, None,
-        ).view(rows[1] - rows[0], *p.shape[1:])  # fmt: skip
-        rest = index[1:]
-        if all(s.indices(n)[:2] == (0, n) for s, n in zip(rest, p.shape[1:], strict=True)):
-            return block
-        return block[(slice(None), *rest)].clone()
+        size, per_chunk = dtype.itemsize, CRC_CHUNK // dtype.itemsize
+        numel = (end - begin) // size
+        first, stop = lo // per_chunk, max(-(-hi // per_chunk), lo // per_chunk + 1)
+        todo = (self.verify or force) and any(
+            (file, key, c) not in self._verified for c in range(first, stop)
+        )
+        a, b = (first * per_chunk, min(stop * per_chunk, numel)) if todo else (lo, hi)
+        buf = out if out is not None and (a, b) == (lo, hi) else None
+        buf = read_range(self._handle(file), header.data_start, begin + a * size, begin + b * size,
+                         dtype, buf)  # fmt: skip
+        if todo:
+            raw = memoryview(buf.view(torch.uint8).numpy()) if buf.numel() else memoryview(b"")
+            for c in range(first, stop):
+                chunk = raw[(c - first) * CRC_CHUNK : (c - first + 1) * CRC_CHUNK]
+                if c >= len(crcs) or zlib.crc32(chunk) != crcs[c]:
+                    raise CheckpointError(
+                        f"{os.path.join(self.path, file)} tensor {key!r}: checksum mismatch in "
+                        f"bytes {c * CRC_CHUNK}..{c * CRC_CHUNK + len(chunk)}, the file is corrupted"
+                    )
+                self._verified.add((file, key, c))
+        part = buf[lo - a : hi - a]
+        if out is not None and part.data_ptr() != out.data_ptr():
+            out.copy_(part)
+            return out
+        return part
 
     def rank_state(self, rank: int) -> dict:
         """What rank ``rank`` saved as its rank state, tensors restored."""
@@ -184,16 +191,18 @@ class CheckpointReader:
             raise CheckpointError(f"{os.path.join(self.path, file)}: no rank-state tensor {key!r}")
         dtype, shape = dtype_from_code(entry["dtype"]), tuple(entry["shape"])
         self._entry(file, key, dtype, shape)
-        return self._read_checked(file, key, dtype, crc).view(shape)
+        crcs = tuple(crc)
+        return self._elements(file, key, dtype, crcs, 0, math.prod(shape), force=True).view(shape)
 
     def verify_all(self) -> int:
-        """Read every stored tensor and check its CRC-32; return the bytes checked."""
+        """Read every stored tensor and check its CRC-32s; return the bytes checked."""
+        self._verified.clear()
         total = 0
         for pieces in self._pieces.values():
             for p in pieces:
-                total += (
-                    self._read_checked(p.file, p.key, p.dtype, p.crc32).numel() * p.dtype.itemsize
-                )
+                n = math.prod(p.shape)
+                self._elements(p.file, p.key, p.dtype, p.crc32, 0, n, force=True)
+                total += n * p.dtype.itemsize
         for rank in range(self.world_size):
             self.rank_state(rank)
         return total
@@ -279,9 +288,10 @@ def _normalize(index: Index, piece: SavedPiece, where: str) -> tuple:
     return tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, shape, strict=True))
 
 
-def _deliver(t: torch.Tensor, out: torch.Tensor | None, fresh: bool) -> torch.Tensor:
-    if out is None:
-        return t if fresh else t.clone()
+def _deliver(t: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    if out is None:  # a fresh tensor, not a view that keeps a larger buffer alive
+        whole = t.is_contiguous() and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+        return t if whole else t.clone()
     if tuple(out.shape) != tuple(t.shape):
         raise CheckpointError(f"out has shape {tuple(out.shape)}, the slice read {tuple(t.shape)}")
     return out.copy_(t)

@@ -15,9 +15,9 @@ tensor (one copy, from the page cache) instead of safetensors' mmap, whose tenso
 with every later read of the same key. The tests check both ways against the safetensors
 library. Nothing here unpickles: the header is JSON, the data raw bytes.
 
-Integrity: ``crc32`` of the header bytes (which also hold the rank state JSON) and of each
-tensor's bytes; the manifest stores them and the reader checks them, so every byte of a file is
-covered.
+Integrity: a CRC-32 of the header bytes (which also hold the rank state JSON) and one per
+``CRC_CHUNK`` bytes of each tensor (so that reading a slice checks only the chunks it touches);
+the manifest stores them and the reader checks them, so every byte of a file is covered.
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ _CODES = {
 }
 DTYPES = {str(dt).removeprefix("torch."): dt for dt in _CODES}
 MAX_HEADER_BYTES = 100 * 2**20  # safetensors' own limit
+CRC_CHUNK = 2**20  # bytes per checksum: a slice read reads at most 2 chunks more than it needs
 
 
 class FormatError(ValueError):
@@ -88,8 +89,10 @@ def dtype_code(dtype: torch.dtype) -> str:
     return _CODES[dtype]
 
 
-def tensor_crc32(t: torch.Tensor) -> int:
-    return zlib.crc32(_bytes_view(t))
+def chunk_crcs(view: memoryview) -> list[int]:
+    """CRC-32 of each ``CRC_CHUNK`` bytes of ``view`` (the last chunk may be shorter; an empty
+    view has one, of nothing)."""
+    return [zlib.crc32(view[i : i + CRC_CHUNK]) for i in range(0, max(len(view), 1), CRC_CHUNK)]
 
 
 @dataclass
@@ -99,7 +102,7 @@ class FileRecord:
     size: int
     header_bytes: int  # 8 + N: the header's share of ``size``
     header_crc32: int
-    crc32: dict[str, int] = field(default_factory=dict)  # key -> CRC-32 of its bytes
+    crc32: dict[str, list[int]] = field(default_factory=dict)  # key -> chunk_crcs of its bytes
 
 
 def _header(specs: list[tuple[str, torch.dtype, tuple[int, ...]]], metadata: dict) -> bytes:
@@ -143,7 +146,7 @@ def write_file(
                 )
             view = _bytes_view(t)
             f.write(view)
-            record.crc32[key] = zlib.crc32(view)  # the bytes are hot in the cache now
+            record.crc32[key] = chunk_crcs(view)  # the bytes are hot in the cache now
             record.size += view.nbytes
         f.flush()
         if fsync:
