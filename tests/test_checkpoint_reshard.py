@@ -6,14 +6,30 @@ Every pair keeps the global batch (8 samples: micro-batch 8 / dp), so the data o
 same in every layout (data.py) and the loader's position, counted in global samples, carries
 over. Tolerances are the equivalence tests' own for fp32 AdamW (equivalence.py): losses to
 1e-5 relative; parameters 99.9% of elements within 1e-5 and none beyond a few lr steps (Adam
-amplifies the rounding differences of another reduction order, design.md). Dropout is off:
-random streams are per rank, so no two layouts draw the same masks. Adding a pair is one line.
+amplifies the rounding differences of another reduction order, design.md); bf16 pairs are
+compared with the bf16 single process at the bf16 tolerances of test_zero.py. Dropout is off:
+random streams are per rank, so no two layouts draw the same masks. Adding a layout or a pair
+is one line (TP and PP rows are waiting below).
+
+Also here: each rank reads only its shard (ZeRO-3 on 4 ranks reads a quarter), and tensor-
+parallel boxes (placement.py) load into the whole tensor and back, without processes.
 """
 
+from types import SimpleNamespace
+
 import pytest
+import torch
 from checkpointing import config, train
 from equivalence import assert_params_match
 from test_checkpoint_resume import on_world
+
+from shardwise.checkpoint.layouts import layout_of
+from shardwise.checkpoint.optim_state import optim_pieces, optim_targets
+from shardwise.checkpoint.pieces import Piece
+from shardwise.checkpoint.reshard import PieceReader, fill
+from shardwise.parallel.data import LocalGradients
+from shardwise.parallel.placement import set_placement
+from shardwise.parallel.zero import ZeroStrategy
 
 BF16 = {"enabled": True}
 Z3 = {"stage": 3, "stage3_param_persistence_threshold": 40}  # biases whole, weights sharded
@@ -124,3 +140,68 @@ def test_each_rank_reads_only_its_shard(tmp_path):
     for rank, n in enumerate(reads):
         assert n <= bound, f"rank {rank} read {n} elements of {saved} (bound {bound:.0f})"
     assert sum(reads) >= saved - len(params), "together the ranks read the whole checkpoint"
+
+
+# -- Tensor-parallel placements, without processes: two "TP ranks" of a weight whose 5 rows are
+# split 3 + 3 (the last row of rank 1 is padding), saved and loaded against one whole model.
+class _Half(torch.nn.Module):
+    def __init__(self, t: int | None) -> None:
+        super().__init__()
+        rows = 5 if t is None else 3
+        self.used = 2 if t == 1 else rows  # rank 1's last row is padding: never used
+        self.fc = torch.nn.Linear(4, rows)
+        self.scale = torch.nn.Parameter(torch.full((2,), 1.0 + (t or 0)))  # TP-replicated
+        if t is not None:
+            set_placement(self.fc.weight, (5, 4), ((3 * t, 3 * t + 3), (0, 4)))
+            set_placement(self.fc.bias, (5,), ((3 * t, 3 * t + 3),))
+            if t == 1:
+                with torch.no_grad():
+                    self.fc.weight[2:] = 0  # padding holds zeros
+                    self.fc.bias[2:] = 0
+
+    def forward(self, x):
+        return (self.fc(x)[:, : self.used] ** 2).sum() * self.scale.sum()
+
+
+def _trained(t, zero: bool):
+    model = _Half(t)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    strategy = ZeroStrategy(opt, stage=1) if zero else LocalGradients(model.parameters())
+    opt = getattr(strategy, "optimizer", opt)
+    model(torch.randn(2, 4)).backward()
+    strategy.after_backward(True)
+    strategy.step(opt, 1.0)
+    mesh = SimpleNamespace(dp_rank=0, tp_rank=t or 0)
+    return model, opt, layout_of(model, opt, strategy, mesh)
+
+
+@pytest.mark.parametrize("zero", [False, True], ids=["plain", "zero1"])
+def test_tensor_parallel_boxes_load_into_the_whole_tensor_and_back(zero):
+    halves = [_trained(t, zero) for t in (0, 1)]
+    saved = []
+    for _, opt, lay in halves:
+        saved += [p for p in lay.model + optim_pieces(lay, opt) if p.save]
+    whole, opt, lay = _trained(None, not zero)  # and across strategies
+    targets, finish = optim_targets(lay, opt, PieceReader(saved))
+    fill(PieceReader(saved), lay.model + targets)
+    finish()
+    (m0, _, _), (m1, _, _) = halves
+    want = torch.cat([m0.fc.weight, m1.fc.weight[:2]])
+    assert torch.equal(whole.fc.weight, want), "the weight is the two boxes without padding"
+    assert torch.equal(whole.scale, m0.scale), "a TP-replicated parameter comes from TP rank 0"
+
+    # The moments: gather the whole exp_avg from each side's pieces and compare.
+    def whole_avg(pieces):
+        out = Piece("optim/exp_avg/fc.weight", (5, 4), ((0, 5), (0, 4)), None, torch.zeros(5, 4))
+        fill(PieceReader(pieces), [out])
+        return out.tensor
+
+    loaded = whole_avg([p for p in optim_pieces(lay, opt) if p.save])
+    assert loaded.abs().sum() > 0 and torch.equal(loaded, whole_avg(saved)), "exp_avg"
+    # And back: the whole model's pieces into rank 1's box; the padding row stays zero.
+    back, _, lay1 = _trained(1, zero)
+    with torch.no_grad():
+        back.fc.weight.fill_(7.0)
+    fill(PieceReader([p for p in lay.model if p.save]), lay1.model)
+    assert torch.equal(back.fc.weight[:2], whole.fc.weight[3:]), "rank 1's rows"
+    assert torch.equal(back.fc.weight[2:], torch.full((1, 4), 7.0)), "padding is never written"

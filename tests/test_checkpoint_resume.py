@@ -113,7 +113,8 @@ def test_16bit_export_and_module_state_dict_under_zero3(tmp_path):
     for rank, r in enumerate(results):
         assert exported.keys() == r["whole"].keys()
         for k, v in r["whole"].items():
-            assert v.dtype == torch.bfloat16 and torch.equal(exported[k], v), f"rank {rank}: {k}"
+            assert torch.equal(exported[k], v), f"rank {rank}: {k}"
+            assert v.dtype == torch.bfloat16 or not v.is_floating_point(), f"{k}: {v.dtype}"
             assert torch.equal(r["reloaded"][k], v), f"rank {rank}: {k} not reloaded"
 
 

@@ -44,6 +44,7 @@ from shardwise.checkpoint.rank_state import (
     source_rank,
 )
 from shardwise.checkpoint.reshard import CheckpointError, PieceReader, fill
+from shardwise.precision import compute_dtype
 
 logger = logging.getLogger("shardwise")
 
@@ -101,7 +102,7 @@ def _meta(engine: Any) -> dict[str, Any]:
             "tp": topo.tp,
             "pp": topo.pp,
             "zero_stage": engine.zero_optimization_stage(),
-            "dtype": str(next(engine.module.parameters()).dtype).removeprefix("torch."),
+            "dtype": str(compute_dtype(engine.config)).removeprefix("torch."),
         },
         "counters": {k: int(getattr(engine, k)) for k in COUNTERS},
         "loss_scaler": engine.scaler.state_dict(),
