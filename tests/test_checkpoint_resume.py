@@ -26,6 +26,7 @@ RESUME = {  # name: (world size, config keys)
     "zero1-dp2": (2, {"zero_optimization": {"stage": 1}}),
     "zero2-dp2": (2, {"zero_optimization": {"stage": 2}}),
     "zero3-dp2": (2, {"zero_optimization": Z3}),
+    "bf16-dp2": (2, {"bf16": {"enabled": True}}),  # ZeRO-0: replicated fp32 masters
     "bf16-zero2-dp2": (2, {"bf16": {"enabled": True}, "zero_optimization": {"stage": 2}}),
     "fp16-dp2": (2, {"fp16": FP16}),
     "zero1-gas2-dp2": (2, {"gradient_accumulation_steps": 2, "zero_optimization": {"stage": 1}}),

@@ -144,10 +144,13 @@ def _read(reader: Any, saved: Any, region: Region, part: Box) -> torch.Tensor:
     shape = tuple(e - s for s, e in region.box)
     first = _flat_index([s - o for (s, _), (o, _) in zip(part, region.box, strict=True)], shape)
     last = _flat_index([e - 1 - o for (_, e), (o, _) in zip(part, region.box, strict=True)], shape)
+    base = region.flat_offset
+    if last + 1 - first == _numel(part):  # part is that range: no reshaping buffer
+        data = reader.read(saved, slice(base + first, base + last + 1))
+        return data.view(tuple(e - s for s, e in part))
     inner = _numel(region.box[d + 1 :])
     j0, j1 = part[d][0] - region.box[d][0], part[d][1] - region.box[d][0]
     rows = torch.empty((j1 - j0) * inner, dtype=saved.dtype)
-    base = region.flat_offset
     rows[first - j0 * inner : last + 1 - j0 * inner] = reader.read(
         saved, slice(base + first, base + last + 1)
     )
