@@ -133,18 +133,8 @@ def _replicated(module: nn.Module, optimizer: Any, mesh: Any) -> Layout:
         for g in optimizer.param_groups:
             for p in g["params"]:
                 pl = get_placement(p)
-                slots.append(
-                    Slot(
-                        namer.name(p),
-                        pl.global_shape,
-                        pl.box,
-                        None,
-                        p,
-                        0,
-                        None,
-                        namer.offers(pl, True),
-                    )
-                )
+                name, save = namer.name(p), namer.offers(pl, True)
+                slots.append(Slot(name, pl.global_shape, pl.box, None, p, 0, None, save))
     return Layout(_whole_model(module, namer, set()), slots)
 
 
@@ -179,18 +169,9 @@ def _flat_slots(
     for i, start, at, n in _overlaps(offsets, numels, lo, lo + shard):
         pl = _placement(params[i], tuple(shapes[i]))
         values = master.detach()[at : at + n] if separate else None
-        out.append(
-            Slot(
-                namer.name(params[i]),
-                pl.global_shape,
-                pl.box,
-                (start, start + n),
-                master,
-                at,
-                values,
-                namer.offers(pl, replicated_over_dp),
-            )
-        )
+        name, save = namer.name(params[i]), namer.offers(pl, replicated_over_dp)
+        flat = (start, start + n)
+        out.append(Slot(name, pl.global_shape, pl.box, flat, master, at, values, save))
     return out
 
 
