@@ -1,8 +1,16 @@
-"""Shared pieces of the checkpoint tests: a model with dropout, a dataset, and one training run
-that may stop, save, and continue in a fresh engine (new model, optimizer and scheduler).
+"""Shared pieces of the checkpoint tests: two models with dropout, their datasets, and one
+training run that may stop, save, and continue in a fresh engine (new model, optimizer and
+scheduler).
 
-``train(layout, steps, save_at=..., load=...)`` runs on every rank of a world; it returns the
-losses of its steps and the final consolidated parameters (fp32, CPU).
+``train(cfg, steps, dropout, save_to, load_from, model=...)`` runs on every rank of a world; it
+returns the losses of its steps and the final consolidated parameters (fp32, CPU). Models:
+
+    "mlp"   DropMLP; under tensor parallelism MLP_PLAN splits fc1 by column and fc2 by row, and
+            its dropout, between them, acts on split activations: "split_dropout", drawing
+            from the per-TP-rank random stream that a checkpoint must restore
+    "gpt"   the example GPT (examples/gpt/model.py) with a vocabulary of 13, which no TP size
+            divides: the padded rows of the embedding and head go through the checkpoint; its
+            own tp_plan (attention dropout is "split_dropout")
 """
 
 import torch
@@ -11,15 +19,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import shardwise
-
-try:  # the storage half of the checkpoint, once it lands; until then a stand-in
-    from shardwise.checkpoint import storage as STORAGE
-
-    REAL_STORAGE = True
-except ImportError:
-    import ckpt_fake as STORAGE
-
-    REAL_STORAGE = False
+from shardwise.parallel.random import get_rng_tracker
 
 SAMPLES = 20  # a few global batches: every run below crosses an epoch boundary
 
@@ -39,11 +39,34 @@ class DropMLP(nn.Module):
         return self.head(torch.tanh(self.fc2(self.drop(torch.tanh(self.fc1(x))))))
 
 
+MLP_PLAN = {"fc1": "colwise", "drop": "split_dropout", "fc2": "rowwise"}
+T = 8  # the GPT's sequence length
+
+
 def dataset() -> TensorDataset:
     g = torch.Generator().manual_seed(7)
     return TensorDataset(
         torch.randn(SAMPLES, 16, generator=g), torch.randn(SAMPLES, 4, generator=g)
     )
+
+
+def _gpt(dropout: float) -> nn.Module:
+    from test_tp_engine import _gpt_module
+
+    m = _gpt_module()
+    cfg = m.GPTConfig(vocab_size=13, block_size=T, n_layer=2, n_head=4, n_embd=16, dropout=dropout)
+    return m.GPT(cfg)
+
+
+def _tokens() -> TensorDataset:
+    data = torch.randint(0, 13, (SAMPLES, T + 1), generator=torch.Generator().manual_seed(7))
+    return TensorDataset(data[:, :-1], data[:, 1:])
+
+
+MODELS = {  # name: (model(dropout), dataset, loss_fn: None = the model returns its loss)
+    "mlp": (DropMLP, dataset, F.mse_loss),
+    "gpt": (_gpt, _tokens, None),
+}
 
 
 def config(**extra) -> dict:
@@ -60,35 +83,32 @@ def config(**extra) -> dict:
     }
 
 
-def engine_for(cfg: dict, dropout: float, seed: int):
+def engine_for(cfg: dict, dropout: float, seed: int, model: str = "mlp"):
+    """A fresh engine; ``seed`` draws its initial weights and seeds its random streams (the
+    TP stream too: the process-wide tracker is reset, parallelize() seeds it from ``seed``)."""
+    build, data, loss_fn = MODELS[model]
     torch.manual_seed(seed)
+    get_rng_tracker().reset()
     engine, *_ = shardwise.initialize(
-        model=DropMLP(dropout), config=cfg, training_data=dataset(), loss_fn=F.mse_loss
+        model=build(dropout), config=cfg, training_data=data(), loss_fn=loss_fn
     )
     return engine
 
 
 def save(engine, path: str, **kw) -> None:
-    if REAL_STORAGE:
-        engine.save_checkpoint(path, **kw)
-    else:
-        from shardwise.checkpoint.engine_state import save_checkpoint
-
-        save_checkpoint(engine, path, storage=STORAGE, **kw)
+    engine.save_checkpoint(path, **kw)
 
 
 def load(engine, path: str, **kw):
-    if REAL_STORAGE:
-        return engine.load_checkpoint(path, **kw)
-    from shardwise.checkpoint.engine_state import load_checkpoint
-
-    return load_checkpoint(engine, path, storage=STORAGE, **kw)
+    return engine.load_checkpoint(path, **kw)
 
 
-def train(cfg: dict, steps: int, dropout: float = 0.0, save_to=None, load_from=None) -> dict:
+def train(
+    cfg: dict, steps: int, dropout: float = 0.0, save_to=None, load_from=None, model: str = "mlp"
+) -> dict:
     """``steps`` calls of train_batch; ``load_from``: a fresh engine (another init seed) loads
     that checkpoint first; ``save_to``: save after the steps (client_state = the step)."""
-    engine = engine_for(cfg, dropout, seed=0 if load_from is None else 99)
+    engine = engine_for(cfg, dropout, seed=0 if load_from is None else 99, model=model)
     client = None
     if load_from is not None:
         _, client = load(engine, load_from)

@@ -94,36 +94,25 @@ def test_training_continues_under_another_layout(saved, loaded, tmp_path):
         assert_params_match(r["params"], want["params"], "adamw", tag, atol=atol)
 
 
-class _CountingStorage:
-    """The storage calls, counting the elements each read returns."""
-
-    def __init__(self, storage) -> None:
-        self.storage, self.elements = storage, 0
-
-    def latest_tag(self, load_dir):
-        return self.storage.latest_tag(load_dir)
-
-    def CheckpointReader(self, path):  # noqa: N802 - the storage's name
-        reader = self.storage.CheckpointReader(path)
-        read = reader.read
-
-        def counted(piece, index=None):
-            out = read(piece, index)
-            self.elements += out.numel()
-            return out
-
-        reader.read = counted
-        return reader
-
-
 def _elements_read(path: str) -> int:
-    from checkpointing import STORAGE, engine_for
+    """Elements this rank's load reads from the files (CheckpointReader.read counted)."""
+    from checkpointing import engine_for, load
 
-    from shardwise.checkpoint.engine_state import load_checkpoint
+    from shardwise.checkpoint.reader import CheckpointReader
 
-    storage = _CountingStorage(STORAGE)
-    load_checkpoint(engine_for(_config("zero3-dp4"), 0.0, seed=99), path, storage=storage)
-    return storage.elements
+    read, count = CheckpointReader.read, [0]
+
+    def counted(self, piece, index=None, out=None):
+        got = read(self, piece, index, out)
+        count[0] += got.numel()
+        return got
+
+    CheckpointReader.read = counted
+    try:
+        load(engine_for(_config("zero3-dp4"), 0.0, seed=99), path)
+    finally:
+        CheckpointReader.read = read
+    return count[0]
 
 
 def test_each_rank_reads_only_its_shard(tmp_path):

@@ -3,14 +3,15 @@ bit for bit on CPU (one thread per rank), in every layout.
 
 What must come back for that: weights, fp32 masters, optimizer states (AdamW's moments and
 step), the LR schedule (WarmupLR is still warming up at the save), the fp16 loss scale, the
-counters, every rank's random generators (dropout is on) and the data loader's position (the
-runs cross an epoch boundary). The fresh engine starts from other random weights, so nothing
-passes by accident. Adding a layout is one line in RESUME.
+counters, every rank's random generators (dropout is on; under tensor parallelism also the
+per-TP-rank stream of the "split_dropout" regions) and the data loader's position (the runs
+cross an epoch boundary). The fresh engine starts from other random weights and other random
+streams, so nothing passes by accident. Adding a layout is one line in RESUME.
 """
 
 import pytest
 import torch
-from checkpointing import DropMLP, config, engine_for, load, save, train
+from checkpointing import MLP_PLAN, DropMLP, config, engine_for, load, save, train
 from harness import run_distributed
 from safetensors.torch import load_file
 
@@ -20,7 +21,8 @@ from shardwise.checkpoint.reshard import CheckpointError
 FP16 = {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 2, "hysteresis": 1}
 Z3 = {"stage": 3, "stage3_param_persistence_threshold": 40}  # biases whole, weights sharded
 
-RESUME = {  # name: (world size, config keys)
+TP2 = {"size": 2, "plan": MLP_PLAN}
+RESUME = {  # name: (world size, config keys[, model]: checkpointing.MODELS, "mlp" if not given)
     "single": (1, {}),
     "dp2": (2, {}),
     "zero1-dp2": (2, {"zero_optimization": {"stage": 1}}),
@@ -30,7 +32,13 @@ RESUME = {  # name: (world size, config keys)
     "bf16-zero2-dp2": (2, {"bf16": {"enabled": True}, "zero_optimization": {"stage": 2}}),
     "fp16-dp2": (2, {"fp16": FP16}),
     "zero1-gas2-dp2": (2, {"gradient_accumulation_steps": 2, "zero_optimization": {"stage": 1}}),
-    # "tp2-pp2": (4, {"tensor_parallel": {"size": 2}, "pipeline": {"stages": 2}}),  (when landed)
+    "tp2": (2, {"tensor_parallel": TP2}),
+    "zero1-dp2-tp2": (4, {"tensor_parallel": TP2, "zero_optimization": {"stage": 1}}),
+    "gpt-zero2-dp2-tp2": (
+        4,
+        {"tensor_parallel": {"size": 2}, "zero_optimization": {"stage": 2}},
+        "gpt",
+    ),
 }
 
 
@@ -39,17 +47,18 @@ def on_world(world: int, fn, *args):
     return [fn(*args)] if world == 1 else run_distributed(fn, world, *args)
 
 
-def _resume(cfg: dict, path: str) -> dict:
-    whole = train(cfg, 6, dropout=0.1)
-    first = train(cfg, 3, dropout=0.1, save_to=path)
-    second = train(cfg, 3, dropout=0.1, load_from=path)
+def _resume(cfg: dict, path: str, model: str) -> dict:
+    whole = train(cfg, 6, 0.1, model=model)
+    first = train(cfg, 3, 0.1, save_to=path, model=model)
+    second = train(cfg, 3, 0.1, load_from=path, model=model)
     return {"whole": whole, "first": first, "second": second}
 
 
 @pytest.mark.parametrize("name", list(RESUME))
 def test_resume_is_bit_exact(name, tmp_path):
-    world, extra = RESUME[name]
-    for rank, r in enumerate(on_world(world, _resume, config(**extra), str(tmp_path))):
+    world, extra, *model = RESUME[name]
+    args = (config(**extra), str(tmp_path), model[0] if model else "mlp")
+    for rank, r in enumerate(on_world(world, _resume, *args)):
         tag = f"layout {name} rank {rank}"
         whole, first, second = r["whole"], r["first"], r["second"]
         assert first["losses"] == whole["losses"][:3], tag

@@ -29,6 +29,7 @@ import os
 from typing import Any
 
 from shardwise import comm
+from shardwise.checkpoint import storage
 from shardwise.checkpoint.layouts import Layout, layout_of
 from shardwise.checkpoint.optim_state import (
     groups_from_json,
@@ -51,12 +52,6 @@ logger = logging.getLogger("shardwise")
 COUNTERS = ("global_steps", "global_samples", "skipped_steps", "micro_steps")
 
 
-def _storage() -> Any:
-    from shardwise.checkpoint import storage
-
-    return storage
-
-
 def _layout(engine: Any) -> Layout:
     return layout_of(engine.module, engine.optimizer, engine.strategy, engine.mesh)
 
@@ -72,10 +67,8 @@ def save_checkpoint(
     client_state: dict | None = None,
     save_latest: bool = True,
     exclude_frozen_parameters: bool = False,
-    storage: Any = None,
 ) -> bool:
     """Write ``save_dir/<tag>`` (default tag ``global_step<N>``); every rank must call it."""
-    storage = storage or _storage()
     tag = f"global_step{engine.global_steps}" if tag is None else str(tag)
     layout = _layout(engine)
     pieces = layout.model + layout.master_pieces()
@@ -118,11 +111,9 @@ def load_checkpoint(
     load_optimizer_states: bool = True,
     load_lr_scheduler_states: bool = True,
     load_module_only: bool = False,
-    storage: Any = None,
 ) -> tuple[str | None, dict | None]:
     """Load ``load_dir/<tag>`` (default: the tag named by ``load_dir/latest``) into this
     engine, whatever layout wrote it (module docstring)."""
-    storage = storage or _storage()
     if tag is None:
         tag = storage.latest_tag(load_dir)
         if tag is None:

@@ -1,9 +1,12 @@
 """Per-rank state a checkpoint restores for an exact resume: random generators and data position.
 
 Random generators (python ``random``, numpy's global generator, torch's CPU generator and every
-CUDA device's when there is one) as JSON values and tensors, no pickle. Dropout on rank r draws
-from rank r's torch generator, so each rank restores its own state; a rank that did not exist
-in the saved run (loading on more processes) takes rank 0's.
+CUDA device's when there is one, and the tensor-parallel streams of parallel/random.py's
+tracker: "model-parallel-rng", which dropout in "split_dropout" and sequence-parallel regions
+draws from) as JSON values and tensors, no pickle. Dropout on rank r draws from rank r's
+generators, so each rank restores its own state; a rank that did not exist in the saved run
+(loading on more processes) takes rank 0's. Streams the checkpoint lacks (saved without
+tensor parallelism) keep their current state.
 
 The data position is the training loader's ``state_dict()`` (data.py): global samples consumed
 in the epoch, which is layout-independent; every rank saves it, any rank's serves.
@@ -17,6 +20,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from shardwise.parallel.random import get_rng_tracker
+
 
 def rng_state() -> dict[str, Any]:
     version, internal, gauss = random.getstate()
@@ -28,6 +33,9 @@ def rng_state() -> dict[str, Any]:
     }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
+    streams = get_rng_tracker().get_states()
+    if streams:
+        state["tp_streams"] = streams
     return state
 
 
@@ -41,6 +49,13 @@ def set_rng_state(state: dict[str, Any]) -> None:
         saved = list(state["cuda"])
         for device in range(min(len(saved), torch.cuda.device_count())):
             torch.cuda.set_rng_state(saved[device], device)
+    if state.get("tp_streams"):
+        tracker = get_rng_tracker()
+        streams = tracker.get_states()
+        for name, kinds in state["tp_streams"].items():
+            saved = {k: torch.as_tensor(v, dtype=torch.uint8) for k, v in kinds.items()}
+            streams[name] = {**streams.get(name, {}), **saved}  # a device kind not saved stays
+        tracker.set_states(streams)
 
 
 def data_state(engine: Any) -> dict[str, Any] | None:

@@ -36,15 +36,8 @@ from typing import Any
 
 import torch
 
+from shardwise.checkpoint.manifest import CheckpointError
 from shardwise.checkpoint.pieces import Piece
-
-try:  # the storage half of the checkpoint (shardwise.checkpoint.storage) owns the error class
-    from shardwise.checkpoint.storage import CheckpointError
-except ImportError:  # pragma: no cover - until the storage module is merged
-
-    class CheckpointError(ValueError):  # type: ignore[no-redef]
-        """A checkpoint that cannot be loaded here; the message names the file or tensor."""
-
 
 Box = tuple[tuple[int, int], ...]
 
