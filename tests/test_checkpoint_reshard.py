@@ -8,8 +8,10 @@ over. Tolerances are the equivalence tests' own for fp32 AdamW (equivalence.py):
 1e-5 relative; parameters 99.9% of elements within 1e-5 and none beyond a few lr steps (Adam
 amplifies the rounding differences of another reduction order, design.md); bf16 pairs are
 compared with the bf16 single process at the bf16 tolerances of test_zero.py. Dropout is off:
-random streams are per rank, so no two layouts draw the same masks. Adding a layout or a pair
-is one line (TP and PP rows are waiting below).
+random streams are per rank, so no two layouts draw the same masks. Tensor-parallel rows split
+the MLP by MLP_PLAN, or the example GPT by its own plan; its vocabulary of 13 leaves a padded
+row on TP rank 1, which must be neither saved as data nor required on load. Adding a layout or
+a pair is one line.
 
 Also here: each rank reads only its shard (ZeRO-3 on 4 ranks reads a quarter), and tensor-
 parallel boxes (placement.py) load into the whole tensor and back, without processes.
@@ -19,7 +21,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from checkpointing import config, train
+from checkpointing import MLP_PLAN, config, train
 from equivalence import assert_params_match
 from test_checkpoint_resume import on_world
 
@@ -33,7 +35,8 @@ from shardwise.parallel.zero import ZeroStrategy
 
 BF16 = {"enabled": True}
 Z3 = {"stage": 3, "stage3_param_persistence_threshold": 40}  # biases whole, weights sharded
-LAYOUTS = {  # name: (world size, config keys); the global batch is 8 in each
+TP2 = {"size": 2, "plan": MLP_PLAN}
+LAYOUTS = {  # name: (world size, config keys[, model]); the global batch is 8 in each
     "single": (1, {}),
     "dp2": (2, {}),
     "zero1-dp2": (2, {"zero_optimization": {"stage": 1}}),
@@ -44,8 +47,11 @@ LAYOUTS = {  # name: (world size, config keys); the global batch is 8 in each
     "bf16-single": (1, {"bf16": BF16}),
     "bf16-zero2-dp2": (2, {"bf16": BF16, "zero_optimization": {"stage": 2}}),
     "bf16-zero3-dp2": (2, {"bf16": BF16, "zero_optimization": Z3}),
-    # "tp2-pp2": (4, {"tensor_parallel": {"size": 2}, "pipeline": {"stages": 2}}),  (when landed)
-    # "dp2-tp2-pp2": (8, {...}),
+    "tp2": (2, {"tensor_parallel": TP2}),
+    "zero1-dp2-tp2": (4, {"tensor_parallel": TP2, "zero_optimization": {"stage": 1}}),
+    "zero2-dp2-tp2": (4, {"tensor_parallel": TP2, "zero_optimization": {"stage": 2}}),
+    "gpt-single": (1, {}, "gpt"),
+    "gpt-tp2": (2, {"tensor_parallel": {"size": 2}}, "gpt"),  # vocabulary 13: a padded row
 }
 PAIRS = [  # (saved under, loaded under)
     ("zero3-dp4", "single"),
@@ -56,31 +62,44 @@ PAIRS = [  # (saved under, loaded under)
     ("zero3-dp2", "zero1-dp2"),
     ("bf16-zero2-dp2", "bf16-zero3-dp2"),
     ("bf16-zero3-dp2", "bf16-single"),
-    # ("tp2-pp2", "zero2-dp4"), ("single", "dp2-tp2-pp2"),  (when TP and PP land)
+    ("tp2", "single"),
+    ("zero2-dp4", "zero1-dp2-tp2"),
+    ("zero1-dp2-tp2", "zero2-dp2-tp2"),  # TP2 kept, ZeRO shards of TP slices re-cut
+    ("gpt-tp2", "gpt-single"),
 ]
 
 
+def _model(name: str) -> str:
+    return LAYOUTS[name][2] if len(LAYOUTS[name]) > 2 else "mlp"
+
+
 def _config(name: str) -> dict:
-    world, extra = LAYOUTS[name]
-    return config(train_micro_batch_size_per_gpu=8 // world, **extra)
+    world, extra = LAYOUTS[name][:2]
+    model_parallel = extra.get("tensor_parallel", {}).get("size", 1)
+    model_parallel *= extra.get("pipeline", {}).get("stages", 1)
+    return config(train_micro_batch_size_per_gpu=8 * model_parallel // world, **extra)
 
 
 _UNINTERRUPTED: dict = {}
 
 
 def uninterrupted(name: str) -> dict:
-    """6 steps of the single-process run in the layout's precision (computed once)."""
-    single = "bf16-single" if "bf16" in name else "single"
+    """6 steps of the single-process run of the layout's model in its precision (computed
+    once)."""
+    single = (
+        "bf16-single" if "bf16" in name else "gpt-single" if _model(name) == "gpt" else "single"
+    )
     if single not in _UNINTERRUPTED:
-        _UNINTERRUPTED[single] = train(_config(single), 6)
+        _UNINTERRUPTED[single] = train(_config(single), 6, model=_model(single))
     return _UNINTERRUPTED[single]
 
 
 @pytest.mark.parametrize("saved, loaded", PAIRS, ids=[f"{a}->{b}" for a, b in PAIRS])
 def test_training_continues_under_another_layout(saved, loaded, tmp_path):
-    path = str(tmp_path)
-    before = on_world(LAYOUTS[saved][0], train, _config(saved), 3, 0.0, path)
-    after = on_world(LAYOUTS[loaded][0], train, _config(loaded), 3, 0.0, None, path)
+    path, model = str(tmp_path), _model(saved)
+    assert _model(loaded) == model, f"{saved} -> {loaded}: one model on both sides"
+    before = on_world(LAYOUTS[saved][0], train, _config(saved), 3, 0.0, path, None, model)
+    after = on_world(LAYOUTS[loaded][0], train, _config(loaded), 3, 0.0, None, path, model)
     want = uninterrupted(loaded)
     # bf16: the equivalence tests' bf16 tolerances (8 mantissa bits; test_zero.py).
     rel, atol = (1e-2, 4e-3) if "bf16" in loaded else (1e-5, 2e-6)
