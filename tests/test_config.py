@@ -52,6 +52,8 @@ DEFAULTS = [  # DeepSpeed v0.16.5 code defaults, attribute path -> value
     ("zero_optimization.stage3_max_live_parameters", 10**9), ("tensor_parallel.size", 1),
     ("pipeline.stages", 1), ("pipeline.schedule", "1f1b"), ("pipeline.activation_checkpoint_interval", 0),
     ("pipeline.pipe_partitioned", True), ("activation_checkpointing.checkpoint_layers", None),
+    ("checkpoint.keep_last", None), ("checkpoint.tag_validation", "Warn"),
+    ("checkpoint.load_universal", False), ("checkpoint.parallel_write.pipeline_stage", False),
 ]
 # fmt: on
 
@@ -343,6 +345,36 @@ def test_pipeline_partition_methods(pipeline, key, message):
     refused({"pipeline": pipeline}, key, message)
 
 
+# --- checkpoint -------------------------------------------------------------------------------------
+
+# fmt: off
+CHECKPOINT_ERRORS = [
+    ({"keep_last": 0}, "checkpoint.keep_last", "must be >= 1"),
+    ({"tag_validation": "Strict"}, "checkpoint.tag_validation", '"Warn", "Ignore" or "Fail"'),
+    ({"use_node_local_storage": True}, "checkpoint.use_node_local_storage", "one file system"),
+    ({"writer": {"type": "fast", "decoupled": True}}, "checkpoint.writer", "not supported"),
+    ({"parallel_write": {"pipeline_stages": True}}, "checkpoint.parallel_write.pipeline_stages", "did you mean"),
+]
+# fmt: on
+
+
+@pytest.mark.parametrize(
+    "block, key, message", CHECKPOINT_ERRORS, ids=[k for _, k, _ in CHECKPOINT_ERRORS]
+)
+def test_checkpoint_block_refuses_what_cannot_work(block, key, message):
+    refused({"checkpoint": block}, key, message)
+
+
+def test_checkpoint_block_takes_deepspeeds_keys():
+    """DeepSpeed's spellings (any case for tag_validation); keys with no effect are accepted."""
+    block = {"tag_validation": "fail", "load_universal": True, "use_node_local_storage": False,
+             "parallel_write": {"pipeline_stage": True}, "keep_last": 3}  # fmt: skip
+    got = parse_config({"checkpoint": block}).checkpoint
+    assert (got.tag_validation, got.keep_last, got.load_universal) == ("Fail", 3, True)
+    with pytest.warns(ConfigWarning, match="checkpoint.checkpoint_serialization"):
+        parse_config({"checkpoint": {"checkpoint_serialization": False}})
+
+
 # --- "auto" ------------------------------------------------------------------------------------------
 
 
@@ -370,7 +402,7 @@ def test_docs_name_every_key():
     docs = (REPO / "docs" / "config.md").read_text()
     blocks = [c for c in vars(shardwise.config).values() if dataclasses.is_dataclass(c)]
     blocks.remove(BatchSizes)  # a result, not a block of keys
-    assert len(blocks) == 12, [b.__name__ for b in blocks]
+    assert len(blocks) == 14, [b.__name__ for b in blocks]
     keys = {k for b in blocks for k in schema_keys(b)} | set(IGNORED) | set(UNSUPPORTED)
     missing = sorted(k for k in keys if f"`{k}`" not in docs)
     assert not missing, f"docs/config.md does not mention: {missing}"

@@ -4,7 +4,8 @@ save_checkpoint: every rank offers the pieces of its layout (layouts.py: model w
 masters, optimizer states), its per-rank state (random generators, data position) and, on
 rank 0, the shared state (LR scheduler, ``client_state``); the counters, loss scaler, optimizer
 hyper-parameters and layout go to the JSON metadata. Storage (files, manifest, atomicity,
-``latest``) is shardwise.checkpoint.storage.
+``latest``, rotation) is shardwise.checkpoint.storage; the config's ``checkpoint`` block gives
+it ``keep_last`` and ``tag_validation`` (config/checkpoint.py).
 
 load_checkpoint, in this order, each step as DeepSpeed decides what it skips:
 
@@ -82,7 +83,17 @@ def save_checkpoint(
         sched = engine.lr_scheduler
         rank_state["lr_scheduler"] = sched.state_dict() if sched is not None else None
         rank_state["client_state"] = dict(client_state or {})
-    storage.save_pieces(save_dir, tag, pieces, rank_state, _meta(engine), save_latest=save_latest)
+    options = engine.config.checkpoint
+    storage.save_pieces(
+        save_dir,
+        tag,
+        pieces,
+        rank_state,
+        _meta(engine),
+        save_latest=save_latest,
+        keep_last=options.keep_last,
+        tag_validation=options.tag_validation,
+    )
     return True
 
 

@@ -20,6 +20,7 @@ checkpoint and ``latest`` are untouched. The filesystem must be shared by all ra
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
@@ -38,6 +39,7 @@ from shardwise.checkpoint.state_codec import StateError, encode
 
 LATEST = "latest"
 RANK_STATE_KEY = "shardwise.rank_state"
+logger = logging.getLogger("shardwise")
 _TAG_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+=-]*")
 
 
@@ -51,9 +53,15 @@ def save_pieces(
     group: Any = None,
     save_latest: bool = True,
     keep_last: int | None = None,
+    tag_validation: str = "Warn",
 ) -> str:
     """Save this rank's ``pieces`` (those with ``save=True``) and ``rank_state``; rank 0's
-    ``meta`` goes in the manifest. Collective over ``group``; returns ``<save_dir>/<tag>``."""
+    ``meta`` goes in the manifest. Collective over ``group``; returns ``<save_dir>/<tag>``.
+
+    The checkpoint is saved under rank 0's ``tag``; ``tag_validation`` (DeepSpeed's config key)
+    says what a rank passing another tag does: "Fail" raises on every rank, "Warn" logs it on
+    rank 0, "Ignore" says nothing."""
+    tag = _agreed_tag(tag, tag_validation, group)
     check_tag(tag)
     if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
         raise CheckpointError(f"keep_last={keep_last!r}: give a number of checkpoints >= 1")
@@ -78,6 +86,25 @@ def save_pieces(
     if status:
         raise CheckpointError(f"checkpoint {tag!r} in {save_dir} not saved: {status}") from failure
     return os.path.join(save_dir, tag)
+
+
+def _agreed_tag(tag: str, mode: str, group: Any) -> str:
+    """Rank 0's tag on every rank, after comparing the others' with it (``mode``)."""
+    if mode not in ("Warn", "Ignore", "Fail"):
+        raise CheckpointError(f'tag_validation={mode!r}: use "Warn", "Ignore" or "Fail"')
+    if comm.get_world_size(group) == 1:
+        return tag
+    tags = _all_gather_json(tag, group)
+    others = {r: t for r, t in enumerate(tags) if t != tags[0]}
+    if others and mode != "Ignore":
+        what = f"ranks passed different checkpoint tags: rank 0 {tags[0]!r}, " + ", ".join(
+            f"rank {r} {t!r}" for r, t in others.items()
+        )
+        if mode == "Fail":
+            raise CheckpointError(f"{what}; pass one tag on every rank (tag_validation='Fail')")
+        if comm.get_rank(group) == 0:
+            logger.warning("%s; saving under rank 0's tag (tag_validation='Warn')", what)
+    return tags[0]
 
 
 def check_tag(tag: str) -> None:

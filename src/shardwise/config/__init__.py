@@ -5,11 +5,12 @@
 BatchSizes(train_batch_size=32, micro_batch_size=8, gradient_accumulation_steps=1)
 
 Modules: ``core`` (Config, parse_config), ``batch`` (batch arithmetic), ``schema`` (type rules),
-``zero`` / ``precision`` / ``parallel`` / ``optim_blocks`` (the blocks), ``keys`` (ignored and
+``zero`` / ``precision`` / ``parallel`` / ``optim_blocks`` / ``checkpoint`` (the blocks), ``keys`` (ignored and
 unsupported top-level keys), ``loader`` (files, duplicate keys), ``errors``.
 """
 
 from shardwise.config.batch import BatchSizes
+from shardwise.config.checkpoint import CheckpointConfig, ParallelWriteConfig
 from shardwise.config.core import Config, parse_config
 from shardwise.config.errors import ConfigError, ConfigWarning
 from shardwise.config.optim_blocks import OptimizerConfig, SchedulerConfig
@@ -30,6 +31,7 @@ __all__ = [
     "ActivationCheckpointingConfig",
     "BF16Config",
     "BatchSizes",
+    "CheckpointConfig",
     "Config",
     "ConfigError",
     "ConfigWarning",
@@ -38,6 +40,7 @@ __all__ = [
     "OffloadOptimizerConfig",
     "OffloadParamConfig",
     "OptimizerConfig",
+    "ParallelWriteConfig",
     "PipelineConfig",
     "SchedulerConfig",
     "TensorParallelConfig",

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from shardwise.config.batch import GAS, MB, TB, BatchSizes, resolve_batch
+from shardwise.config.checkpoint import CheckpointConfig, parse_checkpoint
 from shardwise.config.errors import ConfigError, Notes, fail
 from shardwise.config.keys import IGNORED, UNSUPPORTED, is_disabled
 from shardwise.config.loader import load_source
@@ -71,6 +72,7 @@ class Config:
     activation_checkpointing: ActivationCheckpointingConfig = field(
         default_factory=ActivationCheckpointingConfig
     )
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     communication_data_type: Literal["fp16", "bf16", "fp32"] | None = None
     zero_allow_untested_optimizer: bool = (
         False  # no effect: any torch optimizer works with ZeRO here
@@ -115,6 +117,7 @@ _BLOCK_PARSERS: dict[str, Callable[[Any, Notes], Any]] = {
     "zero_optimization": parse_zero,
     "pipeline": parse_pipeline,
     "activation_checkpointing": parse_activation_checkpointing,
+    "checkpoint": parse_checkpoint,
 }
 
 

@@ -28,7 +28,6 @@ IGNORED: dict[str, str] = {
     "fp32_allreduce": "legacy switch; use communication_data_type",
     "seq_parallel_communication_data_type": "DeepSpeed Ulysses sequence parallelism",
     "zero_force_ds_cpu_optimizer": "DeepSpeed CPU-Adam kernel switch",
-    "checkpoint": "DeepSpeed checkpoint engine options (tag validation, universal checkpoints)",
     "data_types": "grad_accum_dtype: gradients accumulate in the parameter dtype",
     "aio": "async NVMe I/O tuning (NVMe offload is not supported)",
     "autotuning": "DeepSpeed autotuner",

@@ -1,0 +1,87 @@
+"""The ``checkpoint`` block: DeepSpeed's checkpoint keys, plus ``keep_last`` (shardwise's own).
+
+DeepSpeed's keys and what they mean here:
+
+    tag_validation          "Warn" (default) / "Ignore" / "Fail", any case: what save_checkpoint
+                            does when the ranks pass different tags. Used: "Fail" raises, "Warn"
+                            warns, and both "Warn" and "Ignore" save under rank 0's tag (one
+                            checkpoint directory; DeepSpeed's ranks would each write their own)
+    load_universal          no effect: every shardwise checkpoint loads under any layout, which
+                            is what DeepSpeed's converted "universal" checkpoints are for
+    use_node_local_storage  true is refused: rank 0 publishes the manifest after every rank has
+                            written its file, so every rank must see one file system
+    parallel_write          {"pipeline_stage": bool}, no effect: every rank writes its own file
+                            at the same time, whatever the layout
+    writer                  DeepSpeed's fast/decoupled writer engines; refused unless null
+    checkpoint_serialization   torch.save's zip format; ignored (the files are safetensors)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from shardwise.config.errors import Notes, fail, join, show
+from shardwise.config.schema import build, spec
+
+TAG_VALIDATION_MODES = ("Warn", "Ignore", "Fail")
+
+
+@dataclass(frozen=True)
+class ParallelWriteConfig:
+    """``"parallel_write": {"pipeline_stage": true}``: no effect (every rank writes in parallel)."""
+
+    EXAMPLE: ClassVar[str] = '{"pipeline_stage": false}'
+
+    pipeline_stage: bool = False
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """``"checkpoint": {"keep_last": 3}``: rotation and DeepSpeed's checkpoint keys (module doc).
+
+    ``keep_last``: after each save, delete all but the ``keep_last`` newest complete checkpoints
+    of the save directory (never the one just written nor the one ``latest`` names); null keeps
+    everything, as DeepSpeed does.
+    """
+
+    EXAMPLE: ClassVar[str] = '{"keep_last": 3}'
+    IGNORED_KEYS: ClassVar[dict[str, str]] = {
+        "checkpoint_serialization": "torch.save's zip format; shardwise writes safetensors files",
+    }
+
+    keep_last: int | None = spec(None, ge=1)
+    tag_validation: str = "Warn"
+    load_universal: bool = False
+    use_node_local_storage: bool = False
+    parallel_write: ParallelWriteConfig = field(default_factory=ParallelWriteConfig)
+    writer: dict[str, Any] | None = None
+
+
+def parse_checkpoint(raw: Any, notes: Notes) -> CheckpointConfig:
+    """Build ``CheckpointConfig``; ``tag_validation`` in any case; refuse what cannot work."""
+    path = "checkpoint"
+    if not isinstance(raw, dict):
+        raise fail(path, f"expected an object like {CheckpointConfig.EXAMPLE}, got {show(raw)}")
+    block = build(CheckpointConfig, raw, path, notes)
+    mode = {m.upper(): m for m in TAG_VALIDATION_MODES}.get(block.tag_validation.upper())
+    if mode is None:
+        raise fail(
+            join(path, "tag_validation"),
+            f'expected "Warn", "Ignore" or "Fail" (any case), got {show(block.tag_validation)}',
+        )
+    if block.use_node_local_storage:
+        raise fail(
+            join(path, "use_node_local_storage"),
+            "node-local checkpoint storage is not supported: rank 0 writes the manifest after "
+            "every rank has written its file, so all ranks must see one file system. Remove "
+            "the key or set it to false",
+        )
+    if block.writer is not None:
+        raise fail(
+            join(path, "writer"),
+            "DeepSpeed's checkpoint writer engines (fast, decoupled) are not supported; "
+            "shardwise writes every rank's file itself, synchronously. Remove the key",
+        )
+    return dataclasses.replace(block, tag_validation=mode)

@@ -1,0 +1,63 @@
+"""The config's ``checkpoint`` block, through the engine: rotation (``keep_last``) and
+DeepSpeed's ``tag_validation`` (ranks passing different tags). Parsing of the block's other
+keys is in test_config.py."""
+
+import logging
+import os
+
+import pytest
+from checkpointing import config, engine_for, load, save
+from harness import run_distributed
+
+from shardwise.checkpoint.manifest import CheckpointError
+
+
+@pytest.mark.parametrize("keep_last", [None, 2])
+def test_keep_last_from_the_config_rotates_checkpoints(keep_last, tmp_path):
+    cfg = config(checkpoint={"keep_last": keep_last})
+    engine = engine_for(cfg, 0.0, seed=0)
+    (tmp_path / "notes").mkdir()  # not a checkpoint: never touched
+    for _ in range(4):
+        engine.train_batch()
+        save(engine, str(tmp_path))
+    steps = [1, 2, 3, 4] if keep_last is None else [3, 4]  # None keeps everything (DeepSpeed)
+    want = {"latest", "notes"} | {f"global_step{s}" for s in steps}
+    assert set(os.listdir(tmp_path)) == want, f"keep_last={keep_last}"
+    fresh = engine_for(cfg, 0.0, seed=99)
+    path, _ = load(fresh, str(tmp_path))
+    assert path.endswith("global_step4") and fresh.global_steps == 4, f"keep_last={keep_last}"
+
+
+def _save_with_rank_tags(path: str, mode: str) -> dict:
+    """Every rank saves with its own tag ("t<rank>"); the outcome, the warnings, and what a
+    load finds (the checkpoint must be whole: every rank's file under one tag)."""
+    engine = engine_for(config(checkpoint={"tag_validation": mode}), 0.0, seed=0)
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("shardwise").addHandler(handler)
+    try:
+        save(engine, path, tag=f"t{engine.global_rank}")
+        error, loaded = None, load(engine_for(config(), 0.0, seed=99), path)[0]
+    except CheckpointError as e:
+        error, loaded = str(e), None
+    finally:
+        logging.getLogger("shardwise").removeHandler(handler)
+    warned = [r.getMessage() for r in records if "different checkpoint tags" in r.getMessage()]
+    return {"error": error, "warned": warned, "loaded": loaded}
+
+
+@pytest.mark.parametrize("mode", ["Warn", "Ignore", "Fail"])
+def test_tag_validation_when_ranks_pass_different_tags(mode, tmp_path):
+    results = run_distributed(_save_with_rank_tags, 2, str(tmp_path), mode)
+    for rank, r in enumerate(results):
+        tag = f"tag_validation={mode} rank {rank}"
+        if mode == "Fail":
+            assert r["error"] and "rank 0 't0', rank 1 't1'" in r["error"], f"{tag}: {r}"
+        else:
+            assert r["error"] is None, f"{tag}: {r['error']}"
+            assert r["loaded"].endswith("t0"), f"{tag}: saved under rank 0's tag"
+        warns = mode == "Warn" and rank == 0  # rank 0 logs it once
+        assert bool(r["warned"]) == warns, f"{tag}: warnings {r['warned']}"
+    left = sorted(os.listdir(tmp_path))
+    assert left == ([] if mode == "Fail" else ["latest", "t0"]), f"tag_validation={mode}: {left}"
