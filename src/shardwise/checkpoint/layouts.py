@@ -15,10 +15,12 @@ per parameter, "optim/step/<p>", offered by the rank holding the parameter's fir
 flat master shared by several parameters takes the largest of their values on load (they are
 equal unless a parameter never had a gradient in a per-parameter layout).
 
-Who saves what (``Piece.save``): data-parallel replicas are offered by data-parallel rank 0
-(every parameter in plain DP, model weights under ZeRO-1/2, persistent units under ZeRO-3);
-ZeRO shards by the rank that owns them; a tensor-parallel-replicated parameter (placement.py)
-by tensor-parallel rank 0 only. Names are the user's ``named_parameters()`` (a tied parameter
+Who saves what (``Piece.save``): ZeRO shards by the rank that owns them; data-parallel
+replicas (every parameter in plain DP, model weights under ZeRO-1/2, persistent units under
+ZeRO-3) by one data-parallel rank each, spread so that the ranks write as many bytes as one
+another (greedy, in model order: every replica computes the same choice, without
+communication; the model weights and the optimizer-side slots are balanced separately); a
+tensor-parallel-replicated parameter (placement.py) by tensor-parallel rank 0 only. Names are the user's ``named_parameters()`` (a tied parameter
 under its first name).
 """
 
@@ -92,8 +94,8 @@ def _placement(p: torch.Tensor, shape: tuple[int, ...]) -> Placement:
 class _Namer:
     def __init__(self, module: nn.Module, mesh: Any) -> None:
         self.names = {id(p): n for n, p in module.named_parameters()}
-        self.dp0 = mesh.dp_rank == 0
-        self.tp0 = mesh.tp_rank == 0
+        self.dp_rank, self.tp0 = mesh.dp_rank, mesh.tp_rank == 0
+        self.loads = {kind: [0] * mesh.topology.dp for kind in ("model", "slot")}
 
     def name(self, p: torch.Tensor) -> str:
         if id(p) not in self.names:
@@ -103,9 +105,17 @@ class _Namer:
             )
         return self.names[id(p)]
 
-    def offers(self, pl: Placement, replicated_over_dp: bool) -> bool:
-        """This rank offers a piece of this placement (one rank per set of replicas)."""
-        return (self.dp0 or not replicated_over_dp) and (self.tp0 or not pl.tp_replicated)
+    def offers(self, pl: Placement, replicated_over_dp: bool, numel: int, kind: str) -> bool:
+        """This rank offers a piece of this placement (one rank per set of replicas); a DP
+        replica goes to the data-parallel rank with the fewest elements of ``kind`` so far."""
+        if not (self.tp0 or not pl.tp_replicated):
+            return False
+        if not replicated_over_dp:
+            return True
+        loads = self.loads[kind]
+        owner = min(range(len(loads)), key=loads.__getitem__)
+        loads[owner] += numel
+        return owner == self.dp_rank
 
 
 def _whole_model(module: nn.Module, namer: _Namer, skip: set[int]) -> list[Piece]:
@@ -119,9 +129,8 @@ def _whole_model(module: nn.Module, namer: _Namer, skip: set[int]) -> list[Piece
         if id(t) in skip:
             continue
         pl = get_placement(t)
-        out.append(
-            Piece(f"model/{name}", pl.global_shape, pl.box, None, t.data, namer.offers(pl, True))
-        )
+        save = namer.offers(pl, True, t.numel(), "model")
+        out.append(Piece(f"model/{name}", pl.global_shape, pl.box, None, t.data, save))
     return out
 
 
@@ -133,7 +142,7 @@ def _replicated(module: nn.Module, optimizer: Any, mesh: Any) -> Layout:
         for g in optimizer.param_groups:
             for p in g["params"]:
                 pl = get_placement(p)
-                name, save = namer.name(p), namer.offers(pl, True)
+                name, save = namer.name(p), namer.offers(pl, True, p.numel(), "slot")
                 slots.append(Slot(name, pl.global_shape, pl.box, None, p, 0, None, save))
     return Layout(_whole_model(module, namer, set()), slots)
 
@@ -169,7 +178,7 @@ def _flat_slots(
     for i, start, at, n in _overlaps(offsets, numels, lo, lo + shard):
         pl = _placement(params[i], tuple(shapes[i]))
         values = master.detach()[at : at + n] if separate else None
-        name, save = namer.name(params[i]), namer.offers(pl, replicated_over_dp)
+        name, save = namer.name(params[i]), namer.offers(pl, replicated_over_dp, n, "slot")
         flat = (start, start + n)
         out.append(Slot(name, pl.global_shape, pl.box, flat, master, at, values, save))
     return out
