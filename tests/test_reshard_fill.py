@@ -127,10 +127,10 @@ class CountingReader(PieceReader):
         super().__init__(pieces)
         self.elements = 0
 
-    def read(self, piece, index=None):
-        out = super().read(piece, index)
-        self.elements += out.numel()
-        return out
+    def read(self, piece, index=None, out=None):
+        got = super().read(piece, index, out)
+        self.elements += got.numel()
+        return got
 
 
 def test_whole_boxes_read_exactly_what_the_target_needs():

@@ -71,6 +71,17 @@ def _saved_keys(reader: Any) -> dict[str, torch.dtype | None]:
     return keys
 
 
+def _state_tensor(old: Any, owner: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """A tensor for one state key: 0-dim of ``dtype``, or shaped like ``owner``. The current
+    one is reused when it fits (the fill overwrites it; a fresh one would cost page faults on
+    a state as large as the model); zeros are the fill's starting point otherwise."""
+    like = torch.zeros((), dtype=dtype) if dtype is not None else owner.detach()
+    fits = isinstance(old, torch.Tensor) and old.shape == like.shape and old.dtype == like.dtype
+    if fits and old.device == like.device:
+        return old
+    return like if dtype is not None else torch.zeros_like(like)
+
+
 def optim_targets(
     layout: Layout, optimizer: Any, reader: Any
 ) -> tuple[list[Piece], Callable[[], None]]:
@@ -78,11 +89,8 @@ def optim_targets(
     and a function to call after filling (it folds the per-parameter 0-dim values)."""
     keys = _saved_keys(reader)
     for owner in layout.owners():
-        optimizer.state.pop(owner, None)
-        optimizer.state[owner] = {
-            k: torch.zeros((), dtype=dt) if dt is not None else torch.zeros_like(owner.detach())
-            for k, dt in keys.items()
-        }
+        old = optimizer.state.pop(owner, None) or {}
+        optimizer.state[owner] = {k: _state_tensor(old.get(k), owner, dt) for k, dt in keys.items()}
     targets, scalars = [], []
     for slot in layout.slots:
         state = optimizer.state[slot.owner]

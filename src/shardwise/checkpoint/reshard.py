@@ -125,30 +125,35 @@ def _view(tensor: torch.Tensor, region: Region) -> torch.Tensor:
     return tensor.view(-1)[region.flat_offset : region.flat_offset + _numel(region.box)].view(shape)
 
 
-def _read(reader: Any, saved: Any, region: Region, part: Box) -> torch.Tensor:
-    """Elements ``part`` (global box, inside ``region``) of a saved piece, read from the file."""
+def _read(reader: Any, saved: Any, region: Region, part: Box, out: torch.Tensor) -> None:
+    """Read elements ``part`` (global box, inside ``region``) of a saved piece into ``out``
+    (shaped like ``part``; a view into the target), straight from the file when the layouts
+    agree (no intermediate copy)."""
     if region.flat_offset is None:
-        return reader.read(saved, _local(part, region.box))
+        reader.read(saved, _local(part, region.box), out=out)
+        return
     d = region.split_dim
     if not region.box:  # a scalar
-        return reader.read(saved, slice(0, 1)).reshape(())
+        out.copy_(reader.read(saved, slice(0, 1)).reshape(()))
+        return
     # Read the contiguous range from part's first element to its last (exactly part when the
     # layouts agree on the later dimensions), placed in the rows [j0, j1) of dimension d.
     shape = tuple(e - s for s, e in region.box)
     first = _flat_index([s - o for (s, _), (o, _) in zip(part, region.box, strict=True)], shape)
     last = _flat_index([e - 1 - o for (_, e), (o, _) in zip(part, region.box, strict=True)], shape)
-    base = region.flat_offset
+    span = slice(region.flat_offset + first, region.flat_offset + last + 1)
     if last + 1 - first == _numel(part):  # part is that range: no reshaping buffer
-        data = reader.read(saved, slice(base + first, base + last + 1))
-        return data.view(tuple(e - s for s, e in part))
+        if out.is_contiguous():
+            reader.read(saved, span, out=out.view(-1))
+        else:
+            out.copy_(reader.read(saved, span).view(out.shape))
+        return
     inner = _numel(region.box[d + 1 :])
     j0, j1 = part[d][0] - region.box[d][0], part[d][1] - region.box[d][0]
     rows = torch.empty((j1 - j0) * inner, dtype=saved.dtype)
-    rows[first - j0 * inner : last + 1 - j0 * inner] = reader.read(
-        saved, slice(base + first, base + last + 1)
-    )
+    rows[first - j0 * inner : last + 1 - j0 * inner] = reader.read(saved, span)
     rows = rows.view((1,) * d + (j1 - j0,) + shape[d + 1 :])
-    return rows[(slice(None),) * (d + 1) + _local(part[d + 1 :], region.box[d + 1 :])]
+    out.copy_(rows[(slice(None),) * (d + 1) + _local(part[d + 1 :], region.box[d + 1 :])])
 
 
 def _flat_index(index: list[int], shape: tuple[int, ...]) -> int:
@@ -207,30 +212,32 @@ def _fill_one(reader: Any, target: Piece, saved: list, source: str, strict: bool
                 f"{tuple(s.global_shape)} in the checkpoint ({source!r}) but "
                 f"{tuple(target.global_shape)} in this model"
             )
-    covered = torch.zeros(target.tensor.shape, dtype=torch.bool)
     wanted = regions(target.box, target.flat)
+    done: list[list[Box]] = [[] for _ in wanted]  # the parts read, per wanted region
     with torch.no_grad():
         for s in saved:
             for sr in regions(s.box, s.flat):
-                for tr in wanted:
+                for tr, parts in zip(wanted, done, strict=True):
                     part = intersect(tr.box, sr.box, logical)
                     if part is None:
                         continue
-                    idx = _local(part, tr.box)
-                    _view(target.tensor, tr)[idx] = _read(reader, s, sr, part)
-                    _view(covered, tr)[idx] = True
+                    _read(reader, s, sr, part, out=_view(target.tensor, tr)[_local(part, tr.box)])
+                    parts.append(part)
     if strict:
-        _check_covered(target, covered, wanted, logical, source)
+        _check_covered(target, wanted, done, logical, source)
 
 
 def _check_covered(
-    target: Piece, covered: torch.Tensor, wanted: list[Region], logical: Box, source: str
+    target: Piece, wanted: list[Region], done: list[list[Box]], logical: Box, source: str
 ) -> None:
-    for tr in wanted:
+    for tr, parts in zip(wanted, done, strict=True):
         need = intersect(tr.box, logical)
-        if need is None:
-            continue  # all padding
-        hole = ~_view(covered, tr)[_local(need, tr.box)]
+        if need is None or need in parts:
+            continue  # all padding, or one saved piece covered it all (the layouts agree)
+        covered = torch.zeros(tuple(e - s for s, e in tr.box), dtype=torch.bool)
+        for part in parts:
+            covered[_local(part, tr.box)] = True
+        hole = ~covered[_local(need, tr.box)]
         if hole.any():
             first = tuple(int(i) + s for i, (s, _) in zip(hole.nonzero()[0], need, strict=True))
             raise CheckpointError(
@@ -277,6 +284,11 @@ class PieceReader:
     def pieces(self, name: str) -> list[HeldPiece]:
         return self._pieces[name]
 
-    def read(self, piece: HeldPiece, index: Any = None) -> torch.Tensor:
-        t = piece.tensor
-        return (t if index is None else t[index]).detach().clone()
+    def read(
+        self, piece: HeldPiece, index: Any = None, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        t = (piece.tensor if index is None else piece.tensor[index]).detach()
+        if out is None:
+            return t.clone()
+        assert out.shape == t.shape, (tuple(out.shape), tuple(t.shape))
+        return out.copy_(t)
