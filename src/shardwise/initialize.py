@@ -68,7 +68,7 @@ def initialize(
     batch = cfg.resolve_batch(mesh.topology.dp)
     _log_start(cfg, mesh, batch)
     if mesh.topology.tp > 1:
-        _apply_tensor_parallel(cfg, model, mesh)
+        _apply_tensor_parallel(cfg, model, mesh, optimizer)
     else:
         broadcast_parameters(model, src=mesh.axis_ranks("dp")[0], group=mesh.dp_group)
     _apply_activation_checkpointing(cfg, model)  # after TP and PP, before the precision cast
@@ -147,16 +147,34 @@ def _build_strategy(cfg: Config, model: nn.Module, opt: Any, mesh: ProcessMesh) 
     )
 
 
-def _apply_tensor_parallel(cfg: Config, model: nn.Module, mesh: ProcessMesh) -> None:
+def _apply_tensor_parallel(
+    cfg: Config, model: nn.Module, mesh: ProcessMesh, optimizer: Any
+) -> None:
     """Split the model's layers across the tensor-parallel group, from identical weights.
 
     Every rank first takes rank 0's whole weights (the user may not have seeded), so that the
-    slices of all ranks come from one model; then the plan rewrites the layers in place."""
+    slices of all ranks come from one model; then the plan rewrites the layers in place.
+    The split layers get new parameters: an optimizer built beforehand would step the old,
+    unused ones and leave the split layers untrained, so it is refused."""
     from shardwise.parallel.parallelize import parallelize, resolve_plan
 
     broadcast_parameters(model, src=0, group=None)
+    before = list(model.parameters())  # alive until the check: their ids stay unique
     plan = resolve_plan(model, cfg.tensor_parallel.plan)
     parallelize(model, plan, mesh, sequence_parallel=cfg.tensor_parallel.sequence_parallel)
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        return
+    now = {id(p) for p in model.parameters()}
+    replaced = {id(p) for p in before if id(p) not in now}
+    stale = sum(id(p) in replaced for g in optimizer.param_groups for p in g["params"])
+    if stale:
+        raise ConfigError(
+            f"the optimizer holds {stale} parameters that tensor parallelism replaced by their "
+            "shards, so the split layers would never be updated: pass the optimizer as a "
+            "callable (optimizer=lambda params: torch.optim.AdamW(params, lr=...)) or give an "
+            '"optimizer" config block, so that it is built on the split model',
+            key="optimizer",
+        )
 
 
 def _counted_elsewhere(model: nn.Module, mesh: ProcessMesh) -> frozenset[int]:
