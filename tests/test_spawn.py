@@ -52,6 +52,24 @@ def test_a_failing_rank_is_reraised_with_its_rank_and_traceback():
     assert "KeyError: 'rank one is broken'" in message and "_fail_on_rank_one" in message, message
 
 
+def _peer_error_after_root_cause(rank):
+    if rank == 1:
+        raise KeyError("rank one is broken")
+    time.sleep(1)  # rank 1 is dead by now; rank 0's collective would report the lost peer
+    raise RuntimeError("[gloo] Connection closed by peer [127.0.0.1]:1234")
+
+
+def test_the_rank_that_failed_first_is_named_not_the_peer_it_broke():
+    # Which dead rank torch's join reports first is up to the OS; when it is the rank that
+    # only lost its peer, the report must name the peer that raised for its own reason.
+    job = spawn(_peer_error_after_root_cause, 2, join=False)
+    time.sleep(3)  # both ranks are dead
+    rank, message = job._root_cause(0, "RuntimeError: [gloo] Connection closed by peer")
+    assert rank == 1 and "rank one is broken" in message, (rank, message)
+    with pytest.raises(SpawnError, match="failed"):
+        job.join(timeout=60)
+
+
 def test_a_hung_job_times_out_naming_the_ranks():
     start = time.monotonic()
     with pytest.raises(TimeoutError, match=r"ranks \[0, 1\] still running after 3"):
