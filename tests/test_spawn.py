@@ -52,22 +52,22 @@ def test_a_failing_rank_is_reraised_with_its_rank_and_traceback():
     assert "KeyError: 'rank one is broken'" in message and "_fail_on_rank_one" in message, message
 
 
-def _peer_error_after_root_cause(rank):
-    if rank == 1:
-        raise KeyError("rank one is broken")
-    time.sleep(1)  # rank 1 is dead by now; rank 0's collective would report the lost peer
-    raise RuntimeError("[gloo] Connection closed by peer [127.0.0.1]:1234")
+def test_the_rank_that_failed_for_its_own_reason_is_named(tmp_path):
+    # Which dead rank torch's join reports first is up to the OS; when it is a rank whose
+    # collective only lost its peer, the report must name the peer that raised by itself.
+    import pickle
+    from types import SimpleNamespace
 
+    from shardwise.spawn import SpawnedJob
 
-def test_the_rank_that_failed_first_is_named_not_the_peer_it_broke():
-    # Which dead rank torch's join reports first is up to the OS; when it is the rank that
-    # only lost its peer, the report must name the peer that raised for its own reason.
-    job = spawn(_peer_error_after_root_cause, 2, join=False)
-    time.sleep(3)  # both ranks are dead
-    rank, message = job._root_cause(0, "RuntimeError: [gloo] Connection closed by peer")
-    assert rank == 1 and "rank one is broken" in message, (rank, message)
-    with pytest.raises(SpawnError, match="failed"):
-        job.join(timeout=60)
+    files = [tmp_path / "rank0.pickle", tmp_path / "rank1.pickle"]
+    lost = "RuntimeError: [gloo] Connection closed by peer [127.0.0.1]:1234"
+    files[0].write_bytes(pickle.dumps(lost))
+    files[1].write_bytes(pickle.dumps("KeyError: 'rank one is broken'"))
+    context = SimpleNamespace(error_files=[str(f) for f in files])
+    job = SpawnedJob(context, results=None, nprocs=2, tmpdir=str(tmp_path))
+    assert job._root_cause(0, lost) == (1, "KeyError: 'rank one is broken'")
+    assert job._root_cause(1, "KeyError: x") == (1, "KeyError: x"), "a real cause is kept"
 
 
 def test_a_hung_job_times_out_naming_the_ranks():
