@@ -58,8 +58,10 @@ class Engine(nn.Module):
         training_dataloader: Any = None,
         loss_fn: Any = None,
         scaler: Any = None,
+        pipeline: Any = None,
     ) -> None:
         super().__init__()
+        self.pipeline = pipeline  # parallel/pipeline/runner.py when pipeline stages > 1
         self.module = module
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
@@ -142,8 +144,24 @@ class Engine(nn.Module):
     def dp_rank(self) -> int:
         return self.mesh.dp_rank
 
+    def is_first_stage(self) -> bool:
+        return self.pipeline is None or self.pipeline.is_first_stage()
+
+    def is_last_stage(self) -> bool:
+        return self.pipeline is None or self.pipeline.is_last_stage()
+
     # ------------------------------------------------------------------ training
+    def _refuse_in_pipeline(self, call: str) -> None:
+        if self.pipeline is not None:
+            raise EngineError(
+                f"engine.{call} is not available with pipeline parallelism "
+                f"({self.pipeline.stages} stages): the schedule runs forward, backward and step "
+                "for the whole batch; use engine.train_batch(data_iter) to train and "
+                "engine.eval_batch(data_iter) to evaluate"
+            )
+
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        self._refuse_in_pipeline("forward()")
         dtype = compute_dtype(self.config)
         if dtype != torch.float32:
             # 16-bit weights need 16-bit inputs; integer inputs (token ids) pass unchanged.
@@ -167,6 +185,7 @@ class Engine(nn.Module):
         scale_wrt_gas: bool = True,
     ) -> torch.Tensor:
         """Backpropagate ``loss / GAS``; reduce gradients at the accumulation boundary."""
+        self._refuse_in_pipeline("backward()")
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             raise EngineError(
                 "engine.backward(loss) needs a scalar loss tensor; "
@@ -183,6 +202,7 @@ class Engine(nn.Module):
 
     def step(self, lr_kwargs: dict | None = None) -> None:
         """Update at the accumulation boundary: clip, optimizer step, scheduler step, zero."""
+        self._refuse_in_pipeline("step()")
         if self._in_no_sync:
             raise EngineError("engine.step() inside engine.no_sync(): leave the block first")
         if self.optimizer is None:
@@ -272,9 +292,12 @@ class Engine(nn.Module):
 
     def train_batch(self, data_iter: Iterator | None = None) -> torch.Tensor:
         """One optimizer step over GAS micro-batches from ``data_iter``; the mean loss,
-        averaged over the data-parallel group (the same value on every rank)."""
+        averaged over the data-parallel group (the same value on every rank). With a pipeline
+        the schedule runs them (parallel/pipeline/runner.py)."""
         from shardwise import comm
 
+        if data_iter is None and self.pipeline is not None and not self._reads_data():
+            return self.pipeline.train_batch(self, None)
         if data_iter is None:
             if self.training_dataloader is None:
                 raise EngineError(
@@ -285,6 +308,8 @@ class Engine(nn.Module):
 
                 self._data_iter = iter(RepeatingLoader(self.training_dataloader))
             data_iter = self._data_iter
+        if self.pipeline is not None:
+            return self.pipeline.train_batch(self, data_iter)
         self.train()
         total = torch.zeros(())
         for _ in range(self.gradient_accumulation_steps()):
@@ -296,11 +321,20 @@ class Engine(nn.Module):
         comm.all_reduce(total, group=self.mesh.dp_group)
         return total / self.dp_world_size
 
+    def _reads_data(self) -> bool:
+        """Only the first and last pipeline stages read batches."""
+        return self.is_first_stage() or self.is_last_stage()
+
     @torch.no_grad()
-    def eval_batch(self, data_iter: Iterator) -> torch.Tensor:
-        """The mean loss of GAS micro-batches without training, averaged over data ranks."""
+    def eval_batch(self, data_iter: Iterator | None, **kwargs: Any) -> Any:
+        """The mean loss of GAS micro-batches without training, averaged over data ranks.
+        With a pipeline: ``return_logits`` and ``num_micro_batches`` as DeepSpeed's."""
         from shardwise import comm
 
+        if self.pipeline is not None:
+            return self.pipeline.eval_batch(self, data_iter, **kwargs)
+        if kwargs:
+            raise EngineError(f"eval_batch() got {sorted(kwargs)}: only pipelines take options")
         was_training = self.training
         self.eval()
         total = torch.zeros(())
@@ -319,6 +353,8 @@ class Engine(nn.Module):
             from shardwise.parallel.consolidate import consolidate_tensor_parallel
 
             state = consolidate_tensor_parallel(state, self.module, self.mesh.tp_group)
+        if self.pipeline is not None:
+            state = self.pipeline.consolidated_state_dict(state)
         return state
 
     def module_state_dict(self) -> dict[str, torch.Tensor]:
