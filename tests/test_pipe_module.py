@@ -71,14 +71,19 @@ def test_balanced_partition_is_optimal_and_never_empty():
         p = rng.randint(1, n)
         w = [rng.choice([0, 0, 1, 5, 40, 100]) for _ in range(n)]
         got = partition_balanced(w, p)
-        best = min(max(sum(w[a:b]) for a, b in itertools.pairwise(c)) for c in _all_cuts(n, p))
-        assert max(sum(w[a:b]) for a, b in itertools.pairwise(got)) == best, (w, p, got)
+        costs = {tuple(c): [sum(w[a:b]) for a, b in itertools.pairwise(c)] for c in _all_cuts(n, p)}
+        best = min(max(c) for c in costs.values())
+        floor = max(min(c) for c in costs.values() if max(c) == best)
+        assert max(costs[tuple(got)]) == best, (w, p, got)
+        assert min(costs[tuple(got)]) == floor, f"{got} leaves a lighter stage than needed: {w}"
         assert all(a < b for a, b in itertools.pairwise(got)), f"empty stage in {got} for {w}"
 
 
 def test_partition_by_type_balances_matching_layers():
     names = ["Embedding", "Block", "Block", "Block", "Block", "LayerNorm", "Linear"]
     assert partition("type:block", 2, names, [0] * 7) == [0, 3, 7]
+    linears = ["Linear", "Tanh"] * 4 + ["Linear"]  # 5 on 4 stages: 2, 1, 1, 1 (not 2, 2, 0, 1)
+    assert partition("type:Linear", 4, linears, [0] * 9) == [0, 4, 6, 8, 9]
     assert partition("type:^Block$|Linear", 2, names, [0] * 7) == [0, 4, 7]  # 3 of 5 first
     with pytest.raises(PartitionError, match="matches no layer; the layer classes are"):
         partition("type:Attention", 2, names, [0] * 7)
@@ -231,6 +236,12 @@ def test_activation_checkpointing_recomputes_and_stores_less():
     "layers,kwargs,error,match",
     [
         ([LayerSpec(nn.Linear, 2, 2)], {"num_stages": 2}, PartitionError, "num_stages=2 is more"),
+        (
+            [nn.Linear(2, 2), nn.Tanh(), nn.Tanh()],
+            {"num_stages": 3},
+            PartitionError,
+            r"stage 1 would hold no trainable parameter \(layers 1-1: Tanh\)",
+        ),
         ([3], {"num_stages": 1}, TypeError, r"layers\[0\] is a int"),
         ([], {"num_stages": 1}, ValueError, "at least one layer"),
         ([nn.Tanh()], {"num_stages": 0}, ValueError, "num_stages=0"),

@@ -196,6 +196,7 @@ class PipelineModule(nn.Module):
         self.param_counts = counts
         self.parts = part.partition(method, self.num_stages, self.class_names, counts)
         self.partition_used = method
+        self._check_every_stage_trains()
         self.stage_id = stage_id
         lo, hi = self.parts[stage_id], self.parts[stage_id + 1]
         self.tied_modules = nn.ModuleDict()
@@ -221,6 +222,20 @@ class PipelineModule(nn.Module):
             x if lo <= i < hi or not isinstance(x, nn.Module) else None
             for i, x in enumerate(self._specs)
         ]
+
+    def _check_every_stage_trains(self) -> None:
+        """A stage without trainable parameters has nothing for its optimizer: refuse it on
+        every rank alike (the partition is the same everywhere), before any collective."""
+        if self.num_stages == 1:
+            return
+        for s in range(self.num_stages):
+            a, b = self.parts[s], self.parts[s + 1]
+            if sum(self.param_counts[a:b]) == 0:
+                raise part.PartitionError(
+                    f"stage {s} would hold no trainable parameter (layers {a}-{b - 1}: "
+                    f"{', '.join(self.class_names[a:b])}); use fewer stages or another "
+                    f"partition_method than {self.partition_used!r}\n{self.describe()}"
+                )
 
     def _make(self, idx: int, spec: LayerSpec) -> nn.Module:
         if self.seed_layers:

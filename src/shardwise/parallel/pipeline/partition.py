@@ -11,15 +11,17 @@ layer (a stage with nothing to run would only forward its input: a configuration
     type:REGEX   balanced by the number of layers whose class name matches REGEX
                  (case-insensitive), e.g. "type:Block" for a transformer's blocks
 
-Balancing finds the smallest bottleneck B by bisection over the candidate costs; for a given B
-the greedy cut (each stage takes as many layers as fit in B, leaving one per later stage) is
-feasible whenever any cut is, so the result is optimal. Ties go to earlier stages.
+Balancing finds the smallest bottleneck B (the largest stage) by bisection, then the largest
+floor L (the smallest stage) that a cut with every stage in [L, B] still meets, so that a
+stage is left without weight only when no cut avoids it (a front-loaded greedy cut, bottleneck
+alone, puts 5 matching layers on 4 stages as 2, 2, 0, 1; this gives 2, 1, 1, 1). Ties go to
+earlier stages.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 METHODS = ("parameters", "uniform", "type:<regex>")
 
@@ -48,38 +50,62 @@ def partition_uniform(n: int, parts: int) -> list[int]:
     return bounds
 
 
-def _greedy(weights: Sequence[int], parts: int, bottleneck: int) -> list[int] | None:
-    """The front-loaded cut with every stage's cost <= bottleneck, or None if there is none."""
+def _cuts(weights: Sequence[int], parts: int, low: int, high: int) -> list[int] | None:
+    """The front-loaded cut with every stage non-empty and its cost in [low, high], or None.
+
+    ``ok[k][i]``: layers i..n-1 split into k such stages; then each stage, in order, takes the
+    longest run that leaves a splittable rest. O(parts * n^2), for the few hundred layers of a
+    model at most."""
     n = len(weights)
+    prefix = [0]
+    for w in weights:
+        prefix.append(prefix[-1] + w)
+    ok = [[False] * (n + 1) for _ in range(parts + 1)]
+    ok[0][n] = True
+    for k in range(1, parts + 1):
+        for i in range(n):
+            ok[k][i] = any(
+                ok[k - 1][j] and low <= prefix[j] - prefix[i] <= high for j in range(i + 1, n + 1)
+            )
+    if not ok[parts][0]:
+        return None
     bounds, start = [0], 0
     for s in range(parts):
-        stop, cost = start, 0
-        cap = n - (parts - s - 1)  # leave one layer for each later stage
-        while stop < cap and cost + weights[stop] <= bottleneck:
-            cost += weights[stop]
-            stop += 1
-        if (s == parts - 1 and stop < n) or stop == start:
-            return None
+        stop = max(
+            j
+            for j in range(start + 1, n + 1)
+            if ok[parts - s - 1][j] and low <= prefix[j] - prefix[start] <= high
+        )
         bounds.append(stop)
         start = stop
     return bounds
 
 
+def _smallest(lo: int, hi: int, fits: Callable[[int], bool]) -> int:
+    """The smallest x in [lo, hi] with fits(x), fits being monotone and fits(hi) true."""
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
 def partition_balanced(weights: Sequence[int], parts: int) -> list[int]:
-    """Boundaries minimising the largest stage's sum of ``weights`` (contiguous, non-empty)."""
+    """Boundaries minimising the largest stage's sum of ``weights`` (contiguous, non-empty);
+    among those, the one whose smallest stage is largest (no stage left without weight when
+    another cut avoids it), earlier stages taking more on ties."""
     weights = [int(w) for w in weights]
     _check(len(weights), parts)
     if any(w < 0 for w in weights):
         raise PartitionError(f"layer weights must be >= 0, got {weights}")
-    lo, hi = max(weights), sum(weights)
-    while lo < hi:  # the smallest feasible bottleneck, by bisection on the integer cost
-        mid = (lo + hi) // 2
-        if _greedy(weights, parts, mid) is None:
-            lo = mid + 1
-        else:
-            hi = mid
-    bounds = _greedy(weights, parts, lo)
-    assert bounds is not None  # the total always fits
+    total = sum(weights)
+    high = _smallest(max(weights), total, lambda b: _cuts(weights, parts, 0, b) is not None)
+    # The largest feasible lower bound: bisect on -low to reuse the "smallest" search.
+    low = -_smallest(-high, 0, lambda neg: _cuts(weights, parts, -neg, high) is not None)
+    bounds = _cuts(weights, parts, low, high)
+    assert bounds is not None  # low = 0 always fits
     return bounds
 
 
