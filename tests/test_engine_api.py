@@ -130,7 +130,10 @@ def test_backward_needs_a_scalar():
             "zero_optimization.offload_param",
         ),
         ({"communication_data_type": "fp16"}, "communication_data_type"),
-        ({"activation_checkpointing": {"checkpoint_layers": "all"}}, "checkpoint_layers"),
+        (
+            {"activation_checkpointing": {"partition_activations": True}},
+            "activation_checkpointing.partition_activations",
+        ),
     ],
 )
 def test_features_not_built_yet_fail_loudly(block, key):

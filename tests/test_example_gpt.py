@@ -89,17 +89,18 @@ def test_heads_inferred_from_local_weight():
 
 
 def test_tp_plan_names_real_modules():
+    from shardwise.parallel.parallelize import STYLES, match_plan
+
     model = tiny()
     names = {n for n, _ in model.named_modules()}
     for pattern, style in M.GPT.tp_plan.items():
-        assert style in {"colwise", "rowwise", "vocab"}, (pattern, style)
+        assert style in STYLES, (pattern, style)
         rx = re.compile(re.escape(pattern).replace(r"\*", r"\d+"))
         hits = [n for n in names if rx.fullmatch(n)]
         expected = model.cfg.n_layer if "*" in pattern else 1
         assert len(hits) == expected, (pattern, hits)
-        assert all(
-            isinstance(model.get_submodule(h), torch.nn.Linear | torch.nn.Embedding) for h in hits
-        )
+        assert all(isinstance(model.get_submodule(h), STYLES[style]) for h in hits), pattern
+    match_plan(model, M.GPT.tp_plan)  # what parallelize checks: every pattern, style and type
 
 
 def test_generate_length_and_determinism():

@@ -9,7 +9,9 @@ tensor parallelism splits them), D head_dim = C / n_head, V vocab_size.
 
 Convention: ``model(idx)`` returns logits (B, T, V); ``model(idx, targets)`` returns the scalar
 mean cross-entropy loss. One return type per call, so ``loss = engine(x, y)`` reads like a
-DeepSpeed script and ``logits = model(idx)`` serves generation.
+DeepSpeed script and ``logits = model(idx)`` serves generation. Under the tensor-parallel plan
+(``GPT.tp_plan``) logits are each rank's vocabulary slice (padding columns -inf): generate with
+the single-process model, or a plan whose head is "colwise_rep".
 """
 
 from __future__ import annotations
@@ -58,8 +60,8 @@ class CausalSelfAttention(nn.Module):
         self.q = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.k = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
         self.v = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.attend = Attend(cfg.dropout)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
-        self.dropout = cfg.dropout
         self.resid_drop = nn.Dropout(cfg.dropout)
 
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
@@ -68,17 +70,31 @@ class CausalSelfAttention(nn.Module):
         return x.view(B, T, -1, self.head_dim).transpose(1, 2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, _ = x.shape
         q = self._heads(self.q(x))  # (B, T, C) @ (C, H*D) -> (B, H, T, D)
         k = self._heads(self.k(x))  # (B, T, C) @ (C, H*D) -> (B, H, T, D)
         v = self._heads(self.v(x))  # (B, T, C) @ (C, H*D) -> (B, H, T, D)
-        # softmax(q @ k^T / sqrt(D)) @ v with a causal mask:
-        # (B, H, T, D) @ (B, H, D, T) -> (B, H, T, T); (B, H, T, T) @ (B, H, T, D) -> (B, H, T, D)
-        y = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
-        )
-        y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, H*D): heads side by side again
+        y = self.attend(q, k, v)  # (B, H, T, D)
+        # (B, T, H*D): heads side by side again. T from y, not x: under sequence parallelism
+        # x holds a slice of the positions and q/k/v (gathered) the whole sequence.
+        y = y.transpose(1, 2).flatten(2)
         return self.resid_drop(self.proj(y))  # (B, T, H*D) @ (H*D, C) -> (B, T, C)
+
+
+class Attend(nn.Module):
+    """softmax(q k^T / sqrt(D) + causal mask) v, with dropout on the attention probabilities.
+
+    Its own module so that a tensor-parallel plan can name it: its dropout acts on the local
+    heads of a rank, so it must draw from that rank's random stream ("split_dropout").
+    """
+
+    def __init__(self, dropout: float) -> None:
+        super().__init__()
+        self.dropout = dropout
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # (B, H, T, D) @ (B, H, D, T) -> (B, H, T, T); (B, H, T, T) @ (B, H, T, D) -> (B, H, T, D)
+        p = self.dropout if self.training else 0.0
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
 
 
 class MLP(nn.Module):
@@ -113,20 +129,33 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    # Hugging Face-style tensor-parallel plan: module-name pattern -> style; "*" stands for a
-    # block index. colwise splits a Linear's output features (q/k/v by whole heads, see
-    # CausalSelfAttention), rowwise its input features (then all-reduces the partial sums),
-    # vocab splits the embedding table by token id. Every pattern is checked against the real
-    # module names in tests/test_example_gpt.py.
+    # Tensor-parallel plan, Hugging Face style: module-name pattern -> style ("*" is a block
+    # index), applied by shardwise.parallel.parallelize. q/k/v split their output features
+    # (each rank whole heads, see CausalSelfAttention), the output projections their input
+    # features (then one all-reduce per sublayer); the embedding and the head split the
+    # vocabulary, and the loss works on vocabulary-split logits without gathering them.
+    # "split_dropout": attention dropout acts on local heads, so it draws from the rank's own
+    # random stream. "sequence_parallel" marks the norms and dropouts between the split
+    # layers: no-ops unless sequence parallelism is on, then they run on sequence shards, the
+    # first ("drop", after the embeddings) splitting the sequence. Every pattern is checked
+    # against the real module names in tests/test_example_gpt.py.
     tp_plan: dict[str, str] = {
         "tok_emb": "vocab",
+        "drop": "sequence_parallel",
+        "blocks.*.ln_1": "sequence_parallel",
         "blocks.*.attn.q": "colwise",
         "blocks.*.attn.k": "colwise",
         "blocks.*.attn.v": "colwise",
+        "blocks.*.attn.attend": "split_dropout",
         "blocks.*.attn.proj": "rowwise",
+        "blocks.*.attn.resid_drop": "sequence_parallel",
+        "blocks.*.ln_2": "sequence_parallel",
         "blocks.*.mlp.fc": "colwise",
         "blocks.*.mlp.proj": "rowwise",
-        "head": "colwise",
+        "blocks.*.mlp.drop": "sequence_parallel",
+        "ln_f": "sequence_parallel",
+        "head": "vocab",
+        "loss_fn": "loss_parallel",
     }
 
     def __init__(self, cfg: GPTConfig) -> None:
@@ -138,6 +167,7 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.loss_fn = nn.CrossEntropyLoss()  # a module, so a TP plan can swap it (loss_parallel)
         if cfg.tie_weights:
             # Both are (V, C): the embedding looks rows up, the head multiplies by its transpose.
             self.head.weight = self.tok_emb.weight
@@ -175,7 +205,7 @@ class GPT(nn.Module):
         if targets is None:
             return logits
         # Flatten to (B*T, V) vs (B*T,): every position is one next-token prediction.
-        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+        return self.loss_fn(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
 
     @torch.no_grad()
     def generate(

@@ -4,7 +4,7 @@ The public surface follows DeepSpeed's, so that ``import shardwise as deepspeed`
 DeepSpeed scripts: ``initialize``, ``init_distributed``, ``add_config_arguments``, ``comm``.
 """
 
-from shardwise import comm, pipe, zero
+from shardwise import checkpointing, comm, pipe, zero
 from shardwise.config import ConfigError
 from shardwise.engine import Engine, EngineError
 from shardwise.initialize import add_config_arguments, initialize
@@ -31,6 +31,7 @@ __all__ = [
     "Topology",
     "__version__",
     "add_config_arguments",
+    "checkpointing",
     "comm",
     "init_distributed",
     "initialize",

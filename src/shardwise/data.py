@@ -307,11 +307,15 @@ class DistributedDataLoader:
         batches = self.batch_sampler.remaining()
         if not batches:
             return
+        # torch's loader draws a seed from the global generator unless given one: a private
+        # one keeps dropout's stream the same when a resumed run starts an iteration mid-epoch.
+        gen = torch.Generator().manual_seed(self.batch_sampler.seed + self.batch_sampler.epoch)
         loader = DataLoader(
             self.dataset,
             batch_sampler=batches,
             collate_fn=self.collate_fn,
             num_workers=self.num_workers,
+            generator=gen,
         )
         for batch in loader:
             self.batch_sampler.advance()  # before the yield: a checkpoint taken now includes it

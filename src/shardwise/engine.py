@@ -360,6 +360,64 @@ class Engine(nn.Module):
     def module_state_dict(self) -> dict[str, torch.Tensor]:
         return self.consolidated_state_dict()
 
+    # ------------------------------------------------------------------ checkpoints
+    # DeepSpeed's calls; the work is in checkpoint/engine_state.py (any layout loads any other).
+    def save_checkpoint(
+        self,
+        save_dir: str,
+        tag: Any = None,
+        client_state: dict | None = None,
+        save_latest: bool = True,
+        exclude_frozen_parameters: bool = False,
+    ) -> bool:
+        """Write ``save_dir/<tag>`` (default ``global_step<N>``); every rank must call it."""
+        from shardwise.checkpoint import engine_state
+
+        return engine_state.save_checkpoint(
+            self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters
+        )
+
+    def load_checkpoint(
+        self,
+        load_dir: str,
+        tag: Any = None,
+        load_module_strict: bool = True,
+        load_optimizer_states: bool = True,
+        load_lr_scheduler_states: bool = True,
+        load_module_only: bool = False,
+    ) -> tuple[str | None, dict | None]:
+        """``(load_path, client_state)``, or ``(None, None)`` without ``latest`` nor tag."""
+        from shardwise.checkpoint import engine_state
+
+        return engine_state.load_checkpoint(
+            self,
+            load_dir,
+            tag,
+            load_module_strict,
+            load_optimizer_states,
+            load_lr_scheduler_states,
+            load_module_only,
+        )
+
+    def save_16bit_model(
+        self,
+        save_dir: str,
+        save_filename: str = "pytorch_model.bin",
+        exclude_frozen_parameters: bool = False,
+    ) -> bool:
+        """The consolidated model as one file; safetensors content whatever the name."""
+        from shardwise.checkpoint import engine_state
+
+        return engine_state.save_16bit_model(
+            self, save_dir, save_filename, exclude_frozen_parameters
+        )
+
+    def load_module_state_dict(self, checkpoint: dict, strict: bool = True) -> None:
+        """Load a whole-model state dict (the user's keys) into this layout."""
+        from shardwise.checkpoint import engine_state
+
+        engine_state.load_module_state_dict(self, checkpoint, strict)
+
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes this rank holds in parameters, gradients, optimizer states (master weights
         included) and communication buffers, counted from the live tensors."""

@@ -78,6 +78,7 @@ def initialize(
         broadcast_parameters(model, src=mesh.axis_ranks("dp")[0], group=mesh.dp_group)
     if runner is not None:
         runner.tied.broadcast()
+    _apply_activation_checkpointing(cfg, model)  # after TP and PP, before the precision cast
     model.to(compute_dtype(cfg))
     opt = _build_optimizer(cfg, model, optimizer, model_parameters)
     isolate = runner.tied.all_params() if runner is not None else []
@@ -216,11 +217,17 @@ def _unbuilt_options(cfg: Config) -> list[str]:
         todo.append(f"communication_data_type={comm_dtype} (reductions use the compute dtype)")
     if cfg.fp16.fp16_master_weights_and_grads:
         todo.append("fp16.fp16_master_weights_and_grads")
-    if cfg.activation_checkpointing.checkpoint_layers:
-        todo.append("activation_checkpointing.checkpoint_layers")
-    if cfg.activation_checkpointing.partition_activations:
-        todo.append("activation_checkpointing.partition_activations")
+    from shardwise.checkpointing import refused_options
+
+    todo += [f"activation_checkpointing.{k}" for k in refused_options(cfg.activation_checkpointing)]
     return todo
+
+
+def _apply_activation_checkpointing(cfg: Config, model: nn.Module) -> None:
+    from shardwise.parallel.activation import apply_activation_checkpointing
+
+    layers = cfg.activation_checkpointing.checkpoint_layers
+    apply_activation_checkpointing(model, layers, key="activation_checkpointing.checkpoint_layers")
 
 
 def _log_start(cfg: Config, mesh: ProcessMesh, batch: Any) -> None:

@@ -35,6 +35,7 @@ from shardwise.config.parallel import (
     ActivationCheckpointingConfig,
     PipelineConfig,
     TensorParallelConfig,
+    parse_activation_checkpointing,
     parse_pipeline,
 )
 from shardwise.config.precision import BF16Config, FP16Config
@@ -113,6 +114,7 @@ _BLOCK_PARSERS: dict[str, Callable[[Any, Notes], Any]] = {
     "scheduler": parse_scheduler,
     "zero_optimization": parse_zero,
     "pipeline": parse_pipeline,
+    "activation_checkpointing": parse_activation_checkpointing,
 }
 
 

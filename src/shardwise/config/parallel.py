@@ -27,7 +27,7 @@ PARTITION_METHODS = ("parameters", "uniform", "best")  # plus "type:<regex>"
 
 @dataclass(frozen=True)
 class TensorParallelConfig:
-    """``"tensor_parallel": {"size": 2, "plan": {"*.q_proj": "colwise", "*.o_proj": "rowwise"}}``.
+    """``"tensor_parallel": {"size": 2, "plan": {"layers.*.q_proj": "colwise", ...}}``.
 
     ``plan`` maps module-name patterns to a style, the strings Hugging Face models publish in their
     ``tp_plan``: colwise (split the output features), rowwise (split the input features, all-reduce
@@ -68,9 +68,13 @@ class PipelineConfig:
 class ActivationCheckpointingConfig:
     """``"activation_checkpointing": {...}``: DeepSpeed's keys plus ``checkpoint_layers``.
 
-    ``checkpoint_layers``: "all", or a list of module names / glob patterns (strings) or layer
-    indices (integers) whose forward is recomputed in backward; None (default) checkpoints nothing
-    unless the model or the pipeline's ``activation_checkpoint_interval`` asks for it.
+    ``checkpoint_layers`` chooses the modules whose forward is recomputed in backward:
+    "all" (every block of the model's block list: its shallowest ``nn.ModuleList``), or a list
+    of block indices (integers >= 0, into that list) and module names or patterns (strings,
+    matched one dotted component at a time; ``*`` stands for one component: "blocks.*" is every
+    block, "blocks.*.mlp" every block's MLP). None (default) checkpoints nothing unless the
+    model or the pipeline's ``activation_checkpoint_interval`` asks for it. Patterns are checked
+    against the model by ``shardwise.parallel.activation.apply_activation_checkpointing``.
     """
 
     EXAMPLE: ClassVar[str] = '{"checkpoint_layers": "all"}'
@@ -117,4 +121,34 @@ def _check_partition(method: str, path: str) -> None:
         raise fail(
             path,
             f'expected one of "parameters", "uniform", "best" or "type:<regex>", got {show(method)}',
+        )
+
+
+def parse_activation_checkpointing(raw: Any, notes: Notes) -> ActivationCheckpointingConfig:
+    """Build ``ActivationCheckpointingConfig`` and check the form of ``checkpoint_layers``."""
+    path = "activation_checkpointing"
+    if not isinstance(raw, dict):
+        raise fail(
+            path,
+            f"expected an object like {ActivationCheckpointingConfig.EXAMPLE}, got {show(raw)}",
+        )
+    block = build(ActivationCheckpointingConfig, raw, path, notes)
+    layers = block.checkpoint_layers
+    if isinstance(layers, list):
+        for i, item in enumerate(layers):
+            _check_layer_item(item, f"{join(path, 'checkpoint_layers')}[{i}]")
+    return block
+
+
+def _check_layer_item(item: str | int, path: str) -> None:
+    if isinstance(item, int):
+        if item < 0:
+            raise fail(path, f"a block index must be >= 0, got {item}")
+        return
+    if item == "all":
+        raise fail(path, 'write "checkpoint_layers": "all" on its own, not inside a list')
+    if not item or any(part == "" for part in item.split(".")):
+        raise fail(
+            path,
+            f'{show(item)} is not a module name: dotted names like "blocks.0" or "blocks.*.mlp"',
         )

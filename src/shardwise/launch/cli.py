@@ -1,8 +1,11 @@
-"""The ``shardwise`` command: ``run`` launches a script, ``topo`` prints a layout.
+"""The ``shardwise`` command: ``run`` launches a script, ``topo`` prints a layout,
+``inspect`` and ``export`` read a checkpoint.
 
     shardwise run --nproc-per-node 2 train.py --lr 1e-3
     shardwise topo --dp 2 --pp 2 --tp 2 --nnodes 2 --nproc-per-node 4
     shardwise topo --subgroup even --world-size 8
+    shardwise inspect checkpoints/
+    shardwise export checkpoints/ model.safetensors
 
 Flags take torchrun's spellings and DeepSpeed's (``--num_gpus``, ``--num_nodes``,
 ``--master_port``...), so either habit works. ``topo`` starts no process.
@@ -14,6 +17,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from shardwise.checkpoint import cli as checkpoint_cli
 from shardwise.topology import AXIS_NAMES, Topology, TopologyError
 
 # (flags, argparse options): torchrun's spelling first, then the aliases DeepSpeed users type.
@@ -74,6 +78,7 @@ def make_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_run_parser(sub)
     _add_topo_parser(sub)
+    checkpoint_cli.add_parsers(sub)
     return parser
 
 
@@ -160,6 +165,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "topo":
             print(topo_command(args))
+            return 0
+        if args.command in ("inspect", "export"):
+            print(checkpoint_cli.run(args))
             return 0
         from shardwise.launch.run import launch  # imports torchrun only when launching
 

@@ -33,7 +33,8 @@ owns it (``x @ self.fc.weight`` in the parent) is not gathered (DeepSpeed's
 ``register_external_parameter`` is not implemented); parameters the optimizer does not train
 stay whole; ``stage3_max_reuse_distance``, ``stage3_module_granularity_threshold`` and
 ``stage3_use_all_reduce_for_fetch_params`` are not used (every unit is released after use and
-fetched by all-gather); activation checkpointing is untested with stage 3.
+fetched by all-gather). With activation checkpointing, the recompute in backward runs the
+forward hooks again, which gather the units it needs (tests/test_activation_checkpointing.py).
 """
 
 from __future__ import annotations

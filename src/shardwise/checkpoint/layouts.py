@@ -1,0 +1,250 @@
+"""What each gradient strategy holds on this rank, as checkpoint pieces (pieces.py).
+
+A layout is described by two lists:
+
+    model   pieces "model/<p>" of parameters and persistent buffers, in the model's dtype;
+    slots   where this rank holds optimizer-side data of a parameter: the part (box, flat range)
+            of parameter <p>, the tensor the optimizer keys its state by (``owner``: the user's
+            parameter, or a flat fp32 master shard), where the part starts in the owner, and
+            the separate fp32 master values when there are some.
+
+From the slots come "master/<p>" (only where the master is separate storage: 16-bit training
+or offload) and "optim/<key>/<p>" for each optimizer state tensor shaped like its owner
+(exp_avg, exp_avg_sq, momentum_buffer...). A 0-dim state (Adam's ``step``) is one scalar piece
+per parameter, "optim/step/<p>", offered by the rank holding the parameter's first element; a
+flat master shared by several parameters takes the largest of their values on load (they are
+equal unless a parameter never had a gradient in a per-parameter layout).
+
+Who saves what (``Piece.save``): data-parallel replicas are offered by data-parallel rank 0
+(every parameter in plain DP, model weights under ZeRO-1/2, persistent units under ZeRO-3);
+ZeRO shards by the rank that owns them; a tensor-parallel-replicated parameter (placement.py)
+by tensor-parallel rank 0 only. Names are the user's ``named_parameters()`` (a tied parameter
+under its first name).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardwise.checkpoint.pieces import Piece
+from shardwise.checkpoint.reshard import CheckpointError
+from shardwise.parallel.placement import Placement, get_placement
+
+Box = tuple[tuple[int, int], ...]
+
+
+@dataclass
+class Slot:
+    """One rank's optimizer-side part of one parameter (see the module docstring)."""
+
+    name: str
+    global_shape: tuple[int, ...]
+    box: Box
+    flat: tuple[int, int] | None  # None: the whole box, and ``owner`` is the parameter itself
+    owner: torch.Tensor
+    offset: int  # where the part starts in ``owner``'s flattening (flat slots)
+    master: torch.Tensor | None
+    save: bool
+
+    @property
+    def first(self) -> bool:
+        """Holds the parameter's element (0, ..., 0): offers its scalar states."""
+        at_zero = all(s == 0 for s, _ in self.box)
+        return at_zero and (self.flat is None or self.flat[0] == 0)
+
+    def part(self, t: torch.Tensor) -> torch.Tensor:
+        """The part of ``t`` (shaped like ``owner``) that this slot covers."""
+        if self.flat is None:
+            return t
+        return t.view(-1)[self.offset : self.offset + self.flat[1] - self.flat[0]]
+
+
+@dataclass
+class Layout:
+    model: list[Piece]
+    slots: list[Slot]
+
+    def master_pieces(self) -> list[Piece]:
+        return [
+            Piece(f"master/{s.name}", s.global_shape, s.box, s.flat, s.master, s.save)
+            for s in self.slots
+            if s.master is not None
+        ]
+
+    def owners(self) -> list[torch.Tensor]:
+        return list({id(s.owner): s.owner for s in self.slots}.values())
+
+
+def _placement(p: torch.Tensor, shape: tuple[int, ...]) -> Placement:
+    """The recorded placement, or the whole tensor of ``shape`` (a ZeRO-3 parameter's data is
+    empty between uses, so its own shape says nothing)."""
+    pl = get_placement(p)
+    if pl.local_shape == tuple(shape):
+        return pl
+    return Placement(tuple(shape), tuple((0, n) for n in shape), True)
+
+
+class _Namer:
+    def __init__(self, module: nn.Module, mesh: Any) -> None:
+        self.names = {id(p): n for n, p in module.named_parameters()}
+        self.dp0 = mesh.dp_rank == 0
+        self.tp0 = mesh.tp_rank == 0
+
+    def name(self, p: torch.Tensor) -> str:
+        if id(p) not in self.names:
+            raise CheckpointError(
+                "the optimizer trains a tensor that is not a parameter of the model: "
+                "checkpoints name every tensor by the model's named_parameters()"
+            )
+        return self.names[id(p)]
+
+    def offers(self, pl: Placement, replicated_over_dp: bool) -> bool:
+        """This rank offers a piece of this placement (one rank per set of replicas)."""
+        return (self.dp0 or not replicated_over_dp) and (self.tp0 or not pl.tp_replicated)
+
+
+def _whole_model(module: nn.Module, namer: _Namer, skip: set[int]) -> list[Piece]:
+    """Parameters (not in ``skip``) and persistent buffers, whole, replicated over DP."""
+    out = []
+    persistent = set(module.state_dict(keep_vars=True))
+    tensors = list(module.named_parameters()) + [
+        (n, b) for n, b in module.named_buffers() if n in persistent
+    ]
+    for name, t in tensors:
+        if id(t) in skip:
+            continue
+        pl = get_placement(t)
+        out.append(
+            Piece(f"model/{name}", pl.global_shape, pl.box, None, t.data, namer.offers(pl, True))
+        )
+    return out
+
+
+def _replicated(module: nn.Module, optimizer: Any, mesh: Any) -> Layout:
+    """LocalGradients, DataParallelReducer: whole parameters, the user's optimizer over them."""
+    namer = _Namer(module, mesh)
+    slots = []
+    if optimizer is not None:
+        for g in optimizer.param_groups:
+            for p in g["params"]:
+                pl = get_placement(p)
+                name, save = namer.name(p), namer.offers(pl, True)
+                slots.append(Slot(name, pl.global_shape, pl.box, None, p, 0, None, save))
+    return Layout(_whole_model(module, namer, set()), slots)
+
+
+def _overlaps(
+    offsets: list[int], numels: list[int], lo: int, hi: int
+) -> list[tuple[int, int, int, int]]:
+    """(param index, start in param, start in [lo, hi), length) of params laid at ``offsets``."""
+    out = []
+    for i, (a, n) in enumerate(zip(offsets, numels, strict=True)):
+        start, end = max(a, lo), min(a + n, hi)
+        if start < end:
+            out.append((i, start - a, start - lo, end - start))
+    return out
+
+
+def _flat_slots(
+    namer: _Namer,
+    params: list,
+    shapes: list,
+    offsets: list[int],
+    shard: int,
+    part: int,
+    master: torch.Tensor,
+    separate: bool,
+    replicated_over_dp: bool,
+) -> list[Slot]:
+    """Slots of the parameters overlapping shard ``part`` (of ``shard`` elements) of a flat
+    buffer, whose optimizer state lives on ``master`` (this rank's shard)."""
+    out = []
+    numels = [math.prod(s) for s in shapes]
+    lo = part * shard
+    for i, start, at, n in _overlaps(offsets, numels, lo, lo + shard):
+        pl = _placement(params[i], tuple(shapes[i]))
+        values = master.detach()[at : at + n] if separate else None
+        name, save = namer.name(params[i]), namer.offers(pl, replicated_over_dp)
+        flat = (start, start + n)
+        out.append(Slot(name, pl.global_shape, pl.box, flat, master, at, values, save))
+    return out
+
+
+def _shares(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def _zero12(module: nn.Module, strategy: Any, mesh: Any) -> Layout:
+    """ZeroStrategy (stages 1-2, 16-bit stage 0): whole model weights on every rank, fp32
+    masters and states as flat shards of each bucket (one shard when stage 0)."""
+    namer = _Namer(module, mesh)
+    part = strategy.rank if strategy.parts > 1 else 0
+    slots = []
+    for b in strategy.buckets:
+        lay = b.layout
+        slots += _flat_slots(
+            namer,
+            lay.params,
+            [p.shape for p in lay.params],
+            lay.offsets,
+            lay.shard_numel,
+            part,
+            b.master,
+            not _shares(b.master, b.params_flat),
+            strategy.parts == 1,
+        )
+    return Layout(_whole_model(module, namer, set()), slots)
+
+
+def _zero3(module: nn.Module, strategy: Any, mesh: Any) -> Layout:
+    """Zero3Strategy: parameters, masters and states all flat shards of each unit (persistent
+    units: one whole shard, replicated over DP); parameters outside the units whole."""
+    namer = _Namer(module, mesh)
+    model, slots, managed = [], [], set()
+    for u in strategy.units:
+        lay = u.layout
+        managed.update(id(p) for p in lay.params)
+        part = 0 if u.persistent else strategy.rank
+        unit_slots = _flat_slots(
+            namer,
+            lay.params,
+            lay.shapes,
+            lay.offsets,
+            lay.shard_numel,
+            part,
+            u.master,
+            not _shares(u.master, u.shard),
+            u.persistent,
+        )
+        for s in unit_slots:  # the model shard covers exactly what the master shard does
+            values = u.shard[s.offset : s.offset + s.flat[1] - s.flat[0]]
+            model.append(Piece(f"model/{s.name}", s.global_shape, s.box, s.flat, values, s.save))
+        slots += unit_slots
+    return Layout(model + _whole_model(module, namer, managed), slots)
+
+
+def layout_of(module: nn.Module, optimizer: Any, strategy: Any, mesh: Any) -> Layout:
+    """The pieces this rank holds under ``strategy`` (a strategy may describe itself with a
+    ``checkpoint_layout(module, optimizer, mesh)`` method: new layouts plug in there)."""
+    own = getattr(strategy, "checkpoint_layout", None)
+    if own is not None:
+        return own(module, optimizer, mesh)
+    from shardwise.parallel.data import DataParallelReducer, LocalGradients
+    from shardwise.parallel.zero import ZeroStrategy
+    from shardwise.parallel.zero3 import Zero3Strategy
+
+    if isinstance(strategy, (LocalGradients, DataParallelReducer)):
+        return _replicated(module, optimizer, mesh)
+    if isinstance(strategy, ZeroStrategy):
+        return _zero12(module, strategy, mesh)
+    if isinstance(strategy, Zero3Strategy):
+        return _zero3(module, strategy, mesh)
+    raise CheckpointError(
+        f"no checkpoint layout for the gradient strategy {type(strategy).__name__}: give it a "
+        "checkpoint_layout(module, optimizer, mesh) method (see checkpoint/layouts.py)"
+    )

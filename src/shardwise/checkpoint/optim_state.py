@@ -1,0 +1,138 @@
+"""Optimizer state <-> checkpoint pieces, for any layout's slots (layouts.py).
+
+Saved: every state tensor of an owner (the tensor the optimizer keys its state by) cut to each
+slot's part, "optim/<key>/<param>"; a 0-dim state once per parameter. Hyper-parameters of the
+parameter groups (lr, betas, weight_decay, ...) go to the checkpoint's JSON metadata.
+
+Loaded into an optimizer whose state may still be empty (a fresh engine): the state of every
+owner is rebuilt with the keys the checkpoint holds (zeros shaped like the owner, 0-dim tensors
+of the saved dtype), then filled. An owner's old state is dropped first, so that a key the
+checkpoint lacks (a run saved before its first step) starts fresh as it would have.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from shardwise.checkpoint.layouts import Layout, Slot
+from shardwise.checkpoint.pieces import Piece
+from shardwise.checkpoint.reshard import CheckpointError
+
+
+def _name(key: str, slot: Slot) -> str:
+    return f"optim/{key}/{slot.name}"
+
+
+def _piece(key: str, slot: Slot, value: torch.Tensor) -> Piece:
+    if value.dim() == 0:
+        return Piece(_name(key, slot), (), (), None, value, slot.save and slot.first)
+    if value.shape != slot.owner.shape:
+        raise CheckpointError(
+            f"optimizer state {key!r} of parameter {slot.name!r} has shape {tuple(value.shape)}, "
+            f"neither 0-dim nor the parameter's {tuple(slot.owner.shape)}: this optimizer's "
+            "state cannot be resharded (use an elementwise optimizer, or "
+            "load_optimizer_states=False)"
+        )
+    return Piece(
+        _name(key, slot), slot.global_shape, slot.box, slot.flat, slot.part(value), slot.save
+    )
+
+
+def optim_pieces(layout: Layout, optimizer: Any) -> list[Piece]:
+    """This rank's pieces of the optimizer state (to save)."""
+    out = []
+    for slot in layout.slots:
+        for key, value in optimizer.state.get(slot.owner, {}).items():
+            if value is None:
+                continue
+            if not torch.is_tensor(value):
+                raise CheckpointError(
+                    f"optimizer state {key!r} of parameter {slot.name!r} is a "
+                    f"{type(value).__name__}; only tensors are saved"
+                )
+            out.append(_piece(key, slot, value.detach()))
+    return out
+
+
+def _saved_keys(reader: Any) -> dict[str, torch.dtype | None]:
+    """State keys in the checkpoint: the dtype of 0-dim ones, None for tensors."""
+    keys: dict[str, torch.dtype | None] = {}
+    for name in reader.names():
+        kind, _, rest = name.partition("/")
+        if kind != "optim":
+            continue
+        key = rest.partition("/")[0]
+        if key not in keys:
+            saved = reader.pieces(name)[0]
+            keys[key] = saved.dtype if tuple(saved.global_shape) == () else None
+    return keys
+
+
+def optim_targets(
+    layout: Layout, optimizer: Any, reader: Any
+) -> tuple[list[Piece], Callable[[], None]]:
+    """Rebuild the state of every owner with the checkpoint's keys; return the pieces to fill
+    and a function to call after filling (it folds the per-parameter 0-dim values)."""
+    keys = _saved_keys(reader)
+    for owner in layout.owners():
+        optimizer.state.pop(owner, None)
+        optimizer.state[owner] = {
+            k: torch.zeros((), dtype=dt) if dt is not None else torch.zeros_like(owner.detach())
+            for k, dt in keys.items()
+        }
+    targets, scalars = [], []
+    for slot in layout.slots:
+        state = optimizer.state[slot.owner]
+        for key, dt in keys.items():
+            if dt is None:
+                targets.append(_piece(key, slot, state[key]))
+            else:
+                tmp = torch.zeros((), dtype=dt)
+                targets.append(Piece(_name(key, slot), (), (), None, tmp))
+                scalars.append((state[key], tmp))
+
+    def finish() -> None:
+        seen: dict[int, torch.Tensor] = {}
+        for dest, tmp in scalars:  # the largest of the parameters sharing one owner
+            if id(dest) not in seen or tmp > seen[id(dest)]:
+                seen[id(dest)] = tmp
+                dest.copy_(tmp)
+
+    return targets, finish
+
+
+def groups_to_json(optimizer: Any) -> list[dict[str, Any]]:
+    """Hyper-parameters of each parameter group (tensors as numbers, tuples as lists)."""
+    out = []
+    for g in optimizer.param_groups:
+        entry = {}
+        for k, v in g.items():
+            if k == "params":
+                continue
+            if torch.is_tensor(v):
+                v = v.item()
+            entry[k] = list(v) if isinstance(v, tuple) else v
+        out.append(entry)
+    return out
+
+
+def groups_from_json(optimizer: Any, saved: list[dict[str, Any]]) -> None:
+    """Restore the hyper-parameters, keeping each value's current type (tuple, tensor)."""
+    if len(saved) != len(optimizer.param_groups):
+        raise CheckpointError(
+            f"the checkpoint's optimizer has {len(saved)} parameter groups, this one "
+            f"{len(optimizer.param_groups)}: build the optimizer with the same groups, or pass "
+            "load_optimizer_states=False"
+        )
+    for g, entry in zip(optimizer.param_groups, saved, strict=True):
+        for k, v in entry.items():
+            current = g.get(k)
+            if torch.is_tensor(current):
+                current.fill_(v)
+            elif isinstance(current, tuple):
+                g[k] = tuple(v)
+            else:
+                g[k] = v

@@ -1,0 +1,69 @@
+"""Per-rank state a checkpoint restores for an exact resume: random generators and data position.
+
+Random generators (python ``random``, numpy's global generator, torch's CPU generator and every
+CUDA device's when there is one) as JSON values and tensors, no pickle. Dropout on rank r draws
+from rank r's torch generator, so each rank restores its own state; a rank that did not exist
+in the saved run (loading on more processes) takes rank 0's.
+
+The data position is the training loader's ``state_dict()`` (data.py): global samples consumed
+in the epoch, which is layout-independent; every rank saves it, any rank's serves.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import numpy as np
+import torch
+
+
+def rng_state() -> dict[str, Any]:
+    version, internal, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    state: dict[str, Any] = {
+        "python": [version, list(internal), gauss],
+        "numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(cached)],
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((int(version), tuple(int(x) for x in internal), gauss))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(torch.as_tensor(state["torch"], dtype=torch.uint8))
+    if "cuda" in state and torch.cuda.is_available():
+        saved = list(state["cuda"])
+        for device in range(min(len(saved), torch.cuda.device_count())):
+            torch.cuda.set_rng_state(saved[device], device)
+
+
+def data_state(engine: Any) -> dict[str, Any] | None:
+    """The training loader's position (None without a resumable loader)."""
+    loader = engine.training_dataloader
+    if loader is None or not hasattr(loader, "state_dict"):
+        return None
+    return loader.state_dict()
+
+
+def set_data_state(engine: Any, state: dict[str, Any] | None) -> None:
+    """Resume the training loader, and the engine's running iterator over it if any."""
+    loader = engine.training_dataloader
+    if state is None or loader is None or not hasattr(loader, "load_state_dict"):
+        return
+    running = getattr(engine, "_data_iter", None)
+    if running is not None and hasattr(running, "load_state_dict"):
+        running.load_state_dict(state)  # restarts its iteration at the resumed position
+    else:
+        loader.load_state_dict(state)
+
+
+def source_rank(rank: int, saved_world_size: int) -> int:
+    """Whose per-rank state rank ``rank`` restores: its own, or rank 0's when the saved run
+    had fewer ranks."""
+    return rank if rank < saved_world_size else 0

@@ -1,0 +1,289 @@
+"""Fill the pieces of the current layout from the pieces a checkpoint holds, whatever its layout.
+
+Every piece (pieces.py) is a set of global indices of one named tensor: its *box* (a TP slice,
+possibly running into padding) and, for a ZeRO shard, a *flat* range [a, b) of the box's
+row-major flattening. Loading is the intersection of index sets:
+
+    for each target piece T (what this rank holds) and each saved piece S of the same name:
+        J = region(T) & region(S) & [0, global_shape)       (padding is never read or required)
+        T[J] <- S[J]                                         (read from the file: S's part J only)
+
+A flat range of a box is a union of at most 2*ndim - 1 *blocks*: sub-boxes that are single
+indices in the leading dimensions, a range in one dimension d, and whole in every dimension
+after d, each contiguous in the flattening (``flat_blocks``). A block is a box, so every
+intersection above is a box intersection. Reading J from a saved flat block reads the
+contiguous range from J's first element to its last: exactly J unless the target splits a
+dimension after d differently (a ZeRO checkpoint of a column-split weight loaded under another
+TP size), where the range also holds the neighbours' columns of the rows in between.
+
+Which saved tensor feeds a target (``sources``): the same name, except
+
+    "master/<p>"          (fp32 master weights)  falls back to "model/<p>" cast to fp32, for a
+                          checkpoint trained in fp32 (it has no separate masters);
+    "model/<p>" in fp32   reads "master/<p>" when the checkpoint has one: the fp32 masters of a
+                          16-bit run are the weights its 16-bit copy rounds.
+
+Errors (strict): a name the checkpoint lacks, a global shape that differs ("incompatible
+model"), or an element of a target that no saved piece covers; each message names the tensor.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from shardwise.checkpoint.pieces import Piece
+
+try:  # the storage half of the checkpoint (shardwise.checkpoint.storage) owns the error class
+    from shardwise.checkpoint.storage import CheckpointError
+except ImportError:  # pragma: no cover - until the storage module is merged
+
+    class CheckpointError(ValueError):  # type: ignore[no-redef]
+        """A checkpoint that cannot be loaded here; the message names the file or tensor."""
+
+
+Box = tuple[tuple[int, int], ...]
+
+
+@dataclass
+class Region:
+    """One box of global indices held by a piece; ``flat_offset`` is where the box starts in
+    the piece's 1-D tensor when the piece is flat (None: the tensor is the whole box)."""
+
+    box: Box
+    flat_offset: int | None
+    split_dim: int  # blocks of a flat range: whole in every dimension after this one
+
+
+def flat_blocks(shape: tuple[int, ...], a: int, b: int) -> list[tuple[Box, int, int]]:
+    """Elements [a, b) of the row-major flattening of ``shape`` as contiguous sub-boxes:
+    ``(box in local coordinates, offset of its first element from a, split dimension)``."""
+    if a >= b or math.prod(shape) == 0:
+        return []
+    if len(shape) <= 1:
+        return [(((a, b),) if shape else (), 0, 0)]
+    inner = math.prod(shape[1:])
+    rest = tuple((0, n) for n in shape[1:])
+    r0, r1 = a // inner, (b - 1) // inner  # first and last rows (dimension 0) touched
+    if r0 == r1:
+        return [
+            (((r0, r0 + 1), *box), off, d + 1)
+            for box, off, d in flat_blocks(shape[1:], a - r0 * inner, b - r0 * inner)
+        ]
+    out = []
+    first_full = r0
+    if a % inner:  # a partial first row
+        out += [
+            (((r0, r0 + 1), *box), off, d + 1)
+            for box, off, d in flat_blocks(shape[1:], a % inner, inner)
+        ]
+        first_full = r0 + 1
+    last_full = r1 + 1 if b % inner == 0 else r1
+    if first_full < last_full:
+        out.append((((first_full, last_full), *rest), first_full * inner - a, 0))
+    if b % inner:  # a partial last row
+        out += [
+            (((r1, r1 + 1), *box), off + r1 * inner - a, d + 1)
+            for box, off, d in flat_blocks(shape[1:], 0, b % inner)
+        ]
+    return out
+
+
+def regions(box: Box, flat: tuple[int, int] | None) -> list[Region]:
+    """The global boxes a piece with ``box`` and ``flat`` holds."""
+    if flat is None:
+        return [Region(tuple(box), None, 0)]
+    shape = tuple(e - s for s, e in box)
+    out = []
+    for local, off, d in flat_blocks(shape, flat[0], flat[1]):
+        glob = tuple((s + ls, s + le) for (s, _), (ls, le) in zip(box, local, strict=True))
+        out.append(Region(glob, off, d))
+    return out
+
+
+def intersect(*boxes: Box) -> Box | None:
+    """The common part of boxes, None when empty."""
+    out = []
+    for ranges in zip(*boxes, strict=True):
+        lo, hi = max(r[0] for r in ranges), min(r[1] for r in ranges)
+        if lo >= hi:
+            return None
+        out.append((lo, hi))
+    return tuple(out)
+
+
+def _local(box: Box, origin: Box) -> tuple[slice, ...]:
+    return tuple(slice(s - o, e - o) for (s, e), (o, _) in zip(box, origin, strict=True))
+
+
+def _numel(box: Box) -> int:
+    return math.prod(e - s for s, e in box)
+
+
+def _view(tensor: torch.Tensor, region: Region) -> torch.Tensor:
+    """The part of a piece's tensor that holds ``region``, shaped like the region's box."""
+    if region.flat_offset is None:
+        return tensor
+    shape = tuple(e - s for s, e in region.box)
+    return tensor.view(-1)[region.flat_offset : region.flat_offset + _numel(region.box)].view(shape)
+
+
+def _read(reader: Any, saved: Any, region: Region, part: Box) -> torch.Tensor:
+    """Elements ``part`` (global box, inside ``region``) of a saved piece, read from the file."""
+    if region.flat_offset is None:
+        return reader.read(saved, _local(part, region.box))
+    d = region.split_dim
+    if not region.box:  # a scalar
+        return reader.read(saved, slice(0, 1)).reshape(())
+    # Read the contiguous range from part's first element to its last (exactly part when the
+    # layouts agree on the later dimensions), placed in the rows [j0, j1) of dimension d.
+    shape = tuple(e - s for s, e in region.box)
+    first = _flat_index([s - o for (s, _), (o, _) in zip(part, region.box, strict=True)], shape)
+    last = _flat_index([e - 1 - o for (_, e), (o, _) in zip(part, region.box, strict=True)], shape)
+    base = region.flat_offset
+    if last + 1 - first == _numel(part):  # part is that range: no reshaping buffer
+        data = reader.read(saved, slice(base + first, base + last + 1))
+        return data.view(tuple(e - s for s, e in part))
+    inner = _numel(region.box[d + 1 :])
+    j0, j1 = part[d][0] - region.box[d][0], part[d][1] - region.box[d][0]
+    rows = torch.empty((j1 - j0) * inner, dtype=saved.dtype)
+    rows[first - j0 * inner : last + 1 - j0 * inner] = reader.read(
+        saved, slice(base + first, base + last + 1)
+    )
+    rows = rows.view((1,) * d + (j1 - j0,) + shape[d + 1 :])
+    return rows[(slice(None),) * (d + 1) + _local(part[d + 1 :], region.box[d + 1 :])]
+
+
+def _flat_index(index: list[int], shape: tuple[int, ...]) -> int:
+    flat = 0
+    for i, n in zip(index, shape, strict=True):
+        flat = flat * n + i
+    return flat
+
+
+def sources(target: Piece) -> list[str]:
+    """The saved names that may feed ``target``, preferred first (module docstring)."""
+    kind, _, param = target.name.partition("/")
+    if kind == "master":
+        return [target.name, f"model/{param}"]
+    if kind == "model" and target.tensor.dtype == torch.float32:
+        return [f"master/{param}", target.name]
+    return [target.name]
+
+
+def fill(
+    reader: Any,
+    targets: Iterable[Piece],
+    strict: bool = True,
+    optional: Callable[[str], bool] | None = None,
+) -> dict[str, str | None]:
+    """Fill every target piece's tensor from the checkpoint ``reader`` holds (in place).
+
+    ``optional(name)`` marks targets that may be absent from the checkpoint (left untouched).
+    ``strict=False`` skips absent names and uncovered elements instead of raising.
+    Returns, per target name, the saved name it was read from (None: absent, skipped).
+    """
+    names = set(reader.names())
+    used: dict[str, str | None] = {}
+    for target in targets:
+        source = next((n for n in sources(target) if n in names), None)
+        used[target.name] = source
+        if source is None:
+            if strict and not (optional and optional(target.name)):
+                raise CheckpointError(
+                    f"checkpoint has no tensor {target.name!r} (looked for "
+                    f"{', '.join(map(repr, sources(target)))}): it was saved from another "
+                    "model, or without this state (load_optimizer_states=False skips "
+                    "optimizer states)"
+                )
+            continue
+        _fill_one(reader, target, reader.pieces(source), source, strict)
+    return used
+
+
+def _fill_one(reader: Any, target: Piece, saved: list, source: str, strict: bool) -> None:
+    logical = tuple((0, n) for n in target.global_shape)
+    for s in saved:
+        if tuple(s.global_shape) != tuple(target.global_shape):
+            raise CheckpointError(
+                f"incompatible model: tensor {target.name!r} has global shape "
+                f"{tuple(s.global_shape)} in the checkpoint ({source!r}) but "
+                f"{tuple(target.global_shape)} in this model"
+            )
+    covered = torch.zeros(target.tensor.shape, dtype=torch.bool)
+    wanted = regions(target.box, target.flat)
+    with torch.no_grad():
+        for s in saved:
+            for sr in regions(s.box, s.flat):
+                for tr in wanted:
+                    part = intersect(tr.box, sr.box, logical)
+                    if part is None:
+                        continue
+                    idx = _local(part, tr.box)
+                    _view(target.tensor, tr)[idx] = _read(reader, s, sr, part)
+                    _view(covered, tr)[idx] = True
+    if strict:
+        _check_covered(target, covered, wanted, logical, source)
+
+
+def _check_covered(
+    target: Piece, covered: torch.Tensor, wanted: list[Region], logical: Box, source: str
+) -> None:
+    for tr in wanted:
+        need = intersect(tr.box, logical)
+        if need is None:
+            continue  # all padding
+        hole = ~_view(covered, tr)[_local(need, tr.box)]
+        if hole.any():
+            first = tuple(int(i) + s for i, (s, _) in zip(hole.nonzero()[0], need, strict=True))
+            raise CheckpointError(
+                f"checkpoint tensor {source!r} does not cover {target.name!r}: "
+                f"{int(hole.sum())} elements of the box {need} are in no saved piece, the "
+                f"first at global index {first}: the checkpoint is incomplete (a rank's "
+                "file missing?)"
+            )
+
+
+@dataclass
+class HeldPiece:
+    """A piece held in memory, described like a saved one (the reader protocol's SavedPiece)."""
+
+    name: str
+    dtype: torch.dtype
+    global_shape: tuple[int, ...]
+    box: Box
+    flat: tuple[int, int] | None
+    tensor: torch.Tensor
+
+
+class PieceReader:
+    """The reader protocol over pieces in memory: a state dict loaded into any layout, and the
+    tests' stand-in for files. ``read`` returns copies, as a file read would."""
+
+    def __init__(self, pieces: Iterable[Piece]) -> None:
+        self._pieces: dict[str, list[HeldPiece]] = {}
+        for p in pieces:
+            held = HeldPiece(p.name, p.tensor.dtype, tuple(p.global_shape), p.box, p.flat, p.tensor)
+            self._pieces.setdefault(p.name, []).append(held)
+
+    @classmethod
+    def from_state_dict(cls, state: dict[str, torch.Tensor], prefix: str = "model/") -> PieceReader:
+        """Whole tensors named ``prefix + key``."""
+        return cls(
+            Piece(prefix + k, tuple(v.shape), tuple((0, n) for n in v.shape), None, v)
+            for k, v in state.items()
+        )
+
+    def names(self) -> list[str]:
+        return list(self._pieces)
+
+    def pieces(self, name: str) -> list[HeldPiece]:
+        return self._pieces[name]
+
+    def read(self, piece: HeldPiece, index: Any = None) -> torch.Tensor:
+        t = piece.tensor
+        return (t if index is None else t[index]).detach().clone()

@@ -1,0 +1,300 @@
+"""Sharded, atomic checkpoint storage: every rank writes its pieces, rank 0 publishes.
+
+    <save_dir>/latest                     the newest tag (text, DeepSpeed's convention)
+    <save_dir>/<tag>/manifest.json        see manifest.py
+    <save_dir>/<tag>/rank_00000.safetensors, rank_00001.safetensors, ...
+
+A save, collective over ``group``:
+  1. every rank writes ``rank_{r:05d}.safetensors`` (its pieces, one key each, and its rank
+     state) into the hidden ``<save_dir>/.<tag>.tmp-<nonce>/`` and fsyncs it;
+  2. the file records (size, CRC-32s, pieces) are all-gathered as JSON bytes: this is also the
+     barrier after which every file is on disk (a rank that failed sends its error instead);
+  3. rank 0 writes manifest.json, fsyncs it and the directory, renames the directory to
+     ``<tag>`` (an existing ``<tag>`` is renamed away first, then deleted), then replaces
+     ``latest`` through a temporary file; then rotation (``keep_last``);
+  4. rank 0 broadcasts the outcome, so every rank returns (or raises) together.
+A process killed at any point before the rename leaves only a hidden directory: the previous
+checkpoint and ``latest`` are untouched. The filesystem must be shared by all ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+from typing import Any
+
+import torch
+
+from shardwise import comm
+from shardwise.checkpoint import manifest as mf
+from shardwise.checkpoint.manifest import CheckpointError, rank_file
+from shardwise.checkpoint.pieces import Piece
+from shardwise.checkpoint.reader import CheckpointReader  # noqa: F401 - part of this API
+from shardwise.checkpoint.safetensors_file import FormatError, write_tensors
+from shardwise.checkpoint.state_codec import StateError, encode
+
+LATEST = "latest"
+RANK_STATE_KEY = "shardwise.rank_state"
+_TAG_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+=-]*")
+
+
+def save_pieces(
+    save_dir: str,
+    tag: str,
+    pieces: list[Piece],
+    rank_state: dict,
+    meta: dict,
+    *,
+    group: Any = None,
+    save_latest: bool = True,
+    keep_last: int | None = None,
+) -> str:
+    """Save this rank's ``pieces`` (those with ``save=True``) and ``rank_state``; rank 0's
+    ``meta`` goes in the manifest. Collective over ``group``; returns ``<save_dir>/<tag>``."""
+    check_tag(tag)
+    if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
+        raise CheckpointError(f"keep_last={keep_last!r}: give a number of checkpoints >= 1")
+    rank = comm.get_rank(group)
+    tmp = os.path.join(save_dir, f".{tag}.tmp-{_shared_nonce(group)}")
+    try:
+        os.makedirs(tmp, exist_ok=True)
+        info = _write_rank_file(tmp, rank, pieces, rank_state)
+    except Exception as e:  # noqa: BLE001 - every rank must reach the gather, or the others hang
+        failure: BaseException | None = e
+        info = {"error": f"rank {rank}: {type(e).__name__}: {e}"}
+    else:
+        failure = None
+    infos = _all_gather_json(info, group)
+    status = ""
+    if rank == 0:
+        try:
+            status = _publish(save_dir, tag, tmp, infos, meta, save_latest, keep_last)
+        except Exception as e:  # noqa: BLE001 - reported to every rank just below
+            status = f"{type(e).__name__}: {e}"
+    status = _broadcast_json(status, group)
+    if status:
+        raise CheckpointError(f"checkpoint {tag!r} in {save_dir} not saved: {status}") from failure
+    return os.path.join(save_dir, tag)
+
+
+def check_tag(tag: str) -> None:
+    if not isinstance(tag, str) or not _TAG_RE.fullmatch(tag) or tag == LATEST:
+        raise CheckpointError(
+            f"tag {tag!r}: use letters, digits and _ . + = - (not starting with '.' or '-', "
+            f"not {LATEST!r}), e.g. 'global_step100'"
+        )
+
+
+def _write_rank_file(tmp: str, rank: int, pieces: list[Piece], rank_state: dict) -> dict:
+    """Write this rank's file; return its record for the manifest."""
+    items, entries, used = [], [], set()
+    for p in pieces:
+        if not p.save:
+            continue
+        stored = mf.stored_piece(p)
+        if stored is None:
+            continue
+        box, tensor = stored
+        key, n = p.name, 0
+        while key in used:  # a rank holding two pieces of one tensor
+            n += 1
+            key = f"{p.name}#{n}"
+        used.add(key)
+        items.append((key, tensor))
+        entries.append((p, box, key))
+    tensors: dict[str, torch.Tensor] = {}
+    try:
+        state = json.dumps(encode(rank_state, tensors), allow_nan=True)
+    except StateError as e:
+        raise CheckpointError(str(e)) from e
+    items += list(tensors.items())
+    try:
+        record = write_tensors(os.path.join(tmp, rank_file(rank)), items, {RANK_STATE_KEY: state})
+    except FormatError as e:
+        raise CheckpointError(f"{rank_file(rank)}: {e}") from e
+    return {
+        "file": rank_file(rank),
+        "rank": rank,
+        "size": record.size,
+        "header_bytes": record.header_bytes,
+        "header_crc32": record.header_crc32,
+        "state_crc32": {key: record.crc32[key] for key in tensors},
+        "pieces": [mf.piece_entry(p, box, key, record.crc32[key]) for p, box, key in entries],
+    }
+
+
+def _publish(
+    save_dir: str,
+    tag: str,
+    tmp: str,
+    infos: list[dict],
+    meta: dict,
+    save_latest: bool,
+    keep_last: int | None,
+) -> str:
+    """Rank 0: manifest, rename into place, ``latest``, rotation. '' on success, else why."""
+    errors = [i["error"] for i in infos if "error" in i]
+    if errors:
+        shutil.rmtree(tmp, ignore_errors=True)
+        return "; ".join(errors)
+    try:
+        manifest = mf.build(tag, meta, infos, time.time(), _versions())
+        text = json.dumps(manifest, indent=1).encode()
+    except (TypeError, ValueError) as e:  # meta not JSON-able, or pieces that disagree
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"manifest: {e}") from e
+    _write_synced(os.path.join(tmp, mf.MANIFEST), text)
+    _fsync_dir(tmp)
+    final = os.path.join(save_dir, tag)
+    old = None
+    if os.path.exists(final):
+        old = os.path.join(save_dir, f".{tag}.old-{os.path.basename(tmp).rsplit('-', 1)[1]}")
+        os.rename(final, old)
+    os.rename(tmp, final)
+    _fsync_dir(save_dir)
+    if old:
+        shutil.rmtree(old, ignore_errors=True)
+    if save_latest:
+        latest_tmp = os.path.join(save_dir, f".{LATEST}.tmp-{os.getpid()}")
+        _write_synced(latest_tmp, tag.encode())
+        os.replace(latest_tmp, os.path.join(save_dir, LATEST))
+        _fsync_dir(save_dir)
+    if keep_last is not None:
+        rotate(save_dir, keep_last, keep=tag)
+    _remove_leftovers(save_dir)
+    return ""
+
+
+def _remove_leftovers(save_dir: str) -> None:
+    """Delete hidden directories that saves killed midway left behind (saves into one
+    directory are sequential: a job's next save finds no other save running)."""
+    for name in os.listdir(save_dir):
+        if name.startswith(".") and re.search(r"\.(tmp|old|deleting)-\d+$", name):
+            path = os.path.join(save_dir, name)
+            if os.path.isdir(path):
+                shutil.rmtree(path, ignore_errors=True)
+
+
+def rotate(save_dir: str, keep_last: int, keep: str | None = None) -> list[str]:
+    """Delete all but the ``keep_last`` newest complete shardwise checkpoints in ``save_dir``
+    (never ``keep`` nor the one ``latest`` names); return the deleted tags."""
+    protected = {keep, latest_tag(save_dir)}
+    found = []
+    for name in os.listdir(save_dir):
+        path = os.path.join(save_dir, name, mf.MANIFEST)
+        if name.startswith(".") or not os.path.isfile(path):
+            continue
+        try:
+            with open(path, "rb") as f:
+                created = mf.parse(f.read(), path)["created"]
+        except (OSError, CheckpointError):
+            continue  # not ours or not complete: never delete it
+        found.append((float(created), name))
+    found.sort()
+    doomed = [name for _, name in found[: max(0, len(found) - keep_last)] if name not in protected]
+    for name in doomed:
+        # Rename first: a deletion cut short must not leave a visible, half-empty checkpoint.
+        hidden = os.path.join(save_dir, f".{name}.deleting-{os.getpid()}")
+        os.rename(os.path.join(save_dir, name), hidden)
+        shutil.rmtree(hidden, ignore_errors=True)
+    return doomed
+
+
+def latest_tag(load_dir: str) -> str | None:
+    """The tag ``<load_dir>/latest`` names, or None when there is no such file."""
+    path = os.path.join(load_dir, LATEST)
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8", errors="replace") as f:
+        tag = f.read().strip()
+    try:
+        check_tag(tag)
+    except CheckpointError as e:
+        raise CheckpointError(f"{path}: {e}") from None
+    return tag
+
+
+def resolve(path: str, tag: str | None = None) -> str:
+    """The checkpoint directory meant by ``path``: ``path/tag`` if a tag is given, ``path``
+    itself if it holds a manifest, else the tag ``path/latest`` names."""
+    if tag is not None:
+        check_tag(tag)
+        return os.path.join(path, tag)
+    if os.path.isfile(os.path.join(path, mf.MANIFEST)):
+        return path
+    found = latest_tag(path) if os.path.isdir(path) else None
+    if found is None:
+        raise CheckpointError(
+            f"{path}: neither a checkpoint (no {mf.MANIFEST}) nor a save directory with a "
+            f"'{LATEST}' file; pass a tag"
+        )
+    return os.path.join(path, found)
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _versions() -> dict[str, str]:
+    import safetensors
+
+    import shardwise
+
+    return {
+        "shardwise": shardwise.__version__,
+        "torch": torch.__version__,
+        "safetensors": safetensors.__version__,
+    }
+
+
+def _write_synced(path: str, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: str) -> None:
+    """Make renames and new entries in ``path`` durable (a no-op where directories cannot be
+    opened, as on Windows)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _shared_nonce(group: Any) -> int:
+    """A random number, the same on every rank (rank 0's), naming the temporary directory."""
+    nonce = torch.randint(0, 2**62, (1,), generator=torch.Generator().manual_seed(time.time_ns()))
+    comm.broadcast(nonce, src=comm.get_global_rank(group, 0), group=group)
+    return int(nonce.item())
+
+
+def _all_gather_json(obj: Any, group: Any) -> list[Any]:
+    """Every rank's ``obj``, in rank order, sent as JSON bytes (never pickle)."""
+    data = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
+    n = comm.get_world_size(group)
+    size = torch.tensor([data.numel()], dtype=torch.int64)
+    sizes = [torch.zeros_like(size) for _ in range(n)]
+    comm.all_gather(sizes, size, group=group)
+    longest = int(max(s.item() for s in sizes))
+    padded = torch.zeros(longest, dtype=torch.uint8)
+    padded[: data.numel()] = data
+    out = [torch.empty_like(padded) for _ in range(n)]
+    comm.all_gather(out, padded, group=group)
+    return [json.loads(bytes(o[: int(s.item())].numpy())) for o, s in zip(out, sizes, strict=True)]
+
+
+def _broadcast_json(obj: Any, group: Any) -> Any:
+    """Rank 0's ``obj`` on every rank (as JSON bytes)."""
+    if comm.get_world_size(group) == 1:
+        return obj
+    return _all_gather_json(obj, group)[0]

@@ -1,0 +1,345 @@
+"""parallelize(model, plan, mesh): rewrite an ordinary model for tensor parallelism, in place.
+
+A plan maps module-name patterns to styles, the strings Hugging Face models publish in
+``base_model_tp_plan`` (plus torchtitan's ``loss_parallel``). In a pattern ``*`` stands for
+exactly one name component ("blocks.*.attn.q" matches "blocks.3.attn.q", not "blocks.3.x.q").
+
+    colwise            nn.Linear -> ColumnParallelLinear, output left split
+    colwise_rep        nn.Linear -> ColumnParallelLinear, output all-gathered (replicated)
+    rowwise            nn.Linear -> RowParallelLinear, partial outputs summed
+    vocab              nn.Embedding -> VocabParallelEmbedding; nn.Linear (an LM head) ->
+                       ColumnParallelLinear over the vocabulary padded to a multiple of the TP
+                       size, padded logits -inf (feed it to a "loss_parallel" loss)
+    loss_parallel      nn.CrossEntropyLoss -> VocabParallelCrossEntropyLoss (split logits)
+    split_dropout      the module's forward draws from the per-TP-rank random stream (dropout
+                       on split activations, e.g. attention probabilities of local heads)
+    sequence_parallel  a module between the TP regions (norm, dropout); a no-op unless
+                       ``sequence_parallel=True``, see below
+
+Sequence parallelism (``sequence_parallel=True``): between the TP regions every rank holds
+T/n positions of the (B, T, C) activations (dim ``seq_dim``). The plan's "sequence_parallel"
+modules mark that region:
+  * the first of them in module order (the GPT's dropout after the embeddings) is the entry:
+    its input, replicated, is split along the sequence there (backward: all-gather), so the
+    residual stream is split from that point on;
+  * column layers all-gather their input along the sequence (backward reduce-scatter), row
+    layers reduce-scatter their output (backward all-gather), the vocab head all-gathers its
+    input (the exit: logits cover the whole sequence, split by vocabulary);
+  * each "sequence_parallel" module sees only its shard, so its parameters' gradients are
+    summed over the TP group (norm weights) and its forward draws from the per-rank stream
+    (dropout masks of different positions must be independent).
+The vocab embedding stays an all-reduce: position embeddings are added to whole sequences.
+
+Random streams: dropout outside split regions uses the default stream, identical on every TP
+rank; split regions fork the tracker's per-rank stream (random.py). ``parallelize`` adds that
+stream if the script did not (``model_parallel_seed``).
+
+Attention heads: layers split by column hand each rank whole heads when the heads divide the
+TP size. A module with both column and row children (attention) that has ``head_dim`` is
+checked; one with ``n_head``/``num_heads``/... has it divided by the TP size (its forward then
+sees local heads). Tied parameters (embedding and head, both "vocab") share the new shard.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from shardwise import comm
+from shardwise.parallel import random as tp_random
+from shardwise.parallel.placement import get_placement
+from shardwise.parallel.tensor import ColumnParallelLinear, RowParallelLinear, SharedInput
+from shardwise.parallel.tensor_comm import scatter_to_sequence, sum_grad_over_tp
+from shardwise.parallel.vocab import VocabParallelCrossEntropyLoss, VocabParallelEmbedding
+
+STYLES = {
+    "colwise": (nn.Linear,),
+    "colwise_rep": (nn.Linear,),
+    "rowwise": (nn.Linear,),
+    "vocab": (nn.Embedding, nn.Linear),
+    "loss_parallel": (nn.CrossEntropyLoss,),
+    "split_dropout": (nn.Module,),
+    "sequence_parallel": (nn.Module,),
+}
+HEAD_ATTRS = (
+    "n_head",
+    "n_heads",
+    "num_heads",
+    "num_attention_heads",
+    "n_kv_heads",
+    "num_kv_heads",
+    "num_key_value_heads",
+)
+
+
+@dataclass
+class _Context:
+    group: Any
+    tp: int
+    sequence_parallel: bool
+    seq_dim: int
+    tracker: tp_random.RNGStatesTracker
+    shared: SharedInput = field(default_factory=SharedInput)
+    shards: dict[int, tuple] = field(default_factory=dict)  # id(old param) -> (old, new, box)
+
+
+def _tp_of(mesh_or_group: Any) -> tuple[Any, int]:
+    """(group, rank in it) from a ProcessMesh or a process group."""
+    if hasattr(mesh_or_group, "tp_group") and hasattr(mesh_or_group, "tp_rank"):
+        return mesh_or_group.tp_group, mesh_or_group.tp_rank
+    return mesh_or_group, comm.get_rank(mesh_or_group)
+
+
+def _pattern(pattern: str) -> re.Pattern:
+    return re.compile(re.escape(pattern).replace(r"\*", r"[^.]+"))
+
+
+def match_plan(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
+    """module name -> style, in module order; every pattern must match, every style exist."""
+    if not plan:
+        raise ValueError("the tensor-parallel plan is empty: map module-name patterns to styles")
+    unknown = {p: s for p, s in plan.items() if s not in STYLES}
+    if unknown:
+        raise ValueError(f"unknown tensor-parallel styles {unknown}; known: {sorted(STYLES)}")
+    compiled = {p: _pattern(p) for p in plan}
+    found: dict[str, tuple[str, str]] = {}
+    used = set()
+    for name, module in model.named_modules():
+        for pattern, rx in compiled.items():
+            if not name or not rx.fullmatch(name):
+                continue
+            used.add(pattern)
+            style = plan[pattern]
+            if name in found and found[name][1] != style:
+                raise ValueError(
+                    f"module {name!r} is matched by plan patterns {found[name][0]!r} "
+                    f"({found[name][1]}) and {pattern!r} ({style}): keep one"
+                )
+            if not isinstance(module, STYLES[style]):
+                kinds = " or ".join(f"nn.{k.__name__}" for k in STYLES[style])
+                raise ValueError(
+                    f"plan pattern {pattern!r} matched {name!r}, a {type(module).__name__}, "
+                    f"but style {style!r} needs {kinds}"
+                )
+            found[name] = (pattern, style)
+    missing = [p for p in plan if p not in used]
+    if missing:
+        raise ValueError(
+            f"tensor-parallel plan patterns {missing} match no module of "
+            f"{type(model).__name__} ('*' stands for one name component, e.g. 'blocks.*.mlp.fc')"
+        )
+    return {name: style for name, (_, style) in found.items()}
+
+
+def _parent(model: nn.Module, name: str) -> tuple[nn.Module, str]:
+    parent, _, child = name.rpartition(".")
+    return (model.get_submodule(parent) if parent else model), child
+
+
+def _check_sizes(model: nn.Module, matches: dict[str, str], tp: int) -> None:
+    """Divisibility errors before anything changes (the model stays intact on error)."""
+    for name, style in matches.items():
+        m = model.get_submodule(name)
+        if style in ("colwise", "colwise_rep") and m.out_features % tp:
+            raise ValueError(
+                f"{name}: out_features {m.out_features} is not divisible by the "
+                f"tensor-parallel size {tp} (style {style!r})"
+            )
+        if style == "rowwise" and m.in_features % tp:
+            raise ValueError(
+                f"{name}: in_features {m.in_features} is not divisible by the "
+                f"tensor-parallel size {tp} (style 'rowwise')"
+            )
+
+
+def _attention_parents(model: nn.Module, matches: dict[str, str]) -> dict[str, list[str]]:
+    """Modules with both column and row children (attention, MLP) -> their column children."""
+    cols: dict[str, list[str]] = {}
+    rows = set()
+    for name, style in matches.items():
+        parent = name.rpartition(".")[0]
+        if style == "colwise":
+            cols.setdefault(parent, []).append(name)
+        elif style == "rowwise":
+            rows.add(parent)
+    return {p: c for p, c in cols.items() if p in rows}
+
+
+def _heads(model: nn.Module, matches: dict[str, str], tp: int) -> list[tuple[nn.Module, str]]:
+    """Check that heads divide the TP size; return the head-count attributes to divide."""
+    to_divide = []
+    for parent_name, children in _attention_parents(model, matches).items():
+        parent = model.get_submodule(parent_name) if parent_name else model
+        label = parent_name or type(model).__name__
+        head_dim = getattr(parent, "head_dim", None)
+        for child in children if isinstance(head_dim, int) and head_dim > 0 else []:
+            out = model.get_submodule(child).out_features
+            if (out // tp) % head_dim:
+                raise ValueError(
+                    f"{label}: {out // head_dim} attention heads (head_dim {head_dim} in "
+                    f"{child}) cannot be split over tensor-parallel size {tp}: use a TP size "
+                    "that divides the number of heads"
+                )
+        for attr in HEAD_ATTRS:
+            value = getattr(parent, attr, None)
+            if isinstance(value, int) and not isinstance(value, bool):
+                if value % tp:
+                    raise ValueError(
+                        f"{label}.{attr} = {value} is not divisible by the tensor-parallel "
+                        f"size {tp}: use a TP size that divides the number of heads"
+                    )
+                to_divide.append((parent, attr))
+    return to_divide
+
+
+def _share_tied(ctx: _Context, old: nn.Module, new: nn.Module, name: str) -> None:
+    """A parameter shared by two split modules is shared by their new shards too."""
+    for attr in ("weight", "bias"):
+        before, after = getattr(old, attr, None), getattr(new, attr, None)
+        if before is None or after is None:
+            continue
+        box = get_placement(after).box
+        if id(before) not in ctx.shards:
+            ctx.shards[id(before)] = (before, after, box)
+            continue
+        _, shard, first_box = ctx.shards[id(before)]
+        if box != first_box:
+            raise ValueError(
+                f"{name}.{attr} is tied to a parameter already split as {first_box}, but "
+                f"this style splits it as {box}: give tied modules the same style ('vocab')"
+            )
+        setattr(new, attr, shard)
+
+
+def _fork_rng(module: nn.Module, tracker: tp_random.RNGStatesTracker) -> None:
+    """Run ``module``'s forward inside the per-TP-rank random stream."""
+    open_forks: list = []
+
+    def enter(mod: nn.Module, args: tuple) -> None:
+        fork = tracker.fork(tp_random.TP_STREAM)
+        fork.__enter__()
+        open_forks.append(fork)
+
+    def leave(mod: nn.Module, args: tuple, out: Any) -> None:
+        open_forks.pop().__exit__(None, None, None)
+
+    module.register_forward_pre_hook(enter)
+    module.register_forward_hook(leave, always_call=True)
+
+
+def _split_sequence_on_entry(module: nn.Module, ctx: _Context) -> None:
+    def split(mod: nn.Module, args: tuple) -> tuple:
+        return (scatter_to_sequence(args[0], ctx.group, ctx.seq_dim), *args[1:])
+
+    module.register_forward_pre_hook(split)
+
+
+def _replacement(module: nn.Module, name: str, style: str, ctx: _Context) -> nn.Module | None:
+    """The split module for ``style``, or None when the module is kept (hooks only)."""
+    sp = {"sequence_parallel": ctx.sequence_parallel, "seq_dim": ctx.seq_dim, "name": name}
+    col = {**sp, "shared_input": ctx.shared}
+    if style == "colwise":
+        return ColumnParallelLinear.from_linear(module, ctx.group, **col)
+    if style == "colwise_rep":
+        return ColumnParallelLinear.from_linear(module, ctx.group, gather_output=True, **col)
+    if style == "rowwise":
+        return RowParallelLinear.from_linear(module, ctx.group, **sp)
+    if style == "vocab" and isinstance(module, nn.Embedding):
+        return VocabParallelEmbedding.from_embedding(module, ctx.group, name)
+    if style == "vocab":
+        return ColumnParallelLinear.from_linear(module, ctx.group, pad_vocab=True, **col)
+    if style == "loss_parallel":
+        return VocabParallelCrossEntropyLoss.from_module(module, ctx.group, name)
+    return None
+
+
+def _apply(model: nn.Module, name: str, style: str, ctx: _Context, entry: bool) -> None:
+    module = model.get_submodule(name)
+    new = _replacement(module, name, style, ctx)
+    if new is not None:
+        new.train(module.training)
+        _share_tied(ctx, module, new, name)
+        parent, child = _parent(model, name)
+        setattr(parent, child, new)
+    elif style == "split_dropout":
+        _fork_rng(module, ctx.tracker)
+    elif style == "sequence_parallel" and ctx.sequence_parallel:
+        for p in module.parameters():
+            sum_grad_over_tp(p, ctx.group)  # each rank's gradient covers its positions only
+        if entry:
+            _split_sequence_on_entry(module, ctx)
+        _fork_rng(module, ctx.tracker)
+
+
+def _check_ties(model: nn.Module, ctx: _Context) -> None:
+    for name, p in model.named_parameters(remove_duplicate=False):
+        kept = ctx.shards.get(id(p))
+        if kept is not None and kept[0] is p:
+            raise ValueError(
+                f"parameter {name!r} is tied to a parameter that the plan split, but its "
+                "module is not in the plan: give it the same style as the module it is tied to"
+            )
+
+
+def parallelize(
+    model: nn.Module,
+    plan: dict[str, str],
+    mesh_or_group: Any = None,
+    *,
+    sequence_parallel: bool = False,
+    seq_dim: int = 1,
+    rng_tracker: tp_random.RNGStatesTracker | None = None,
+) -> nn.Module:
+    """Split ``model``'s layers over the tensor-parallel group, in place, and return it.
+
+    ``mesh_or_group``: a ProcessMesh (its ``tp_group``) or a process group. Every TP rank must
+    call this with the same, identically initialized model. See the module doc for styles.
+    """
+    group, rank = _tp_of(mesh_or_group)
+    tp = comm.get_world_size(group)
+    matches = match_plan(model, plan)
+    if sequence_parallel and "sequence_parallel" not in matches.values():
+        raise ValueError(
+            "sequence_parallel=True needs 'sequence_parallel' entries in the plan: the norms "
+            "and dropouts between the tensor-parallel layers, the first one where the "
+            "sequence is split (e.g. the dropout after the embeddings)"
+        )
+    if tp == 1:
+        return model
+    _check_sizes(model, matches, tp)
+    heads = _heads(model, matches, tp)
+    tracker = rng_tracker if rng_tracker is not None else tp_random.get_rng_tracker()
+    tp_random.ensure_tp_stream(rank, tracker)
+    ctx = _Context(group, tp, sequence_parallel, seq_dim, tracker)
+    entry = next((n for n, s in matches.items() if s == "sequence_parallel"), None)
+    for name, style in matches.items():
+        _apply(model, name, style, ctx, entry=name == entry)
+    _check_ties(model, ctx)
+    for module, attr in heads:
+        setattr(module, attr, getattr(module, attr) // tp)
+    return model
+
+
+def resolve_plan(model: nn.Module, config_plan: dict[str, str] | None = None) -> dict[str, str]:
+    """The plan to use: the config's, else ``model.tp_plan`` (or ``_tp_plan``), else a
+    Hugging Face ``model.config.base_model_tp_plan`` (prefixed with the base model's name)."""
+    if config_plan is not None:
+        return dict(config_plan)
+    for attr in ("tp_plan", "_tp_plan"):
+        plan = getattr(model, attr, None)
+        if isinstance(plan, dict) and plan:
+            return dict(plan)
+    base = getattr(getattr(model, "config", None), "base_model_tp_plan", None)
+    if isinstance(base, dict) and base:
+        prefix = getattr(model, "base_model_prefix", "")
+        if prefix and isinstance(getattr(model, prefix, None), nn.Module):
+            return {f"{prefix}.{k}": v for k, v in base.items()}
+        return dict(base)
+    raise ValueError(
+        f"{type(model).__name__} has no tensor-parallel plan: give one in the config "
+        '("tensor_parallel": {"size": N, "plan": {"blocks.*.mlp.fc": "colwise", ...}}) or set '
+        "a tp_plan dict (module-name pattern -> style) on the model"
+    )
