@@ -53,6 +53,9 @@ ROWS = [
     ("dp2-pp2-tied-zero1-m2", "lm", 2, 2, "1f1b", 2, {"zero": 1}),
     ("dp2-pp2-tied-zero2-m2", "lm", 2, 2, "gpipe", 2, {"zero": 2}),
     ("dp2-pp2-bf16-zero1-m2", "mlp", 2, 2, "1f1b", 2, {"zero": 1, "bf16": True}),
+    ("pp2-interleaved-v2-m2", "mlp", 1, 2, "interleaved", 2, {"chunks": 2}),
+    ("pp2-interleaved-v2-m4-tied", "lm", 1, 2, "interleaved", 4, {"chunks": 2}),
+    ("dp2-pp2-interleaved-v2-zero2-m4", "mlp", 2, 2, "interleaved", 4, {"chunks": 2, "zero": 2}),
     ("tp2-pp2-1f1b-m2", "blocks", 1, 2, "1f1b", 2, {"tp": 2}),
     ("tp2-pp2-gpipe-zero1-m3", "blocks", 1, 2, "gpipe", 3, {"tp": 2, "zero": 1}),
     ("dp2-pp2-tp2-zero1-m2", "blocks", 2, 2, "1f1b", 2, {"tp": 2, "zero": 1}),  # 8 processes

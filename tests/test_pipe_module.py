@@ -175,6 +175,36 @@ def test_counting_parameters_draws_no_random_numbers():
     assert torch.equal(torch.rand(1), after)
 
 
+def test_chunks_are_virtual_stages_taken_round_robin():
+    """2 stages x 2 chunks = 4 virtual stages; stage s runs virtual stages s and s + 2."""
+
+    def layers():
+        return [LayerSpec(nn.Linear, 6, 8), nn.Tanh(), *[LayerSpec(nn.Linear, 8, 8)] * 3]
+
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), *[nn.Linear(8, 8) for _ in range(3)])
+    runs = {}
+    for s in range(2):
+        torch.manual_seed(0)
+        module = stage(layers(), 2, s, chunks=2, partition_method="type:Linear")
+        assert module.parts == [0, 2, 3, 4, 5]
+        assert [module.virtual_stage(c) for c in range(2)] == [s, s + 2]
+        runs[s] = {c: [i for i, _, ch in module._funcs if ch == c] for c in range(2)}
+        for k, v in module.state_dict().items():
+            assert torch.equal(v, ref.state_dict()[k]), f"stage {s} {k}"
+    assert runs == {0: {0: [0, 1], 1: [3]}, 1: {0: [2], 1: [4]}}
+    assert "stage 1 chunk 1: layers 4-4" in module.describe()
+    x = torch.randn(3, 8)
+    assert torch.equal(module(x, chunk=1), ref[4](x))  # stage 1 chunk 1 = layer 4
+
+
+def test_a_virtual_stage_without_parameters_is_refused():
+    layers = [nn.Linear(2, 2), nn.Tanh(), nn.Linear(2, 2), nn.Linear(2, 2)]
+    module = PipelineModule(layers, num_stages=2, chunks=2, partition_method="uniform")
+    with pytest.raises(PartitionError, match="stage 1 chunk 0 would hold no trainable parameter"):
+        module.build_stage(2, 0, "uniform")
+
+
 def _logits(embedding, h):
     return h @ embedding.weight.t()
 
@@ -290,7 +320,7 @@ def sequential_reference():
     [
         ("mlp", {"pipeline": {"stages": 2}}, "pipeline.stages", "needs the model as a list"),
         ("pipe2", {"zero_optimization": {"stage": 3}}, "zero_optimization.stage", "stage=3"),
-        ("pipe2", {"pipeline": {"schedule": "interleaved"}}, "pipeline.schedule", "interleaved"),
+        ("pipe2", {"pipeline": {"chunks": 2}}, "pipeline.schedule", '"interleaved"'),
     ],
 )
 def test_what_a_pipeline_cannot_do_is_refused_naming_the_key(model, config, key, match):

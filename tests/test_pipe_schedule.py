@@ -82,6 +82,19 @@ def test_interleaved_shrinks_the_bubble_by_the_number_of_chunks(p, v, m):
     for s, prog in enumerate(progs):
         units = sorted((ins.mb, ins.chunk) for ins in prog if ins.op is Op.FORWARD)
         assert units == sorted(itertools.product(range(m), range(v))), f"stage {s}"
+        # Megatron's warm-up plus the one in steady state, in (micro-batch, chunk) units.
+        want = min(m * v, 2 * (p - s - 1) + (v - 1) * p + 1)
+        assert peak_in_flight(prog) == want, f"p={p} v={v} m={m} stage {s}"
+
+
+@pytest.mark.parametrize("p,v,m", INTERLEAVED, ids=[f"p{p}-v{v}-m{m}" for p, v, m in INTERLEAVED])
+def test_interleaved_inference_runs_every_chunk_once(p, v, m):
+    progs = [inference(p, s, m, v) for s in range(p)]
+    assert simulate(progs, chunks=v) > 0
+    for prog in progs:
+        assert sorted((i.mb, i.chunk) for i in prog if i.op is Op.FORWARD) == sorted(
+            itertools.product(range(m), range(v))
+        )
 
 
 def test_interleaved_needs_micro_batches_a_multiple_of_stages():

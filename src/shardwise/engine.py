@@ -9,7 +9,9 @@ accumulation boundary, global steps, skipped steps) and delegates to a gradient 
     step(optimizer, coef)                          the update, gradients scaled by coef
     zero_grad(), consolidated_state_dict(module)
 
-and to ``self.scaler`` (precision.LossScaler) for fp16's loss scale. The update:
+to ``self.batches`` for whole batches (``train_batch`` / ``eval_batch``: batches.MicroBatchLoop,
+or the pipeline's runner, which also makes ``forward/backward/step`` refuse), and to
+``self.scaler`` (precision.LossScaler) for fp16's loss scale. The update:
 
     norm_S = ||S g||  (one all-reduce; inf/nan anywhere = overflow on every rank)
     overflow -> skip, lower S;  else coef = clip(norm_S / S) / S -> strategy.step(coef)
@@ -61,7 +63,10 @@ class Engine(nn.Module):
         pipeline: Any = None,
     ) -> None:
         super().__init__()
+        from shardwise.batches import MicroBatchLoop
+
         self.pipeline = pipeline  # parallel/pipeline/runner.py when pipeline stages > 1
+        self.batches = pipeline if pipeline is not None else MicroBatchLoop()
         self.module = module
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
@@ -153,12 +158,7 @@ class Engine(nn.Module):
     # ------------------------------------------------------------------ training
     def _refuse_in_pipeline(self, call: str) -> None:
         if self.pipeline is not None:
-            raise EngineError(
-                f"engine.{call} is not available with pipeline parallelism "
-                f"({self.pipeline.stages} stages): the schedule runs forward, backward and step "
-                "for the whole batch; use engine.train_batch(data_iter) to train and "
-                "engine.eval_batch(data_iter) to evaluate"
-            )
+            raise EngineError(self.pipeline.refusal(call))
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         self._refuse_in_pipeline("forward()")
@@ -275,75 +275,16 @@ class Engine(nn.Module):
             self._in_no_sync = False
 
     # ------------------------------------------------------------------ whole batches
-    def _loss_of(self, batch: Any) -> torch.Tensor:
-        """The loss of one micro-batch: ``loss_fn(module(inputs), labels)`` when a loss
-        function was given (batch = (inputs, labels)), else the module's own output, which
-        must then be the loss (or a tuple/dict whose first value / "loss" is)."""
-        if self.loss_fn is not None:
-            inputs, labels = batch
-            out = self(*inputs) if isinstance(inputs, (tuple, list)) else self(inputs)
-            return self.loss_fn(out, labels)
-        out = self(*batch) if isinstance(batch, (tuple, list)) else self(batch)
-        if isinstance(out, dict):
-            out = out["loss"]
-        elif isinstance(out, (tuple, list)):
-            out = out[0]
-        return out
-
     def train_batch(self, data_iter: Iterator | None = None) -> torch.Tensor:
         """One optimizer step over GAS micro-batches from ``data_iter``; the mean loss,
-        averaged over the data-parallel group (the same value on every rank). With a pipeline
-        the schedule runs them (parallel/pipeline/runner.py)."""
-        from shardwise import comm
+        averaged over the data-parallel group (the same value on every rank). Run by the
+        batch strategy: batches.MicroBatchLoop, or the pipeline's schedule."""
+        return self.batches.train_batch(self, data_iter)
 
-        if data_iter is None and self.pipeline is not None and not self._reads_data():
-            return self.pipeline.train_batch(self, None)
-        if data_iter is None:
-            if self.training_dataloader is None:
-                raise EngineError(
-                    "train_batch() needs data_iter, or training_data given to initialize()"
-                )
-            if not hasattr(self, "_data_iter"):
-                from shardwise.data import RepeatingLoader
-
-                self._data_iter = iter(RepeatingLoader(self.training_dataloader))
-            data_iter = self._data_iter
-        if self.pipeline is not None:
-            return self.pipeline.train_batch(self, data_iter)
-        self.train()
-        total = torch.zeros(())
-        for _ in range(self.gradient_accumulation_steps()):
-            loss = self._loss_of(next(data_iter))
-            self.backward(loss)
-            self.step()
-            total += loss.detach().float().cpu()
-        total /= self.gradient_accumulation_steps()
-        comm.all_reduce(total, group=self.mesh.dp_group)
-        return total / self.dp_world_size
-
-    def _reads_data(self) -> bool:
-        """Only the first and last pipeline stages read batches."""
-        return self.is_first_stage() or self.is_last_stage()
-
-    @torch.no_grad()
     def eval_batch(self, data_iter: Iterator | None, **kwargs: Any) -> Any:
         """The mean loss of GAS micro-batches without training, averaged over data ranks.
         With a pipeline: ``return_logits`` and ``num_micro_batches`` as DeepSpeed's."""
-        from shardwise import comm
-
-        if self.pipeline is not None:
-            return self.pipeline.eval_batch(self, data_iter, **kwargs)
-        if kwargs:
-            raise EngineError(f"eval_batch() got {sorted(kwargs)}: only pipelines take options")
-        was_training = self.training
-        self.eval()
-        total = torch.zeros(())
-        for _ in range(self.gradient_accumulation_steps()):
-            total += self._loss_of(next(data_iter)).float().cpu()
-        self.train(was_training)
-        total /= self.gradient_accumulation_steps()
-        comm.all_reduce(total, group=self.mesh.dp_group)
-        return total / self.dp_world_size
+        return self.batches.eval_batch(self, data_iter, **kwargs)
 
     # ------------------------------------------------------------------ state
     def consolidated_state_dict(self) -> dict[str, torch.Tensor]:

@@ -36,87 +36,18 @@ from torch import nn
 
 from shardwise import comm
 from shardwise.parallel.pipeline import partition as part
+from shardwise.parallel.pipeline.specs import (
+    LayerSpec,
+    TiedLayerSpec,
+    class_name,
+    count_params,
+    get_attr,
+    trainable,
+)
+
+__all__ = ["LayerSpec", "PipelineModule", "TiedLayerSpec"]
 
 logger = logging.getLogger("shardwise")
-
-
-class LayerSpec:
-    """A layer to build later, on the stage that owns it: ``typename(*args, **kwargs)``."""
-
-    def __init__(self, typename: type, *module_args: Any, **module_kwargs: Any) -> None:
-        if not (isinstance(typename, type) and issubclass(typename, nn.Module)):
-            raise RuntimeError(
-                f"LayerSpec only supports torch.nn.Module types, got {typename!r}; put a plain "
-                "function in the layer list directly instead"
-            )
-        self.typename = typename
-        self.module_args = module_args
-        self.module_kwargs = module_kwargs
-
-    def build(self) -> nn.Module:
-        return self.typename(*self.module_args, **self.module_kwargs)
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.typename.__name__})"
-
-
-class TiedLayerSpec(LayerSpec):
-    """A layer whose module is shared by every TiedLayerSpec with the same ``key``.
-
-    ``forward_fn(module, x)`` replaces ``module(x)`` (an input embedding reused as the output
-    projection: ``lambda emb, h: h @ emb.weight.t()``). ``tied_weight_attr``: the parameter
-    names (dotted paths are fine) kept identical on every stage that holds the key."""
-
-    def __init__(
-        self,
-        key: str,
-        typename: type,
-        *module_args: Any,
-        forward_fn: Callable | None = None,
-        tied_weight_attr: str | Sequence[str] = ("weight",),
-        **module_kwargs: Any,
-    ) -> None:
-        super().__init__(typename, *module_args, **module_kwargs)
-        self.key = str(key)
-        self.forward_fn = forward_fn
-        attrs = [tied_weight_attr] if isinstance(tied_weight_attr, str) else tied_weight_attr
-        self.tied_weight_attr = list(attrs)
-
-
-def _class_name(layer: Any) -> str:
-    if isinstance(layer, LayerSpec):
-        return layer.typename.__name__
-    if isinstance(layer, nn.Module):
-        return type(layer).__name__
-    return getattr(layer, "__name__", type(layer).__name__)
-
-
-def _trainable(module: nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters() if p.requires_grad)
-
-
-def _count_params(layer: Any) -> int:
-    """Trainable parameters of a layer, a spec built on the meta device (no memory, no
-    random numbers drawn; a layer that cannot build there is built for real, RNG restored)."""
-    if isinstance(layer, nn.Module):
-        return _trainable(layer)
-    if not isinstance(layer, LayerSpec):
-        return 0
-    with torch.random.fork_rng(devices=[]):
-        try:
-            with torch.device("meta"):
-                return _trainable(layer.build())
-        except Exception:  # noqa: BLE001 - a layer that needs real tensors to initialize
-            return _trainable(layer.build())
-
-
-def _get_attr(module: nn.Module, dotted: str) -> torch.nn.Parameter:
-    target: Any = module
-    for name in dotted.split("."):
-        target = getattr(target, name)
-    if not isinstance(target, torch.nn.Parameter):
-        raise TypeError(f"tied_weight_attr {dotted!r} of {type(module).__name__} is no parameter")
-    return target
 
 
 class PipelineModule(nn.Module):
@@ -136,6 +67,7 @@ class PipelineModule(nn.Module):
         activation_checkpoint_func: Callable | None = None,
         checkpointable_layers: Sequence[str] | None = None,
         dynamic_shape: bool = False,
+        chunks: int | None = None,
     ) -> None:
         super().__init__()
         specs = list(layers.children()) if isinstance(layers, nn.Sequential) else list(layers)
@@ -151,7 +83,10 @@ class PipelineModule(nn.Module):
             num_stages = getattr(topology, "pp", None) or topology.get_dim("pipe")
         if num_stages is not None and (not isinstance(num_stages, int) or num_stages < 1):
             raise ValueError(f"num_stages={num_stages!r} must be an integer >= 1")
+        if chunks is not None and (not isinstance(chunks, int) or chunks < 1):
+            raise ValueError(f"chunks={chunks!r} must be an integer >= 1")
         self.num_stages = num_stages
+        self.chunks = chunks
         self.loss_fn = loss_fn
         self.seed_layers, self.seed_fn, self.base_seed = seed_layers, seed_fn, base_seed
         self.partition_method = partition_method
@@ -159,7 +94,7 @@ class PipelineModule(nn.Module):
         self.activation_checkpoint_func = activation_checkpoint_func
         self.checkpointable_layers = checkpointable_layers
         self.dynamic_shape = dynamic_shape
-        self.class_names = [_class_name(x) for x in specs]
+        self.class_names = [class_name(x) for x in specs]
         self._specs = specs
         self._rng_state = torch.get_rng_state()  # a deferred build starts from here
         self.stage_id: int | None = None
@@ -182,57 +117,78 @@ class PipelineModule(nn.Module):
     def built(self) -> bool:
         return self.stage_id is not None
 
-    def build_stage(self, num_stages: int, stage_id: int, partition_method: str) -> None:
-        """Build this rank's stage (what the constructor does when it knows its stage)."""
+    def build_stage(
+        self, num_stages: int, stage_id: int, partition_method: str, chunks: int = 1
+    ) -> None:
+        """Build this rank's stage (what the constructor does when it knows its stage);
+        ``chunks`` applies when the module was not given one."""
         if self.built:
             raise RuntimeError("this PipelineModule already built its stage")
         self.num_stages = num_stages
+        self.chunks = self.chunks or chunks
         with torch.random.fork_rng(devices=[]):
             torch.set_rng_state(self._rng_state)
             self._build(stage_id, self.partition_method or partition_method)
 
     def _build(self, stage_id: int, method: str) -> None:
-        counts = [_count_params(x) for x in self._specs]
+        self.chunks = self.chunks or 1
+        counts = [count_params(x) for x in self._specs]
         self.param_counts = counts
-        self.parts = part.partition(method, self.num_stages, self.class_names, counts)
+        virtual = self.num_stages * self.chunks  # virtual stage w runs on stage w % num_stages
+        self.parts = part.partition(method, virtual, self.class_names, counts)
         self.partition_used = method
         self._check_every_stage_trains()
         self.stage_id = stage_id
-        lo, hi = self.parts[stage_id], self.parts[stage_id + 1]
         self.tied_modules = nn.ModuleDict()
         self.tied_weight_attrs: dict[str, list[str]] = {}
         self.tied_stages = self._tied_stages()
-        self._funcs: list[tuple[int, Callable]] = []
+        self._funcs: list[tuple[int, Callable, int]] = []  # (layer index, callable, chunk)
         for idx, spec in enumerate(self._specs):
-            own = lo <= idx < hi
+            chunk = self._chunk_of(idx)
             if isinstance(spec, TiedLayerSpec):
-                self._build_tied(idx, spec, own)
+                self._build_tied(idx, spec, chunk)
             elif isinstance(spec, LayerSpec):
-                if own or not self.seed_layers:
+                if chunk is not None or not self.seed_layers:
                     module = self._make(idx, spec)  # built and dropped when not own: RNG replay
-                    if own:
+                    if chunk is not None:
                         self.add_module(str(idx), module)
-                        self._funcs.append((idx, module))
-            elif own:
+                        self._funcs.append((idx, module, chunk))
+            elif chunk is not None:
                 if isinstance(spec, nn.Module):
                     self.add_module(str(idx), spec)
-                self._funcs.append((idx, spec))
+                self._funcs.append((idx, spec, chunk))
         # Other stages' modules are dropped here; the list keeps names and specs only.
         self._specs = [
-            x if lo <= i < hi or not isinstance(x, nn.Module) else None
+            x if self._chunk_of(i) is not None or not isinstance(x, nn.Module) else None
             for i, x in enumerate(self._specs)
         ]
+
+    def virtual_stage(self, chunk: int) -> int:
+        """The position in the whole pipeline of this rank's ``chunk``: chunk * stages + stage."""
+        return chunk * self.num_stages + self.stage_id
+
+    def _chunk_of(self, idx: int) -> int | None:
+        """Which of this rank's chunks runs layer ``idx`` (None: another stage)."""
+        virtual = self.virtual_of(idx)
+        return virtual // self.num_stages if virtual % self.num_stages == self.stage_id else None
+
+    def virtual_of(self, layer_idx: int) -> int:
+        """The virtual stage that owns layer ``layer_idx``."""
+        for w in range(len(self.parts) - 1):
+            if self.parts[w] <= layer_idx < self.parts[w + 1]:
+                return w
+        raise IndexError(f"layer {layer_idx} outside 0..{len(self.class_names) - 1}")
 
     def _check_every_stage_trains(self) -> None:
         """A stage without trainable parameters has nothing for its optimizer: refuse it on
         every rank alike (the partition is the same everywhere), before any collective."""
-        if self.num_stages == 1:
+        if self.num_stages * self.chunks == 1:
             return
-        for s in range(self.num_stages):
-            a, b = self.parts[s], self.parts[s + 1]
+        for w in range(len(self.parts) - 1):
+            a, b = self.parts[w], self.parts[w + 1]
             if sum(self.param_counts[a:b]) == 0:
                 raise part.PartitionError(
-                    f"stage {s} would hold no trainable parameter (layers {a}-{b - 1}: "
+                    f"{self._label(w)} would hold no trainable parameter (layers {a}-{b - 1}: "
                     f"{', '.join(self.class_names[a:b])}); use fewer stages or another "
                     f"partition_method than {self.partition_used!r}\n{self.describe()}"
                 )
@@ -248,7 +204,12 @@ class PipelineModule(nn.Module):
                 set_random_seed(seed)
         return spec.build()
 
-    def _build_tied(self, idx: int, spec: TiedLayerSpec, own: bool) -> None:
+    def _label(self, virtual: int) -> str:
+        if self.chunks == 1:
+            return f"stage {virtual}"
+        return f"stage {virtual % self.num_stages} chunk {virtual // self.num_stages}"
+
+    def _build_tied(self, idx: int, spec: TiedLayerSpec, chunk: int | None) -> None:
         """The first occurrence of a key builds its module (as one process would); this stage
         keeps it if any of its layers uses the key."""
         key = spec.key
@@ -259,10 +220,10 @@ class PipelineModule(nn.Module):
                 module = self._make(idx, spec)
                 if here:
                     self.tied_modules[key] = module
-        if own:
+        if chunk is not None:
             module = self.tied_modules[key]
             fn = functools.partial(spec.forward_fn, module) if spec.forward_fn else module
-            self._funcs.append((idx, fn))
+            self._funcs.append((idx, fn, chunk))
 
     def _tied_stages(self) -> dict[str, list[int]]:
         """For every tied key, the stages holding a layer that uses it (the same on all ranks)."""
@@ -275,11 +236,8 @@ class PipelineModule(nn.Module):
         return out
 
     def stage_of(self, layer_idx: int) -> int:
-        """The stage that owns layer ``layer_idx``."""
-        for s in range(self.num_stages):
-            if self.parts[s] <= layer_idx < self.parts[s + 1]:
-                return s
-        raise IndexError(f"layer {layer_idx} outside 0..{len(self.class_names) - 1}")
+        """The stage that runs layer ``layer_idx``."""
+        return self.virtual_of(layer_idx) % self.num_stages
 
     def tied_parameters(self) -> dict[str, list[tuple[str, torch.nn.Parameter]]]:
         """This stage's tied parameters by key: [(state-dict name, parameter)], keys sorted."""
@@ -287,17 +245,22 @@ class PipelineModule(nn.Module):
         for key in sorted(self.tied_modules.keys()):
             attrs = self.tied_weight_attrs[key]
             out[key] = [
-                (f"tied_modules.{key}.{a}", _get_attr(self.tied_modules[key], a)) for a in attrs
+                (f"tied_modules.{key}.{a}", get_attr(self.tied_modules[key], a)) for a in attrs
             ]
         return out
 
     def describe(self) -> str:
         """The partition as a table (stage, layers, parameters)."""
-        return part.describe(self.parts, self.class_names, self.param_counts, self.partition_used)
+        labels = [self._label(w) for w in range(len(self.parts) - 1)]
+        return part.describe(
+            self.parts, self.class_names, self.param_counts, self.partition_used, labels
+        )
 
     # ------------------------------------------------------------------ running
-    def forward(self, *inputs: Any) -> Any:
-        """This stage's layers in order; several inputs travel as one tuple, as between stages."""
+    def forward(self, *inputs: Any, chunk: int | None = None) -> Any:
+        """This stage's layers in order (those of ``chunk`` only, when given: the interleaved
+        schedule runs a stage's chunks separately); several inputs travel as one tuple, as
+        between stages."""
         if not self.built:
             raise RuntimeError(
                 "this PipelineModule has not built its stage yet: pass it to shardwise.initialize "
@@ -305,18 +268,18 @@ class PipelineModule(nn.Module):
             )
         x = inputs[0] if len(inputs) == 1 else inputs
         interval = self.activation_checkpoint_interval
-        funcs = [fn for _, fn in self._funcs]
+        funcs = [fn for _, fn, c in self._funcs if chunk is None or c == chunk]
         if interval <= 0 or not (self.training and torch.is_grad_enabled()):
             return _run(funcs, x)
         for start in range(0, len(funcs), interval):
-            chunk = funcs[start : start + interval]
-            x = self._checkpointed(chunk, x) if self._checkpointable(chunk) else _run(chunk, x)
+            run = funcs[start : start + interval]
+            x = self._checkpointed(run, x) if self._checkpointable(run) else _run(run, x)
         return x
 
     def _checkpointable(self, chunk: list[Callable]) -> bool:
         if self.checkpointable_layers is not None:
-            return any(_class_name(f) in self.checkpointable_layers for f in chunk)
-        return any(isinstance(f, nn.Module) and _trainable(f) > 0 for f in chunk)
+            return any(class_name(f) in self.checkpointable_layers for f in chunk)
+        return any(isinstance(f, nn.Module) and trainable(f) > 0 for f in chunk)
 
     def _checkpointed(self, chunk: list[Callable], x: Any) -> Any:
         """Run ``chunk`` without keeping its inner activations; backward recomputes them."""

@@ -14,7 +14,9 @@ ends agree on what is sent without asking.
 
 Sends are non-blocking (``isend``; the tensors are kept until ``wait_sends``), receives block:
 with that, the schedules of schedule.py cannot deadlock (``schedule.simulate`` checks it).
-Ranks are global; messages use the default process group.
+Ranks are global; messages use the default process group. Each message is tagged with the
+virtual stage it goes to (activations 2w, gradients 2w + 1), so that with the interleaved
+schedule, where two ranks exchange messages for several chunks, each lands where it belongs.
 """
 
 from __future__ import annotations
@@ -66,10 +68,15 @@ def _describe(x: Any, tensors: tuple[torch.Tensor, ...]) -> list[int]:
 
 
 class StageLink:
-    """This stage's messages to and from its neighbours ``prev`` / ``next`` (global ranks or None)."""
+    """The messages of virtual stage ``virtual`` (= the stage, without chunks) to and from its
+    neighbours ``prev`` / ``next`` (global ranks, or None at the ends of the pipeline)."""
 
-    def __init__(self, prev: int | None, next: int | None, dynamic_shape: bool = False) -> None:
+    def __init__(
+        self, prev: int | None, next: int | None, dynamic_shape: bool = False, virtual: int = 0
+    ) -> None:
         self.prev, self.next = prev, next
+        self.act_in, self.act_out = 2 * virtual, 2 * (virtual + 1)
+        self.grad_in, self.grad_out = 2 * virtual + 1, 2 * (virtual - 1) + 1
         self.dynamic_shape = dynamic_shape
         self._pending: list[tuple[Any, torch.Tensor]] = []
         self._sent_meta: list[int] | None = None
@@ -80,16 +87,16 @@ class StageLink:
         batches, not within one)."""
         self._sent_meta = self._recv_meta = None
 
-    def _isend(self, t: torch.Tensor, dst: int) -> None:
+    def _isend(self, t: torch.Tensor, dst: int, tag: int) -> None:
         t = t.detach().contiguous()
-        self._pending.append((comm.isend(t, dst), t))  # keep the tensor alive until sent
+        self._pending.append((comm.isend(t, dst, tag=tag), t))  # keep it alive until sent
 
     def send_activation(self, x: Any) -> None:
         tensors = as_tuple(x, "a stage's output")
         meta = _describe(x, tensors)
         if self.dynamic_shape or self._sent_meta is None:
-            self._isend(torch.tensor([len(meta)], dtype=torch.int64), self.next)
-            self._isend(torch.tensor(meta, dtype=torch.int64), self.next)
+            self._isend(torch.tensor([len(meta)], dtype=torch.int64), self.next, self.act_out)
+            self._isend(torch.tensor(meta, dtype=torch.int64), self.next, self.act_out)
             self._sent_meta = meta
         elif meta != self._sent_meta:
             raise PipeShapeError(
@@ -97,15 +104,15 @@ class StageLink:
                 f"{self._sent_meta} -> {meta}): pass dynamic_shape=True to PipelineModule"
             )
         for t in tensors:
-            self._isend(t, self.next)
+            self._isend(t, self.next, self.act_out)
 
     def recv_activation(self, requires_grad: bool) -> Any:
         """The previous stage's output; floating tensors require grad when training."""
         if self.dynamic_shape or self._recv_meta is None:
             length = torch.zeros(1, dtype=torch.int64)
-            comm.recv(length, self.prev)
+            comm.recv(length, self.prev, tag=self.act_in)
             meta = torch.zeros(int(length.item()), dtype=torch.int64)
-            comm.recv(meta, self.prev)
+            comm.recv(meta, self.prev, tag=self.act_in)
             self._recv_meta = meta.tolist()
         is_tuple, count, *rest = self._recv_meta
         tensors, at = [], 0
@@ -114,7 +121,7 @@ class StageLink:
             shape = rest[at + 3 : at + 3 + ndim]
             at += 3 + ndim
             t = torch.empty(shape, dtype=_DTYPES[code])
-            comm.recv(t, self.prev)
+            comm.recv(t, self.prev, tag=self.act_in)
             if requires_grad and t.is_floating_point() and grad:
                 t.requires_grad_()
             tensors.append(t)
@@ -124,7 +131,8 @@ class StageLink:
         """The gradients of the received tensors that require grad (zeros where none)."""
         for t in as_tuple(inputs, "a received activation"):
             if t.requires_grad:
-                self._isend(t.grad if t.grad is not None else torch.zeros_like(t), self.prev)
+                grad = t.grad if t.grad is not None else torch.zeros_like(t)
+                self._isend(grad, self.prev, self.grad_out)
 
     def recv_grads(self, outputs: Any) -> list[torch.Tensor]:
         """Gradients for the tensors of ``outputs`` that require grad (as sent), in order."""
@@ -132,7 +140,7 @@ class StageLink:
         for t in as_tuple(outputs, "a stage's output"):
             if t.requires_grad:
                 g = torch.empty_like(t, memory_format=torch.contiguous_format)
-                comm.recv(g, self.next)
+                comm.recv(g, self.next, tag=self.grad_in)
                 grads.append(g)
         return grads
 

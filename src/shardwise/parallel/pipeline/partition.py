@@ -143,12 +143,21 @@ def partition(
 
 
 def describe(
-    parts: Sequence[int], class_names: Sequence[str], param_counts: Sequence[int], method: str
+    parts: Sequence[int],
+    class_names: Sequence[str],
+    param_counts: Sequence[int],
+    method: str,
+    labels: Sequence[str] | None = None,
 ) -> str:
-    """A printable table of the partition: one row per stage."""
-    lines = [f"pipeline partition ({method}): {len(parts) - 1} stages, {len(class_names)} layers"]
-    for s in range(len(parts) - 1):
+    """A printable table of the partition: one row per stage (``labels`` name the rows)."""
+    n = len(parts) - 1
+    labels = labels or [f"stage {s}" for s in range(n)]
+    kind = "virtual stages" if any("chunk" in label for label in labels) else "stages"
+    lines = [f"pipeline partition ({method}): {n} {kind}, {len(class_names)} layers"]
+    for s in range(n):
         a, b = parts[s], parts[s + 1]
         names = ", ".join(f"{i}:{class_names[i]}" for i in range(a, b))
-        lines.append(f"  stage {s}: layers {a}-{b - 1} ({sum(param_counts[a:b]):,} params) {names}")
+        lines.append(
+            f"  {labels[s]}: layers {a}-{b - 1} ({sum(param_counts[a:b]):,} params) {names}"
+        )
     return "\n".join(lines)

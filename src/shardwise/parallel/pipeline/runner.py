@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from shardwise import comm
+from shardwise.batches import data_or_loader
 from shardwise.parallel.pipeline.gather import gather_stages
 from shardwise.parallel.pipeline.meter import ActivationMeter
 from shardwise.parallel.pipeline.p2p import StageLink
@@ -33,8 +34,6 @@ from shardwise.parallel.pipeline.schedule import Op, inference, make_schedule
 from shardwise.parallel.pipeline.tied import TiedWeights
 
 logger = logging.getLogger("shardwise")
-
-RUNNABLE_SCHEDULES = ("1f1b", "gpipe")
 
 
 class PipelineRunner:
@@ -48,11 +47,10 @@ class PipelineRunner:
         compute_dtype: torch.dtype = torch.float32,
         loss_fn: Any = None,
     ) -> None:
-        if schedule not in RUNNABLE_SCHEDULES:
+        if module.chunks > 1 and schedule != "interleaved":
             raise ValueError(
-                f'pipeline.schedule="{schedule}": the runtime executes {RUNNABLE_SCHEDULES} '
-                "(the interleaved schedule exists as data only: it needs several model chunks "
-                "per stage)"
+                f'pipeline.schedule="{schedule}" runs one chunk per stage, but the '
+                f'PipelineModule has chunks={module.chunks}: use "interleaved"'
             )
         self.module = module
         self.mesh = mesh
@@ -61,14 +59,12 @@ class PipelineRunner:
         self.stage_id = mesh.pp_rank
         self.peers = mesh.axis_ranks("pp")
         s = self.stage_id
-        prev = self.peers[s - 1] if s > 0 else None
-        nxt = self.peers[s + 1] if s < self.stages - 1 else None
-        self.link = StageLink(prev, nxt, getattr(module, "dynamic_shape", False))
+        self.chunks = module.chunks
         self.stage_group, self.stage_root = _stage_group(mesh)
         self.tied = TiedWeights(module, mesh)
         self.executor = StageExecutor(
             module,
-            self.link,
+            [self._link(c) for c in range(self.chunks)],
             first=s == 0,
             last=s == self.stages - 1,
             loss_fn=module.loss_fn if module.loss_fn is not None else loss_fn,
@@ -77,12 +73,28 @@ class PipelineRunner:
         if mesh.rank == 0:
             logger.info("%s; schedule %s", module.describe(), schedule)
 
+    def _link(self, chunk: int) -> StageLink:
+        """Chunk ``chunk`` is virtual stage w = chunk * p + s; its neighbours are virtual
+        stages w - 1 and w + 1, on stages (w -/+ 1) mod p."""
+        w, last = self.module.virtual_stage(chunk), self.stages * self.chunks - 1
+        prev = self.peers[(w - 1) % self.stages] if w > 0 else None
+        nxt = self.peers[(w + 1) % self.stages] if w < last else None
+        return StageLink(prev, nxt, self.module.dynamic_shape, virtual=w)
+
     def broadcast_stage(self) -> None:
         """Every rank of this stage (its data x tensor ranks) takes the stage's first rank's
         weights: tensor parallelism must split one model, data ranks must start equal."""
         from shardwise.parallel.data import broadcast_parameters
 
         broadcast_parameters(self.module, src=self.stage_root, group=self.stage_group)
+
+    def refusal(self, call: str) -> str:
+        """Why ``engine.<call>`` does not exist with a pipeline, and what to call instead."""
+        return (
+            f"engine.{call} is not available with pipeline parallelism ({self.stages} stages): "
+            "the schedule runs forward, backward and step for the whole batch; use "
+            "engine.train_batch(data_iter) to train and engine.eval_batch(data_iter) to evaluate"
+        )
 
     def is_first_stage(self) -> bool:
         return self.stage_id == 0
@@ -118,12 +130,14 @@ class PipelineRunner:
             raise RuntimeError(
                 "train_batch() requires gradients enabled. Use eval_batch() instead."
             )
+        if self.is_first_stage() or self.is_last_stage():  # only they read batches
+            data_iter = data_or_loader(engine, data_iter)
         m = engine.gradient_accumulation_steps()
-        program = make_schedule(self.schedule, self.stages, self.stage_id, m)
+        program = make_schedule(self.schedule, self.stages, self.stage_id, m, self.chunks)
         engine.train()
 
         def step() -> None:
-            self.link.wait_sends()  # nothing this stage sent may change under the update
+            self.executor.wait_sends()  # nothing this stage sent may change under the update
             engine._take_model_step(None)
 
         record = self.executor.run(
@@ -155,13 +169,13 @@ class PipelineRunner:
         engine.eval()
         with torch.no_grad():
             record = self.executor.run(
-                inference(self.stages, self.stage_id, m),
+                inference(self.stages, self.stage_id, m, self.chunks),
                 data_iter,
                 train=False,
                 micro_batches=m,
                 keep_logits=return_logits,
             )
-        self.link.wait_sends()
+        self.executor.wait_sends()
         engine.train(was_training)
         loss = self._mean_loss(record.losses)
         if not return_logits:

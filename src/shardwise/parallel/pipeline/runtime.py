@@ -4,7 +4,8 @@ It is a dispatcher and nothing more: each instruction maps to one handler. Per m
 the stage keeps, between its forward and its backward, the input it received (to send its
 gradient back) and the output it produced (the root of the autograd graph that stores the
 activations); both are dropped by the backward, so the live micro-batches are exactly the
-schedule's "in flight" ones.
+schedule's "in flight" ones. With the interleaved schedule a rank runs several chunks (virtual
+stages); everything is then keyed by (micro-batch, chunk) and each chunk has its own link.
 
 Gradients and the loss: the last stage backpropagates ``loss_i / m * S`` (m micro-batches, S the
 fp16 loss scale, 1 otherwise), so that the accumulated gradient is that of the batch mean, as
@@ -37,12 +38,12 @@ class _Batch:
     train: bool
     scale: float
     micro_batches: int
-    last_backward: int | None
-    inputs: dict[int, Any] = field(default_factory=dict)
-    outputs: dict[int, Any] = field(default_factory=dict)
+    last_backward: tuple[int, int] | None
+    inputs: dict[tuple[int, int], Any] = field(default_factory=dict)  # (micro-batch, chunk) ->
+    outputs: dict[tuple[int, int], Any] = field(default_factory=dict)
     labels: dict[int, Any] = field(default_factory=dict)
-    grads: dict[int, list[torch.Tensor]] = field(default_factory=dict)
-    to_send: dict[int, Any] = field(default_factory=dict)
+    grads: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)
+    to_send: dict[tuple[int, int], Any] = field(default_factory=dict)
     losses: list[torch.Tensor] = field(default_factory=list)
     logits: list[Any] = field(default_factory=list)
     keep_logits: bool = False
@@ -54,14 +55,18 @@ class StageExecutor:
     def __init__(
         self,
         module: nn.Module,
-        link: StageLink,
+        links: list[StageLink],
         first: bool,
         last: bool,
         loss_fn: Callable | None,
         compute_dtype: torch.dtype = torch.float32,
     ) -> None:
+        """``links[c]``: chunk c's link; ``first`` / ``last``: this rank runs the first / last
+        stage (the first stage's chunk 0 reads the inputs, the last stage's last chunk the
+        labels and computes the loss)."""
         self.module = module
-        self.link = link
+        self.links = links
+        self.chunks = len(links)
         self.first, self.last = first, last
         self.loss_fn = loss_fn
         self.compute_dtype = compute_dtype
@@ -91,23 +96,34 @@ class StageExecutor:
         keep_logits: bool = False,
     ) -> _Batch:
         """Execute ``program``; returns the run's record (losses on the last stage)."""
-        backwards = [ins.mb for ins in program if ins.op is Op.BACKWARD]
+        backwards = [(ins.mb, ins.chunk) for ins in program if ins.op is Op.BACKWARD]
         state = _Batch(data_iter, train, scale, micro_batches, backwards[-1] if backwards else None)
         state.keep_logits = keep_logits
         self.strategy = strategy
-        self.link.new_batch()
+        for link in self.links:
+            link.new_batch()
         for ins in program:
             handler = self._handlers.get(ins.op)
             if handler is not None:
-                handler(state, ins.mb)
+                handler(state, ins)
             elif ins.op is Op.REDUCE_GRADS:
                 strategy.after_backward(True)
             else:
                 (actions or {})[ins.op]()
         return state
 
+    def wait_sends(self) -> None:
+        for link in self.links:
+            link.wait_sends()
+
+    def _is_first(self, chunk: int) -> bool:
+        return self.first and chunk == 0
+
+    def _is_last(self, chunk: int) -> bool:
+        return self.last and chunk == self.chunks - 1
+
     # ------------------------------------------------------------------ handlers
-    def _load(self, st: _Batch, mb: int) -> None:
+    def _load(self, st: _Batch, ins: Instruction) -> None:
         if st.data_iter is None:
             raise ValueError(
                 "the first and last pipeline stages read the batches: pass "
@@ -120,32 +136,35 @@ class StageExecutor:
                 f"{type(batch).__name__}{'' if not isinstance(batch, (tuple, list)) else len(batch)}"
             )
         inputs, labels = batch
-        if self.first:
-            st.inputs[mb] = _cast(inputs, self.compute_dtype)
-        if self.last:
-            st.labels[mb] = labels
+        if self._is_first(ins.chunk):
+            st.inputs[(ins.mb, 0)] = _cast(inputs, self.compute_dtype)
+        if self._is_last(ins.chunk):
+            st.labels[ins.mb] = labels
 
-    def _recv_act(self, st: _Batch, mb: int) -> None:
-        st.inputs[mb] = self.link.recv_activation(requires_grad=st.train)
+    def _recv_act(self, st: _Batch, ins: Instruction) -> None:
+        link = self.links[ins.chunk]
+        st.inputs[(ins.mb, ins.chunk)] = link.recv_activation(requires_grad=st.train)
 
-    def _forward(self, st: _Batch, mb: int) -> None:
-        x = st.inputs[mb] if st.train and not self.first else st.inputs.pop(mb)
+    def _forward(self, st: _Batch, ins: Instruction) -> None:
+        key, first, last = (ins.mb, ins.chunk), self._is_first(ins.chunk), self._is_last(ins.chunk)
+        x = st.inputs[key] if st.train and not first else st.inputs.pop(key)
+        chunk = ins.chunk if self.chunks > 1 else None
         if self.meter is not None and st.train:
             with self.meter.hooks():
-                out = self.module(x)
+                out = self.module(x, chunk=chunk)
         else:
-            out = self.module(x)
-        if self.last:
+            out = self.module(x, chunk=chunk)
+        if last:
             if st.keep_logits:
                 st.logits.append(out.detach() if isinstance(out, torch.Tensor) else out)
-            out = self._loss(out, st.labels.pop(mb))
+            out = self._loss(out, st.labels.pop(ins.mb))
             st.losses.append(out.detach().float())
         if st.train:
-            st.outputs[mb] = out
+            st.outputs[key] = out
             self.live += 1
             self.peak_live = max(self.peak_live, self.live)
-        elif not self.last:
-            st.outputs[mb] = out
+        elif not last:
+            st.outputs[key] = out
 
     def _loss(self, out: Any, labels: Any) -> torch.Tensor:
         if self.loss_fn is not None:
@@ -158,35 +177,38 @@ class StageExecutor:
             )
         return out
 
-    def _send_act(self, st: _Batch, mb: int) -> None:
-        out = st.outputs[mb] if st.train else st.outputs.pop(mb)
-        self.link.send_activation(out)
+    def _send_act(self, st: _Batch, ins: Instruction) -> None:
+        key = (ins.mb, ins.chunk)
+        out = st.outputs[key] if st.train else st.outputs.pop(key)
+        self.links[ins.chunk].send_activation(out)
 
-    def _recv_grad(self, st: _Batch, mb: int) -> None:
-        st.grads[mb] = self.link.recv_grads(st.outputs[mb])
+    def _recv_grad(self, st: _Batch, ins: Instruction) -> None:
+        key = (ins.mb, ins.chunk)
+        st.grads[key] = self.links[ins.chunk].recv_grads(st.outputs[key])
 
-    def _backward(self, st: _Batch, mb: int) -> None:
-        sync = mb == st.last_backward
+    def _backward(self, st: _Batch, ins: Instruction) -> None:
+        key = (ins.mb, ins.chunk)
+        sync = key == st.last_backward
         self.strategy.before_backward(sync)
-        out = st.outputs.pop(mb)
-        if self.last:
+        out = st.outputs.pop(key)
+        if self._is_last(ins.chunk):
             scaled = out / st.micro_batches
             (scaled * st.scale if st.scale != 1.0 else scaled).backward()
         else:
-            grads = st.grads.pop(mb)
+            grads = st.grads.pop(key)
             outs = [t for t in as_tuple(out, "a stage's output") if t.requires_grad]
             if outs:
                 torch.autograd.backward(outs, grads)
         del out
         if not sync:
             self.strategy.after_backward(False)
-        received = st.inputs.pop(mb, None)  # the first stage dropped its input at forward
-        if not self.first:
-            st.to_send[mb] = received
+        received = st.inputs.pop(key, None)  # the first stage dropped its input at forward
+        if not self._is_first(ins.chunk):
+            st.to_send[key] = received
         self.live -= 1
 
-    def _send_grad(self, st: _Batch, mb: int) -> None:
-        self.link.send_grads(st.to_send.pop(mb))
+    def _send_grad(self, st: _Batch, ins: Instruction) -> None:
+        self.links[ins.chunk].send_grads(st.to_send.pop((ins.mb, ins.chunk)))
 
 
 def _cast(x: Any, dtype: torch.dtype) -> Any:

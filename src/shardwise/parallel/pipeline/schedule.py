@@ -172,9 +172,15 @@ def interleaved(stages: int, stage_id: int, micro_batches: int, chunks: int) -> 
     return prog + _TAIL
 
 
-def inference(stages: int, stage_id: int, micro_batches: int) -> list[Instruction]:
-    """Forward only (eval_batch): every micro-batch through the pipeline, nothing kept."""
+def inference(stages: int, stage_id: int, micro_batches: int, chunks: int = 1) -> list[Instruction]:
+    """Forward only (eval_batch): every micro-batch through the pipeline, nothing kept. With
+    chunks, the forwards of the interleaved schedule in its order (dropping its receives of
+    gradients only removes waits: it cannot deadlock where the schedule does not)."""
     _check(stages, stage_id, micro_batches)
+    if chunks > 1:
+        keep = (Op.LOAD, Op.RECV_ACT, Op.FORWARD, Op.SEND_ACT)
+        full = interleaved(stages, stage_id, micro_batches, chunks)
+        return [ins for ins in full if ins.op in keep]
     return [x for i in range(micro_batches) for x in _forward(stages, stage_id, i)]
 
 

@@ -3,9 +3,9 @@ before the mesh exists, then the stage and the runner once it does.
 
 Precedence (as DeepSpeed): ``PipelineModule(num_stages=...)`` wins over ``pipeline.stages``;
 a PipelineModule built with ``num_stages=None`` takes the config's. ``partition_method``,
-``activation_checkpoint_interval`` and ``seed_layers`` given to the module win over the
-config's ``pipeline.partition`` / ``activation_checkpoint_interval`` / ``seed_layers``, which
-fill in what the module left unset. An ``nn.Sequential`` with ``pipeline.stages > 1`` becomes
+``activation_checkpoint_interval``, ``seed_layers`` and ``chunks`` given to the module win over
+the config's ``pipeline.partition`` / ``activation_checkpoint_interval`` / ``seed_layers`` /
+``chunks``, which fill in what the module left unset. An ``nn.Sequential`` with ``pipeline.stages > 1`` becomes
 a PipelineModule of its children (same state-dict names).
 """
 
@@ -19,7 +19,7 @@ from torch import nn
 
 from shardwise.config import Config, ConfigError
 from shardwise.parallel.pipeline.module import PipelineModule
-from shardwise.parallel.pipeline.runner import RUNNABLE_SCHEDULES, PipelineRunner
+from shardwise.parallel.pipeline.runner import PipelineRunner
 
 logger = logging.getLogger("shardwise")
 
@@ -48,7 +48,9 @@ def prepare_model(cfg: Config, model: nn.Module, loss_fn: Any) -> nn.Module:
                 f"an nn.Sequential, not {type(model).__name__}",
                 key="pipeline.stages",
             )
-        model = PipelineModule(model, num_stages=wanted, loss_fn=loss_fn)
+        model = PipelineModule(
+            model, num_stages=wanted, loss_fn=loss_fn, chunks=cfg.pipeline.chunks
+        )
     stages = pipeline_stages(cfg, model)
     if isinstance(model, PipelineModule) and wanted not in (None, stages):
         logger.info(
@@ -60,10 +62,11 @@ def prepare_model(cfg: Config, model: nn.Module, loss_fn: Any) -> nn.Module:
             "gather parameters on every micro-batch); use stage 1 or 2",
             key="zero_optimization.stage",
         )
-    if stages > 1 and cfg.pipeline.schedule not in RUNNABLE_SCHEDULES:
+    chunks = getattr(model, "chunks", None) or cfg.pipeline.chunks
+    if stages > 1 and chunks > 1 and cfg.pipeline.schedule != "interleaved":
         raise ConfigError(
-            f'pipeline.schedule="{cfg.pipeline.schedule}" is not executed yet (it needs several '
-            f"model chunks per stage); use one of {RUNNABLE_SCHEDULES}",
+            f'pipeline.schedule="{cfg.pipeline.schedule}" runs one model chunk per stage, but '
+            f'{chunks} chunks were asked for: use "schedule": "interleaved" or chunks 1',
             key="pipeline.schedule",
         )
     return model
@@ -81,6 +84,12 @@ def _fill_from_config(cfg: Config, model: PipelineModule, built_before: bool) ->
                 f'partition_method="{pipe.partition}" to PipelineModule',
                 key="pipeline.partition",
             )
+    if built_before and pipe.chunks != model.chunks and pipe.chunks > 1:
+        raise ConfigError(
+            f"pipeline.chunks={pipe.chunks} comes too late: the PipelineModule was built with "
+            f"chunks={model.chunks}; pass chunks={pipe.chunks} to PipelineModule",
+            key="pipeline.chunks",
+        )
     if pipe.seed_layers and not model.seed_layers:
         if built_before:
             raise ConfigError(
@@ -101,7 +110,7 @@ def bind_pipeline(
     _fill_from_config(cfg, model, built_before)
     pp, stage = mesh.topology.pp, mesh.pp_rank
     if not built_before:
-        model.build_stage(pp, stage, cfg.pipeline.partition)
+        model.build_stage(pp, stage, cfg.pipeline.partition, cfg.pipeline.chunks)
     elif (model.num_stages, model.stage_id) != (pp, stage):
         raise ValueError(
             f"the PipelineModule built stage {model.stage_id} of {model.num_stages} but this "
