@@ -46,6 +46,7 @@ test: lint
 bench: $(VENV)/.bench
 	DS_ACCELERATOR=cpu $(VPY) -m shardwise run --nproc-per-node 2 benchmarks/dp.py
 	DS_ACCELERATOR=cpu $(VPY) -m shardwise run --nproc-per-node 2 benchmarks/zero.py
+	$(VPY) -m shardwise run --nproc-per-node 2 benchmarks/tp_vs_torch.py
 	$(VPY) benchmarks/overhead.py
 
 clean:

@@ -125,7 +125,6 @@ def test_backward_needs_a_scalar():
             {"tensor_parallel": {"size": 2}, "zero_optimization": {"stage": 3}},
             "zero_optimization.stage",
         ),
-        ({"pipeline": {"stages": 2}}, "pipeline.stages"),
         (
             {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}},
             "zero_optimization.offload_param",

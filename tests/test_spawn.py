@@ -52,6 +52,24 @@ def test_a_failing_rank_is_reraised_with_its_rank_and_traceback():
     assert "KeyError: 'rank one is broken'" in message and "_fail_on_rank_one" in message, message
 
 
+def test_the_rank_that_failed_for_its_own_reason_is_named(tmp_path):
+    # Which dead rank torch's join reports first is up to the OS; when it is a rank whose
+    # collective only lost its peer, the report must name the peer that raised by itself.
+    import pickle
+    from types import SimpleNamespace
+
+    from shardwise.spawn import SpawnedJob
+
+    files = [tmp_path / "rank0.pickle", tmp_path / "rank1.pickle"]
+    lost = "RuntimeError: [gloo] Connection closed by peer [127.0.0.1]:1234"
+    files[0].write_bytes(pickle.dumps(lost))
+    files[1].write_bytes(pickle.dumps("KeyError: 'rank one is broken'"))
+    context = SimpleNamespace(error_files=[str(f) for f in files])
+    job = SpawnedJob(context, results=None, nprocs=2, tmpdir=str(tmp_path))
+    assert job._root_cause(0, lost) == (1, "KeyError: 'rank one is broken'")
+    assert job._root_cause(1, "KeyError: x") == (1, "KeyError: x"), "a real cause is kept"
+
+
 def test_a_hung_job_times_out_naming_the_ranks():
     start = time.monotonic()
     with pytest.raises(TimeoutError, match=r"ranks \[0, 1\] still running after 3"):

@@ -126,3 +126,22 @@ def test_tensor_parallel_layout_trains_like_one_process(name, world, tp, gas, ex
         for key, w in want["params"].items():
             diff = (got["params"][key].float() - w.float()).abs().max().item()
             assert diff <= 1e-5, f"{tag}: {key} differs by {diff:.2e}"
+
+
+def build_with_optimizer_instance(_unused: int) -> str:
+    model = make_gpt()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)  # built on the unsplit layers
+    config = {"train_micro_batch_size_per_gpu": MB, "tensor_parallel": {"size": 2}}
+    try:
+        shardwise.initialize(model=model, optimizer=opt, config=config)
+    except shardwise.ConfigError as e:
+        return str(e)
+    return "accepted"
+
+
+def test_an_optimizer_built_before_the_split_is_refused():
+    # The split layers get new parameters: an optimizer holding the old ones would train only
+    # the replicated layers and silently leave q, k, v, ... at their initial values.
+    for rank, message in enumerate(run_distributed(build_with_optimizer_instance, 2, 0)):
+        assert "tensor parallelism replaced" in message, f"rank {rank}: {message}"
+        assert "callable" in message, f"rank {rank}: the fix is not named: {message}"

@@ -4,11 +4,12 @@ The public surface follows DeepSpeed's, so that ``import shardwise as deepspeed`
 DeepSpeed scripts: ``initialize``, ``init_distributed``, ``add_config_arguments``, ``comm``.
 """
 
-from shardwise import checkpointing, comm, zero
+from shardwise import checkpointing, comm, pipe, zero
 from shardwise.config import ConfigError
 from shardwise.engine import Engine, EngineError
 from shardwise.initialize import add_config_arguments, initialize
 from shardwise.launch.env import init_distributed
+from shardwise.pipe import PipelineModule
 from shardwise.spawn import spawn
 from shardwise.topology import ProcessMesh, Topology, new_subgroup
 
@@ -25,6 +26,7 @@ __all__ = [
     "DeepSpeedEngine",
     "Engine",
     "EngineError",
+    "PipelineModule",
     "ProcessMesh",
     "Topology",
     "__version__",
@@ -34,6 +36,7 @@ __all__ = [
     "init_distributed",
     "initialize",
     "new_subgroup",
+    "pipe",
     "spawn",
     "zero",
 ]

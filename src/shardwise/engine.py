@@ -9,7 +9,9 @@ accumulation boundary, global steps, skipped steps) and delegates to a gradient 
     step(optimizer, coef)                          the update, gradients scaled by coef
     zero_grad(), consolidated_state_dict(module)
 
-and to ``self.scaler`` (precision.LossScaler) for fp16's loss scale. The update:
+to ``self.batches`` for whole batches (``train_batch`` / ``eval_batch``: batches.MicroBatchLoop,
+or the pipeline's runner, which also makes ``forward/backward/step`` refuse), and to
+``self.scaler`` (precision.LossScaler) for fp16's loss scale. The update:
 
     norm_S = ||S g||  (one all-reduce; inf/nan anywhere = overflow on every rank)
     overflow -> skip, lower S;  else coef = clip(norm_S / S) / S -> strategy.step(coef)
@@ -58,8 +60,13 @@ class Engine(nn.Module):
         training_dataloader: Any = None,
         loss_fn: Any = None,
         scaler: Any = None,
+        pipeline: Any = None,
     ) -> None:
         super().__init__()
+        from shardwise.batches import MicroBatchLoop
+
+        self.pipeline = pipeline  # parallel/pipeline/runner.py when pipeline stages > 1
+        self.batches = pipeline if pipeline is not None else MicroBatchLoop()
         self.module = module
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
@@ -142,8 +149,19 @@ class Engine(nn.Module):
     def dp_rank(self) -> int:
         return self.mesh.dp_rank
 
+    def is_first_stage(self) -> bool:
+        return self.pipeline is None or self.pipeline.is_first_stage()
+
+    def is_last_stage(self) -> bool:
+        return self.pipeline is None or self.pipeline.is_last_stage()
+
     # ------------------------------------------------------------------ training
+    def _refuse_in_pipeline(self, call: str) -> None:
+        if self.pipeline is not None:
+            raise EngineError(self.pipeline.refusal(call))
+
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        self._refuse_in_pipeline("forward()")
         dtype = compute_dtype(self.config)
         if dtype != torch.float32:
             # 16-bit weights need 16-bit inputs; integer inputs (token ids) pass unchanged.
@@ -167,6 +185,7 @@ class Engine(nn.Module):
         scale_wrt_gas: bool = True,
     ) -> torch.Tensor:
         """Backpropagate ``loss / GAS``; reduce gradients at the accumulation boundary."""
+        self._refuse_in_pipeline("backward()")
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             raise EngineError(
                 "engine.backward(loss) needs a scalar loss tensor; "
@@ -183,6 +202,7 @@ class Engine(nn.Module):
 
     def step(self, lr_kwargs: dict | None = None) -> None:
         """Update at the accumulation boundary: clip, optimizer step, scheduler step, zero."""
+        self._refuse_in_pipeline("step()")
         if self._in_no_sync:
             raise EngineError("engine.step() inside engine.no_sync(): leave the block first")
         if self.optimizer is None:
@@ -255,61 +275,16 @@ class Engine(nn.Module):
             self._in_no_sync = False
 
     # ------------------------------------------------------------------ whole batches
-    def _loss_of(self, batch: Any) -> torch.Tensor:
-        """The loss of one micro-batch: ``loss_fn(module(inputs), labels)`` when a loss
-        function was given (batch = (inputs, labels)), else the module's own output, which
-        must then be the loss (or a tuple/dict whose first value / "loss" is)."""
-        if self.loss_fn is not None:
-            inputs, labels = batch
-            out = self(*inputs) if isinstance(inputs, (tuple, list)) else self(inputs)
-            return self.loss_fn(out, labels)
-        out = self(*batch) if isinstance(batch, (tuple, list)) else self(batch)
-        if isinstance(out, dict):
-            out = out["loss"]
-        elif isinstance(out, (tuple, list)):
-            out = out[0]
-        return out
-
     def train_batch(self, data_iter: Iterator | None = None) -> torch.Tensor:
         """One optimizer step over GAS micro-batches from ``data_iter``; the mean loss,
-        averaged over the data-parallel group (the same value on every rank)."""
-        from shardwise import comm
+        averaged over the data-parallel group (the same value on every rank). Run by the
+        batch strategy: batches.MicroBatchLoop, or the pipeline's schedule."""
+        return self.batches.train_batch(self, data_iter)
 
-        if data_iter is None:
-            if self.training_dataloader is None:
-                raise EngineError(
-                    "train_batch() needs data_iter, or training_data given to initialize()"
-                )
-            if not hasattr(self, "_data_iter"):
-                from shardwise.data import RepeatingLoader
-
-                self._data_iter = iter(RepeatingLoader(self.training_dataloader))
-            data_iter = self._data_iter
-        self.train()
-        total = torch.zeros(())
-        for _ in range(self.gradient_accumulation_steps()):
-            loss = self._loss_of(next(data_iter))
-            self.backward(loss)
-            self.step()
-            total += loss.detach().float().cpu()
-        total /= self.gradient_accumulation_steps()
-        comm.all_reduce(total, group=self.mesh.dp_group)
-        return total / self.dp_world_size
-
-    @torch.no_grad()
-    def eval_batch(self, data_iter: Iterator) -> torch.Tensor:
-        """The mean loss of GAS micro-batches without training, averaged over data ranks."""
-        from shardwise import comm
-
-        was_training = self.training
-        self.eval()
-        total = torch.zeros(())
-        for _ in range(self.gradient_accumulation_steps()):
-            total += self._loss_of(next(data_iter)).float().cpu()
-        self.train(was_training)
-        total /= self.gradient_accumulation_steps()
-        comm.all_reduce(total, group=self.mesh.dp_group)
-        return total / self.dp_world_size
+    def eval_batch(self, data_iter: Iterator | None, **kwargs: Any) -> Any:
+        """The mean loss of GAS micro-batches without training, averaged over data ranks.
+        With a pipeline: ``return_logits`` and ``num_micro_batches`` as DeepSpeed's."""
+        return self.batches.eval_batch(self, data_iter, **kwargs)
 
     # ------------------------------------------------------------------ state
     def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
@@ -319,6 +294,8 @@ class Engine(nn.Module):
             from shardwise.parallel.consolidate import consolidate_tensor_parallel
 
             state = consolidate_tensor_parallel(state, self.module, self.mesh.tp_group)
+        if self.pipeline is not None:
+            state = self.pipeline.consolidated_state_dict(state)
         return state
 
     def module_state_dict(self) -> dict[str, torch.Tensor]:

@@ -64,25 +64,34 @@ def initialize(
     from shardwise.launch.env import init_distributed
 
     init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
-    mesh = _build_mesh(cfg)
+    from shardwise.parallel.pipeline import setup as pipe
+
+    model = pipe.prepare_model(cfg, model, loss_fn)
+    mesh = _build_mesh(cfg, pipe.pipeline_stages(cfg, model))
     batch = cfg.resolve_batch(mesh.topology.dp)
     _log_start(cfg, mesh, batch)
+    runner = pipe.bind_pipeline(cfg, model, mesh, compute_dtype(cfg), loss_fn)
+    loss_fn = loss_fn if loss_fn is not None else getattr(model, "loss_fn", None)
     if mesh.topology.tp > 1:
-        _apply_tensor_parallel(cfg, model, mesh)
+        _apply_tensor_parallel(cfg, model, mesh, optimizer, runner)
     else:
         broadcast_parameters(model, src=mesh.axis_ranks("dp")[0], group=mesh.dp_group)
+    if runner is not None:
+        runner.tied.broadcast()
     _apply_activation_checkpointing(cfg, model)  # after TP and PP, before the precision cast
     model.to(compute_dtype(cfg))
     opt = _build_optimizer(cfg, model, optimizer, model_parameters)
-    strategy = _build_strategy(cfg, model, opt, mesh)
+    isolate = runner.tied.all_params() if runner is not None else []
+    strategy = _build_strategy(cfg, model, opt, mesh, isolate)
     strategy.norm_skip = _counted_elsewhere(model, mesh)
+    if runner is not None:
+        runner.attach(strategy)
     if opt is not None and getattr(strategy, "optimizer", None) is not None:
         opt = strategy.optimizer  # rebuilt over the master shards
     sched = _build_scheduler(cfg, opt, lr_scheduler)
     loader = _build_loader(cfg, training_data, batch, mesh, collate_fn)
-    engine = Engine(
-        model, opt, sched, strategy, mesh, cfg, batch, loader, loss_fn, LossScaler.from_config(cfg)
-    )
+    scaler = LossScaler.from_config(cfg)
+    engine = Engine(model, opt, sched, strategy, mesh, cfg, batch, loader, loss_fn, scaler, runner)
     return engine, opt, loader, sched
 
 
@@ -100,21 +109,17 @@ def _config_source(args: Any, config: Any, config_params: Any) -> Any:
     return from_args if from_args is not None else (given[0] if given else None)
 
 
-def _build_mesh(cfg: Config) -> ProcessMesh:
-    topo = Topology.build(
-        comm.get_world_size(), pp=_pipeline_stages(cfg), tp=cfg.tensor_parallel.size
-    )
+def _build_mesh(cfg: Config, stages: int) -> ProcessMesh:
+    topo = Topology.build(comm.get_world_size(), pp=stages, tp=cfg.tensor_parallel.size)
     return ProcessMesh.create(topo)
 
 
-def _pipeline_stages(cfg: Config) -> int:
-    stages = cfg.pipeline.stages
-    return 1 if stages in (None, "auto") else int(stages)
-
-
-def _build_strategy(cfg: Config, model: nn.Module, opt: Any, mesh: ProcessMesh) -> Any:
+def _build_strategy(
+    cfg: Config, model: nn.Module, opt: Any, mesh: ProcessMesh, isolate: list | None = None
+) -> Any:
     """Plain data parallelism for fp32 stage 0; ZeRO-3 for stage 3; the sharded optimizer
-    (stages 1-2, and 16-bit stage 0) for everything else."""
+    (stages 1-2, and 16-bit stage 0) for everything else. ``isolate``: parameters that get a
+    bucket each (tied across pipeline stages: their shards must line up on every stage)."""
     zero = cfg.zero_optimization
     offload = zero.offload_optimizer
     device = torch.device(offload.device) if offload is not None else None
@@ -143,20 +148,53 @@ def _build_strategy(cfg: Config, model: nn.Module, opt: Any, mesh: ProcessMesh) 
             model, opt, zero, group=mesh.dp_group, offload_device=device
         )
     return ZeroStrategy(
-        opt, zero.stage, group=mesh.dp_group, bucket_elements=bucket, offload_device=device
+        opt,
+        zero.stage,
+        group=mesh.dp_group,
+        bucket_elements=bucket,
+        offload_device=device,
+        isolate=isolate or (),
     )
 
 
-def _apply_tensor_parallel(cfg: Config, model: nn.Module, mesh: ProcessMesh) -> None:
+def _apply_tensor_parallel(
+    cfg: Config, model: nn.Module, mesh: ProcessMesh, optimizer: Any, runner: Any = None
+) -> None:
     """Split the model's layers across the tensor-parallel group, from identical weights.
 
     Every rank first takes rank 0's whole weights (the user may not have seeded), so that the
-    slices of all ranks come from one model; then the plan rewrites the layers in place."""
+    slices of all ranks come from one model; then the plan rewrites the layers in place.
+    With a pipeline, the same within each stage, with the plan's patterns of this stage.
+    The split layers get new parameters: an optimizer built beforehand would step the old,
+    unused ones and leave the split layers untrained, so it is refused."""
     from shardwise.parallel.parallelize import parallelize, resolve_plan
 
-    broadcast_parameters(model, src=0, group=None)
+    if runner is None:
+        broadcast_parameters(model, src=0, group=None)
+    else:
+        runner.broadcast_stage()
+    before = list(model.parameters())  # alive until the check: their ids stay unique
     plan = resolve_plan(model, cfg.tensor_parallel.plan)
+    if runner is not None:
+        from shardwise.parallel.pipeline.setup import stage_plan
+
+        plan = stage_plan(model, plan, mesh)
+        if not plan:  # this stage has no split layer: every TP rank runs it whole
+            return
     parallelize(model, plan, mesh, sequence_parallel=cfg.tensor_parallel.sequence_parallel)
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        return
+    now = {id(p) for p in model.parameters()}
+    replaced = {id(p) for p in before if id(p) not in now}
+    stale = sum(id(p) in replaced for g in optimizer.param_groups for p in g["params"])
+    if stale:
+        raise ConfigError(
+            f"the optimizer holds {stale} parameters that tensor parallelism replaced by their "
+            "shards, so the split layers would never be updated: pass the optimizer as a "
+            "callable (optimizer=lambda params: torch.optim.AdamW(params, lr=...)) or give an "
+            '"optimizer" config block, so that it is built on the split model',
+            key="optimizer",
+        )
 
 
 def _counted_elsewhere(model: nn.Module, mesh: ProcessMesh) -> frozenset[int]:
@@ -178,8 +216,6 @@ def _refuse_unimplemented(cfg: Config, mpu: Any) -> None:
         todo.append("zero_optimization.offload_param")
     if cfg.tensor_parallel.size > 1 and cfg.zero_optimization.stage == 3:
         todo.append("zero_optimization.stage=3 with tensor_parallel.size > 1 (use stage 1 or 2)")
-    if _pipeline_stages(cfg) > 1:
-        todo.append(f"pipeline.stages={cfg.pipeline.stages}")
     todo += _unbuilt_options(cfg)
     if mpu is not None:
         todo.append("mpu (pass tensor_parallel/pipeline sizes in the config instead)")
@@ -227,14 +263,17 @@ def _log_start(cfg: Config, mesh: ProcessMesh, batch: Any) -> None:
         return
     _ensure_logging()
     clipping = cfg.gradient_clipping
+    table = mesh.topology.rank_table().splitlines()
     logger.info(
         "%s; train_batch_size=%d micro=%d gas=%d; gradient_clipping=%s",
-        mesh.topology.rank_table().splitlines()[0],
+        table[0],
         batch.train_batch_size,
         batch.micro_batch_size,
         batch.gradient_accumulation_steps,
         clipping if clipping > 0 else "off",
     )
+    if mesh.topology.pp * mesh.topology.tp > 1:  # model parallel: show who holds what
+        logger.info("rank table:\n%s", "\n".join(table[1:]))
 
 
 def _build_optimizer(

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import shutil
 import tempfile
 import time
@@ -32,6 +33,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from shardwise.launch.env import resolve_backend, resolve_timeout
+
+# What a rank's traceback says when its collective failed because another rank died.
+_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "DistBackendError")
 
 
 class SpawnError(RuntimeError):
@@ -97,9 +101,8 @@ class SpawnedJob:
                     if self._context.join(timeout=0.1):
                         break
                 except mp.ProcessRaisedException as e:
-                    raise SpawnError(
-                        f"rank {e.error_index} of {self._nprocs} failed:\n{e.msg}"
-                    ) from None
+                    rank, msg = self._root_cause(e.error_index, e.msg)
+                    raise SpawnError(f"rank {rank} of {self._nprocs} failed:\n{msg}") from None
                 except mp.ProcessExitedException as e:
                     raise SpawnError(
                         f"rank {e.error_index} of {self._nprocs} exited with code {e.exit_code}"
@@ -119,6 +122,23 @@ class SpawnedJob:
             return [self._values[r] for r in range(self._nprocs)]
         finally:
             shutil.rmtree(self._tmpdir, ignore_errors=True)
+
+    def _root_cause(self, rank: int, msg: str) -> tuple[int, str]:
+        """The failure to report: a rank whose collective broke because a peer died reports
+        a connection error, often before the peer's own exception is seen; prefer the rank
+        that failed for its own reason."""
+        if not any(mark in msg for mark in _PEER_LOST):
+            return rank, msg
+        for other, path in enumerate(self._context.error_files):
+            if other == rank or not os.path.exists(path):
+                continue
+            with open(path, "rb") as f:
+                # Written by our own child through torch.multiprocessing (a pickled traceback
+                # string): the same file torch's join reads, not external data.
+                other_msg = pickle.load(f)
+            if isinstance(other_msg, str) and not any(m in other_msg for m in _PEER_LOST):
+                return other, other_msg
+        return rank, msg
 
     def terminate(self) -> None:
         """Stop every child still running."""

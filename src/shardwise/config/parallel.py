@@ -44,7 +44,7 @@ class TensorParallelConfig:
 
 @dataclass(frozen=True)
 class PipelineConfig:
-    """``"pipeline": {...}``: DeepSpeed's keys plus ``schedule``.
+    """``"pipeline": {...}``: DeepSpeed's keys plus ``schedule`` and ``chunks``.
 
     ``stages`` defaults to 1 here (DeepSpeed: "auto"); "auto" means "as many as the PipelineModule
     was built with". ``partition`` is DeepSpeed's config name for the PipelineModule argument
@@ -62,6 +62,7 @@ class PipelineConfig:
     pipe_partitioned: bool = True
     grad_partitioned: bool = True
     schedule: Literal["1f1b", "gpipe", "interleaved"] = "1f1b"
+    chunks: int = spec(1, ge=1)  # model chunks per stage, for the interleaved schedule
 
 
 @dataclass(frozen=True)

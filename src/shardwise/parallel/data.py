@@ -100,6 +100,10 @@ class DataParallelReducer:
             if id(p) not in self.norm_skip
         ]
 
+    def reduced_grads(self, p: torch.nn.Parameter) -> list[torch.Tensor]:
+        """After the reduction: ``p``'s averaged gradient (a view of its bucket)."""
+        return [p.grad]
+
     def zero_grad(self) -> None:
         """Drop the gradients: autograd then hands each parameter a fresh one, which the
         bucket takes in at launch (one copy), instead of zeroing the buckets and adding into
@@ -195,8 +199,14 @@ class LocalGradients:
     def owned_grads(self) -> list[torch.Tensor]:
         return [p.grad for p in self.params if p.grad is not None and id(p) not in self.norm_skip]
 
+    def reduced_grads(self, p: torch.nn.Parameter) -> list[torch.Tensor]:
+        """``p``'s gradient (zeros when this rank's backward did not reach it)."""
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        return [p.grad]
+
     def step(self, optimizer: torch.optim.Optimizer, coef: float) -> None:
-        if coef != 1.0:
+        if coef != 1.0:  # every gradient, also those the norm counts on another rank
             torch._foreach_mul_([p.grad for p in self.params if p.grad is not None], coef)
         optimizer.step()
 

@@ -130,6 +130,22 @@ class _ParallelLinear(nn.Module):
         bias_len = self.local if self.split_dim == 0 else out_f
         self.bias = nn.Parameter(torch.empty(bias_len, **factory)) if bias else None
 
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group: Any, **kwargs: Any) -> _ParallelLinear:
+        """This rank's slice of ``linear`` (its weights copied, not shared)."""
+        layer = cls(
+            linear.in_features,
+            linear.out_features,
+            linear.bias is not None,
+            group=group,
+            device="meta",
+            dtype=linear.weight.dtype,
+            **kwargs,
+        )
+        layer.weight.requires_grad_(linear.weight.requires_grad)
+        layer.load_full(linear.weight, linear.bias)
+        return layer
+
     def load_full(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         """Take this rank's slices of the whole layer's ``weight`` (out, in) and ``bias``."""
         d, r, n = self.split_dim, self.tp_rank, self.local
@@ -211,22 +227,6 @@ class ColumnParallelLinear(_ParallelLinear):
         if self.weight.device.type != "meta":
             self.reset_parameters()
 
-    @classmethod
-    def from_linear(cls, linear: nn.Linear, group: Any, **kwargs: Any) -> ColumnParallelLinear:
-        """This rank's column slice of ``linear`` (its weights copied, not shared)."""
-        layer = cls(
-            linear.in_features,
-            linear.out_features,
-            linear.bias is not None,
-            group=group,
-            device="meta",
-            dtype=linear.weight.dtype,
-            **kwargs,
-        )
-        layer.weight.requires_grad_(linear.weight.requires_grad)
-        layer.load_full(linear.weight, linear.bias)
-        return layer
-
     def _input(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
             kind = ("sequence", self.seq_dim)
@@ -277,22 +277,6 @@ class RowParallelLinear(_ParallelLinear):
         self.sequence_parallel, self.seq_dim = sequence_parallel, seq_dim
         if self.weight.device.type != "meta":
             self.reset_parameters()
-
-    @classmethod
-    def from_linear(cls, linear: nn.Linear, group: Any, **kwargs: Any) -> RowParallelLinear:
-        """This rank's row slice of ``linear`` (its weights copied, not shared)."""
-        layer = cls(
-            linear.in_features,
-            linear.out_features,
-            linear.bias is not None,
-            group=group,
-            device="meta",
-            dtype=linear.weight.dtype,
-            **kwargs,
-        )
-        layer.weight.requires_grad_(linear.weight.requires_grad)
-        layer.load_full(linear.weight, linear.bias)
-        return layer
 
     def _place(self) -> None:
         super()._place()

@@ -29,6 +29,7 @@ compute exactly what they compute unsharded.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,7 +66,11 @@ class ZeroStrategy:
         group: Any = None,
         bucket_elements: int = 2**22,
         offload_device: torch.device | None = None,
+        isolate: Sequence[torch.nn.Parameter] = (),
     ) -> None:
+        """``isolate``: parameters that get a bucket each, laid out alike on every rank that
+        holds them (a weight tied across pipeline stages: shard r covers the same elements
+        on each stage, so the stages can sum their shards; see ``reduced_grads``)."""
         self.stage = stage
         self.group = group
         self.world = comm.get_world_size(group)
@@ -76,9 +81,14 @@ class ZeroStrategy:
         self.sync = True
         self._in_flight: list[_Bucket] = []
         group_of = {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]}
+        alone = {id(p): i for i, p in enumerate(isolate)}
         params = [p for g in optimizer.param_groups for p in g["params"]]
+        params = [p for p in params if id(p) not in alone] + [p for p in isolate]
         layouts = plan_buckets(
-            params, bucket_elements, self.parts, key=lambda p: (p.dtype, p.device, group_of[id(p)])
+            params,
+            bucket_elements,
+            self.parts,
+            key=lambda p: (p.dtype, p.device, group_of[id(p)], alone.get(id(p), -1)),
         )
         self.buckets = [self._make_bucket(lay) for lay in layouts]
         self._slot = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.layout.params)}
@@ -195,6 +205,17 @@ class ZeroStrategy:
             for i, _, at, n in b.layout.overlaps(shard_of)
             if id(b.layout.params[i]) not in self.norm_skip
         ]
+
+    def reduced_grads(self, p: torch.nn.Parameter) -> list[torch.Tensor]:
+        """After the reduction: the part of ``p``'s gradient this rank holds (views, so that
+        an in-place sum over tied copies lands in the shard)."""
+        b, i = self._slot[id(p)]
+        if self.parts > 1 and len(b.layout.params) > 1:
+            raise RuntimeError("a tied parameter must have a bucket of its own: pass it in isolate")
+        shard_of = self.rank if self.parts > 1 else 0
+        if b.grad_shard is None:
+            return []
+        return [b.grad_shard[at : at + n] for j, _, at, n in b.layout.overlaps(shard_of) if j == i]
 
     def step(self, optimizer: Any, coef: float) -> None:
         """Step the master shards with gradients * coef, then all-gather the parameters."""

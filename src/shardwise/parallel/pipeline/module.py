@@ -1,0 +1,303 @@
+"""``PipelineModule``, ``LayerSpec``, ``TiedLayerSpec``: a model as a list of layers cut into stages.
+
+The model is ``x = layer(x)`` over the list (a layer may take and return a tuple of tensors).
+The list holds ``LayerSpec(cls, *args, **kwargs)`` (built only on the stage that owns it),
+``TiedLayerSpec(key, cls, ...)`` (one module per stage shared by every layer with that key; its
+``tied_weight_attr`` parameters are kept identical across stages: their gradients are summed
+over the stages that hold them), ``nn.Module`` instances and plain callables.
+
+Which stage am I? Ranks are ordered pipeline-outermost (topology.py), so stage
+``rank // (world / num_stages)``: the module builds its stage in the constructor when
+torch.distributed is running (call ``shardwise.init_distributed()`` first, as DeepSpeed
+requires), so that ``model.parameters()`` can be handed to an optimizer before ``initialize``.
+Built before the processes exist, or with ``num_stages=None`` (then ``pipeline.stages`` of the
+config decides), it builds when ``initialize`` binds it to the mesh, from the random state it
+was constructed with.
+
+Weights: without ``seed_layers`` every rank replays the whole list in order, building and
+dropping the layers of other stages, so each stage's weights are exactly those of building the
+model in one process (the layers of other stages cost time, one at a time, not memory). With
+``seed_layers=True`` layer i is built after seeding ``base_seed + i`` (DeepSpeed's rule) and
+other stages' layers are skipped.
+
+State-dict names are the layer index (``"3.weight"``) and ``"tied_modules.<key>.<name>"``, the
+names of a ``num_stages=1`` PipelineModule (and of an ``nn.Sequential`` of the same layers).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardwise import comm
+from shardwise.parallel.pipeline import partition as part
+from shardwise.parallel.pipeline.specs import (
+    LayerSpec,
+    TiedLayerSpec,
+    class_name,
+    count_params,
+    get_attr,
+    trainable,
+)
+
+__all__ = ["LayerSpec", "PipelineModule", "TiedLayerSpec"]
+
+logger = logging.getLogger("shardwise")
+
+
+class PipelineModule(nn.Module):
+    """DeepSpeed's PipelineModule: ``layers`` cut into ``num_stages`` stages (see the module doc)."""
+
+    def __init__(
+        self,
+        layers: Sequence[Any] | nn.Sequential,
+        num_stages: int | None = None,
+        topology: Any = None,
+        loss_fn: Callable | None = None,
+        seed_layers: bool = False,
+        seed_fn: Callable | None = None,
+        base_seed: int = 1234,
+        partition_method: str | None = None,
+        activation_checkpoint_interval: int = 0,
+        activation_checkpoint_func: Callable | None = None,
+        checkpointable_layers: Sequence[str] | None = None,
+        dynamic_shape: bool = False,
+        chunks: int | None = None,
+    ) -> None:
+        super().__init__()
+        specs = list(layers.children()) if isinstance(layers, nn.Sequential) else list(layers)
+        if not specs:
+            raise ValueError("PipelineModule(layers=...) needs at least one layer")
+        for i, layer in enumerate(specs):
+            if not (isinstance(layer, (LayerSpec, nn.Module)) or callable(layer)):
+                raise TypeError(
+                    f"layers[{i}] is a {type(layer).__name__}: expected a LayerSpec, an "
+                    "nn.Module or a callable"
+                )
+        if topology is not None:
+            num_stages = getattr(topology, "pp", None) or topology.get_dim("pipe")
+        if num_stages is not None and (not isinstance(num_stages, int) or num_stages < 1):
+            raise ValueError(f"num_stages={num_stages!r} must be an integer >= 1")
+        if chunks is not None and (not isinstance(chunks, int) or chunks < 1):
+            raise ValueError(f"chunks={chunks!r} must be an integer >= 1")
+        self.num_stages = num_stages
+        self.chunks = chunks
+        self.loss_fn = loss_fn
+        self.seed_layers, self.seed_fn, self.base_seed = seed_layers, seed_fn, base_seed
+        self.partition_method = partition_method
+        self.activation_checkpoint_interval = activation_checkpoint_interval
+        self.activation_checkpoint_func = activation_checkpoint_func
+        self.checkpointable_layers = checkpointable_layers
+        self.dynamic_shape = dynamic_shape
+        self.class_names = [class_name(x) for x in specs]
+        self._specs = specs
+        self._rng_state = torch.get_rng_state()  # a deferred build starts from here
+        self.stage_id: int | None = None
+        self.parts: list[int] = []
+        if num_stages is not None and (num_stages == 1 or comm.is_initialized()):
+            self._build(self._own_stage(num_stages), partition_method or "parameters")
+
+    # ------------------------------------------------------------------ building
+    @staticmethod
+    def _own_stage(num_stages: int) -> int:
+        world = comm.get_world_size()
+        if world % num_stages:
+            raise ValueError(
+                f"num_stages={num_stages} does not divide the world size {world}: launch a "
+                f"multiple of {num_stages} processes"
+            )
+        return comm.get_rank() // (world // num_stages)
+
+    @property
+    def built(self) -> bool:
+        return self.stage_id is not None
+
+    def build_stage(
+        self, num_stages: int, stage_id: int, partition_method: str, chunks: int = 1
+    ) -> None:
+        """Build this rank's stage (what the constructor does when it knows its stage);
+        ``chunks`` applies when the module was not given one."""
+        if self.built:
+            raise RuntimeError("this PipelineModule already built its stage")
+        self.num_stages = num_stages
+        self.chunks = self.chunks or chunks
+        with torch.random.fork_rng(devices=[]):
+            torch.set_rng_state(self._rng_state)
+            self._build(stage_id, self.partition_method or partition_method)
+
+    def _build(self, stage_id: int, method: str) -> None:
+        self.chunks = self.chunks or 1
+        counts = [count_params(x) for x in self._specs]
+        self.param_counts = counts
+        virtual = self.num_stages * self.chunks  # virtual stage w runs on stage w % num_stages
+        self.parts = part.partition(method, virtual, self.class_names, counts)
+        self.partition_used = method
+        self._check_every_stage_trains()
+        self.stage_id = stage_id
+        self.tied_modules = nn.ModuleDict()
+        self.tied_weight_attrs: dict[str, list[str]] = {}
+        self.tied_stages = self._tied_stages()
+        self._funcs: list[tuple[int, Callable, int]] = []  # (layer index, callable, chunk)
+        for idx, spec in enumerate(self._specs):
+            chunk = self._chunk_of(idx)
+            if isinstance(spec, TiedLayerSpec):
+                self._build_tied(idx, spec, chunk)
+            elif isinstance(spec, LayerSpec):
+                if chunk is not None or not self.seed_layers:
+                    module = self._make(idx, spec)  # built and dropped when not own: RNG replay
+                    if chunk is not None:
+                        self.add_module(str(idx), module)
+                        self._funcs.append((idx, module, chunk))
+            elif chunk is not None:
+                if isinstance(spec, nn.Module):
+                    self.add_module(str(idx), spec)
+                self._funcs.append((idx, spec, chunk))
+        # Other stages' modules are dropped here; the list keeps names and specs only.
+        self._specs = [
+            x if self._chunk_of(i) is not None or not isinstance(x, nn.Module) else None
+            for i, x in enumerate(self._specs)
+        ]
+
+    def virtual_stage(self, chunk: int) -> int:
+        """The position in the whole pipeline of this rank's ``chunk``: chunk * stages + stage."""
+        return chunk * self.num_stages + self.stage_id
+
+    def _chunk_of(self, idx: int) -> int | None:
+        """Which of this rank's chunks runs layer ``idx`` (None: another stage)."""
+        virtual = self.virtual_of(idx)
+        return virtual // self.num_stages if virtual % self.num_stages == self.stage_id else None
+
+    def virtual_of(self, layer_idx: int) -> int:
+        """The virtual stage that owns layer ``layer_idx``."""
+        for w in range(len(self.parts) - 1):
+            if self.parts[w] <= layer_idx < self.parts[w + 1]:
+                return w
+        raise IndexError(f"layer {layer_idx} outside 0..{len(self.class_names) - 1}")
+
+    def _check_every_stage_trains(self) -> None:
+        """A stage without trainable parameters has nothing for its optimizer: refuse it on
+        every rank alike (the partition is the same everywhere), before any collective."""
+        if self.num_stages * self.chunks == 1:
+            return
+        for w in range(len(self.parts) - 1):
+            a, b = self.parts[w], self.parts[w + 1]
+            if sum(self.param_counts[a:b]) == 0:
+                raise part.PartitionError(
+                    f"{self._label(w)} would hold no trainable parameter (layers {a}-{b - 1}: "
+                    f"{', '.join(self.class_names[a:b])}); use fewer stages or another "
+                    f"partition_method than {self.partition_used!r}\n{self.describe()}"
+                )
+
+    def _make(self, idx: int, spec: LayerSpec) -> nn.Module:
+        if self.seed_layers:
+            seed = self.base_seed + idx
+            if self.seed_fn is not None:
+                self.seed_fn(seed)
+            else:
+                from shardwise.utils import set_random_seed
+
+                set_random_seed(seed)
+        return spec.build()
+
+    def _label(self, virtual: int) -> str:
+        if self.chunks == 1:
+            return f"stage {virtual}"
+        return f"stage {virtual % self.num_stages} chunk {virtual // self.num_stages}"
+
+    def _build_tied(self, idx: int, spec: TiedLayerSpec, chunk: int | None) -> None:
+        """The first occurrence of a key builds its module (as one process would); this stage
+        keeps it if any of its layers uses the key."""
+        key = spec.key
+        here = self.stage_id in self.tied_stages[key]
+        if key not in self.tied_weight_attrs:
+            self.tied_weight_attrs[key] = spec.tied_weight_attr
+            if here or not self.seed_layers:
+                module = self._make(idx, spec)
+                if here:
+                    self.tied_modules[key] = module
+        if chunk is not None:
+            module = self.tied_modules[key]
+            fn = functools.partial(spec.forward_fn, module) if spec.forward_fn else module
+            self._funcs.append((idx, fn, chunk))
+
+    def _tied_stages(self) -> dict[str, list[int]]:
+        """For every tied key, the stages holding a layer that uses it (the same on all ranks)."""
+        out: dict[str, list[int]] = {}
+        for idx, spec in enumerate(self._specs):
+            if isinstance(spec, TiedLayerSpec):
+                stage = self.stage_of(idx)
+                if stage not in out.setdefault(spec.key, []):
+                    out[spec.key].append(stage)
+        return out
+
+    def stage_of(self, layer_idx: int) -> int:
+        """The stage that runs layer ``layer_idx``."""
+        return self.virtual_of(layer_idx) % self.num_stages
+
+    def tied_parameters(self) -> dict[str, list[tuple[str, torch.nn.Parameter]]]:
+        """This stage's tied parameters by key: [(state-dict name, parameter)], keys sorted."""
+        out = {}
+        for key in sorted(self.tied_modules.keys()):
+            attrs = self.tied_weight_attrs[key]
+            out[key] = [
+                (f"tied_modules.{key}.{a}", get_attr(self.tied_modules[key], a)) for a in attrs
+            ]
+        return out
+
+    def describe(self) -> str:
+        """The partition as a table (stage, layers, parameters)."""
+        labels = [self._label(w) for w in range(len(self.parts) - 1)]
+        return part.describe(
+            self.parts, self.class_names, self.param_counts, self.partition_used, labels
+        )
+
+    # ------------------------------------------------------------------ running
+    def forward(self, *inputs: Any, chunk: int | None = None) -> Any:
+        """This stage's layers in order (those of ``chunk`` only, when given: the interleaved
+        schedule runs a stage's chunks separately); several inputs travel as one tuple, as
+        between stages."""
+        if not self.built:
+            raise RuntimeError(
+                "this PipelineModule has not built its stage yet: pass it to shardwise.initialize "
+                "(or build it after shardwise.init_distributed() with num_stages=...)"
+            )
+        x = inputs[0] if len(inputs) == 1 else inputs
+        interval = self.activation_checkpoint_interval
+        funcs = [fn for _, fn, c in self._funcs if chunk is None or c == chunk]
+        if interval <= 0 or not (self.training and torch.is_grad_enabled()):
+            return _run(funcs, x)
+        for start in range(0, len(funcs), interval):
+            run = funcs[start : start + interval]
+            x = self._checkpointed(run, x) if self._checkpointable(run) else _run(run, x)
+        return x
+
+    def _checkpointable(self, chunk: list[Callable]) -> bool:
+        if self.checkpointable_layers is not None:
+            return any(class_name(f) in self.checkpointable_layers for f in chunk)
+        return any(isinstance(f, nn.Module) and trainable(f) > 0 for f in chunk)
+
+    def _checkpointed(self, chunk: list[Callable], x: Any) -> Any:
+        """Run ``chunk`` without keeping its inner activations; backward recomputes them."""
+        packed = isinstance(x, tuple)
+        args = x if packed else (x,)
+
+        def run(*a: Any) -> Any:
+            return _run(chunk, a if packed else a[0])
+
+        func = self.activation_checkpoint_func
+        if func is None:
+            from torch.utils.checkpoint import checkpoint
+
+            func = functools.partial(checkpoint, use_reentrant=False)
+        return func(run, *args)
+
+
+def _run(funcs: list[Callable], x: Any) -> Any:
+    for fn in funcs:
+        x = fn(x)
+    return x

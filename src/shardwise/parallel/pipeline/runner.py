@@ -1,0 +1,212 @@
+"""The engine's pipeline strategy: ``train_batch`` / ``eval_batch`` run a schedule.
+
+One ``train_batch`` on stage s of p, with m = gradient_accumulation_steps micro-batches:
+
+    program = make_schedule(name, p, s, m)       # pure data (schedule.py)
+    executor.run(program)                        # forwards, backwards, p2p (runtime.py)
+        ... REDUCE_GRADS   data-parallel reduction (the engine's gradient strategy)
+            REDUCE_TIED    tied weights summed over their stages (tied.py)
+            OPTIMIZER_STEP the engine's step: global norm over every stage, clip, update
+    loss = mean over micro-batches on the last stage, averaged over data ranks, broadcast to
+           every stage
+
+The first and last stages pull m batches each from their ``data_iter`` (inputs and labels);
+the middle stages need none. The gradient norm sums over every stage because the engine
+all-reduces it over the model-parallel group (pipeline x tensor ranks of one replica); tied
+copies count once (``attach``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from shardwise import comm
+from shardwise.batches import data_or_loader
+from shardwise.parallel.pipeline.gather import gather_stages
+from shardwise.parallel.pipeline.meter import ActivationMeter
+from shardwise.parallel.pipeline.p2p import StageLink
+from shardwise.parallel.pipeline.runtime import StageExecutor
+from shardwise.parallel.pipeline.schedule import Op, inference, make_schedule
+from shardwise.parallel.pipeline.tied import TiedWeights
+
+logger = logging.getLogger("shardwise")
+
+
+class PipelineRunner:
+    """Runs ``module``'s stage of the pipeline for the engine (see the module docstring)."""
+
+    def __init__(
+        self,
+        module: Any,
+        mesh: Any,
+        schedule: str = "1f1b",
+        compute_dtype: torch.dtype = torch.float32,
+        loss_fn: Any = None,
+    ) -> None:
+        if module.chunks > 1 and schedule != "interleaved":
+            raise ValueError(
+                f'pipeline.schedule="{schedule}" runs one chunk per stage, but the '
+                f'PipelineModule has chunks={module.chunks}: use "interleaved"'
+            )
+        self.module = module
+        self.mesh = mesh
+        self.schedule = schedule
+        self.stages = mesh.topology.pp
+        self.stage_id = mesh.pp_rank
+        self.peers = mesh.axis_ranks("pp")
+        s = self.stage_id
+        self.chunks = module.chunks
+        self.stage_group, self.stage_root = _stage_group(mesh)
+        self.tied = TiedWeights(module, mesh)
+        self.executor = StageExecutor(
+            module,
+            [self._link(c) for c in range(self.chunks)],
+            first=s == 0,
+            last=s == self.stages - 1,
+            loss_fn=module.loss_fn if module.loss_fn is not None else loss_fn,
+            compute_dtype=compute_dtype,
+        )
+        if mesh.rank == 0:
+            logger.info("%s; schedule %s", module.describe(), schedule)
+
+    def _link(self, chunk: int) -> StageLink:
+        """Chunk ``chunk`` is virtual stage w = chunk * p + s; its neighbours are virtual
+        stages w - 1 and w + 1, on stages (w -/+ 1) mod p."""
+        w, last = self.module.virtual_stage(chunk), self.stages * self.chunks - 1
+        prev = self.peers[(w - 1) % self.stages] if w > 0 else None
+        nxt = self.peers[(w + 1) % self.stages] if w < last else None
+        return StageLink(prev, nxt, self.module.dynamic_shape, virtual=w)
+
+    def broadcast_stage(self) -> None:
+        """Every rank of this stage (its data x tensor ranks) takes the stage's first rank's
+        weights: tensor parallelism must split one model, data ranks must start equal."""
+        from shardwise.parallel.data import broadcast_parameters
+
+        broadcast_parameters(self.module, src=self.stage_root, group=self.stage_group)
+
+    def refusal(self, call: str) -> str:
+        """Why ``engine.<call>`` does not exist with a pipeline, and what to call instead."""
+        return (
+            f"engine.{call} is not available with pipeline parallelism ({self.stages} stages): "
+            "the schedule runs forward, backward and step for the whole batch; use "
+            "engine.train_batch(data_iter) to train and engine.eval_batch(data_iter) to evaluate"
+        )
+
+    def is_first_stage(self) -> bool:
+        return self.stage_id == 0
+
+    def is_last_stage(self) -> bool:
+        return self.stage_id == self.stages - 1
+
+    def attach(self, strategy: Any) -> None:
+        """Count tied copies once in the gradient norm (on the first stage holding them)."""
+        skip = frozenset(getattr(strategy, "norm_skip", frozenset()))
+        strategy.norm_skip = skip | frozenset(self.tied.counted_elsewhere)
+
+    # ------------------------------------------------------------------ measuring
+    def track_activations(self, enabled: bool = True) -> None:
+        """Book the activations each forward stores (``peak_activation_bytes``); costs a
+        Python call per saved tensor, so it is off unless asked for."""
+        self.executor.meter = ActivationMeter(self.module) if enabled else None
+        self.executor.peak_live = self.executor.live
+
+    @property
+    def peak_activation_bytes(self) -> int:
+        meter = self.executor.meter
+        return meter.peak if meter is not None else 0
+
+    @property
+    def peak_in_flight(self) -> int:
+        """The most micro-batches this stage held between forward and backward."""
+        return self.executor.peak_live
+
+    # ------------------------------------------------------------------ batches
+    def train_batch(self, engine: Any, data_iter: Iterator | None) -> torch.Tensor:
+        if not torch.is_grad_enabled():
+            raise RuntimeError(
+                "train_batch() requires gradients enabled. Use eval_batch() instead."
+            )
+        if self.is_first_stage() or self.is_last_stage():  # only they read batches
+            data_iter = data_or_loader(engine, data_iter)
+        m = engine.gradient_accumulation_steps()
+        program = make_schedule(self.schedule, self.stages, self.stage_id, m, self.chunks)
+        engine.train()
+
+        def step() -> None:
+            self.executor.wait_sends()  # nothing this stage sent may change under the update
+            engine._take_model_step(None)
+
+        record = self.executor.run(
+            program,
+            data_iter,
+            train=True,
+            micro_batches=m,
+            strategy=engine.strategy,
+            scale=engine.scaler.scale,
+            actions={
+                Op.REDUCE_TIED: lambda: self.tied.reduce(engine.strategy),
+                Op.OPTIMIZER_STEP: step,
+            },
+        )
+        engine.micro_steps += m
+        return self._mean_loss(record.losses)
+
+    def eval_batch(
+        self,
+        engine: Any,
+        data_iter: Iterator | None,
+        return_logits: bool = False,
+        num_micro_batches: int | None = None,
+    ) -> Any:
+        """The mean loss over the micro-batches (every rank); with ``return_logits``, also the
+        last stage's outputs concatenated over micro-batches (None on the other stages)."""
+        m = num_micro_batches or engine.gradient_accumulation_steps()
+        was_training = engine.training
+        engine.eval()
+        with torch.no_grad():
+            record = self.executor.run(
+                inference(self.stages, self.stage_id, m, self.chunks),
+                data_iter,
+                train=False,
+                micro_batches=m,
+                keep_logits=return_logits,
+            )
+        self.executor.wait_sends()
+        engine.train(was_training)
+        loss = self._mean_loss(record.losses)
+        if not return_logits:
+            return loss
+        logits = torch.cat(record.logits) if record.logits else None
+        return loss, logits
+
+    def _mean_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        """Mean over micro-batches, averaged over the last stage's data ranks, sent to all."""
+        total = torch.stack(losses).mean() if self.is_last_stage() else torch.zeros(())
+        if self.is_last_stage():
+            comm.all_reduce(total, group=self.mesh.dp_group)
+            total /= self.mesh.topology.dp
+        comm.broadcast(total, src=self.peers[-1], group=self.mesh.pp_group)
+        return total
+
+    def consolidated_state_dict(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Every stage's entries, tied weights once, on every rank."""
+        return gather_stages(state, self.mesh.pp_group, self.peers, self.stage_id)
+
+
+def _stage_group(mesh: Any) -> tuple[Any, int]:
+    """The group of the ranks that run this rank's stage (data x tensor), and its first rank.
+    Every rank creates every stage's group, in stage order (new_group needs all ranks)."""
+    import torch.distributed as dist
+
+    topo = mesh.topology
+    mine, root = None, topo.rank(pp=mesh.pp_rank)
+    for s in range(topo.pp):
+        ranks = [topo.rank(pp=s, dp=d, tp=t) for d in range(topo.dp) for t in range(topo.tp)]
+        group = dist.new_group(ranks) if len(ranks) > 1 else None
+        if s == mesh.pp_rank:
+            mine = group
+    return mine, root

@@ -1,0 +1,222 @@
+"""The executor: runs one stage's instruction list (schedule.py) for one global batch.
+
+It is a dispatcher and nothing more: each instruction maps to one handler. Per micro-batch i
+the stage keeps, between its forward and its backward, the input it received (to send its
+gradient back) and the output it produced (the root of the autograd graph that stores the
+activations); both are dropped by the backward, so the live micro-batches are exactly the
+schedule's "in flight" ones. With the interleaved schedule a rank runs several chunks (virtual
+stages); everything is then keyed by (micro-batch, chunk) and each chunk has its own link.
+
+Gradients and the loss: the last stage backpropagates ``loss_i / m * S`` (m micro-batches, S the
+fp16 loss scale, 1 otherwise), so that the accumulated gradient is that of the batch mean, as
+``engine.backward`` does. Each backward is wrapped by the gradient strategy's
+``before_backward(sync)`` / ``after_backward(sync)`` with ``sync`` true for the stage's last
+backward only: plain data parallelism and ZeRO-1 then reduce once per batch, overlapped with
+that backward, and ZeRO-2 reduce-scatters every micro-batch as it must. REDUCE_GRADS waits for
+the reduction; REDUCE_TIED and OPTIMIZER_STEP call back into the runner.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardwise.parallel.pipeline.meter import ActivationMeter
+from shardwise.parallel.pipeline.p2p import StageLink, as_tuple
+from shardwise.parallel.pipeline.schedule import Instruction, Op
+
+
+@dataclass
+class _Batch:
+    """What one run keeps per micro-batch."""
+
+    data_iter: Iterator | None
+    train: bool
+    scale: float
+    micro_batches: int
+    last_backward: tuple[int, int] | None
+    inputs: dict[tuple[int, int], Any] = field(default_factory=dict)  # (micro-batch, chunk) ->
+    outputs: dict[tuple[int, int], Any] = field(default_factory=dict)
+    labels: dict[int, Any] = field(default_factory=dict)
+    grads: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)
+    to_send: dict[tuple[int, int], Any] = field(default_factory=dict)
+    losses: list[torch.Tensor] = field(default_factory=list)
+    logits: list[Any] = field(default_factory=list)
+    keep_logits: bool = False
+
+
+class StageExecutor:
+    """Executes instruction lists on one stage; see the module docstring."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        links: list[StageLink],
+        first: bool,
+        last: bool,
+        loss_fn: Callable | None,
+        compute_dtype: torch.dtype = torch.float32,
+    ) -> None:
+        """``links[c]``: chunk c's link; ``first`` / ``last``: this rank runs the first / last
+        stage (the first stage's chunk 0 reads the inputs, the last stage's last chunk the
+        labels and computes the loss)."""
+        self.module = module
+        self.links = links
+        self.chunks = len(links)
+        self.first, self.last = first, last
+        self.loss_fn = loss_fn
+        self.compute_dtype = compute_dtype
+        self.meter: ActivationMeter | None = None
+        self.live = 0  # micro-batches between forward and backward
+        self.peak_live = 0
+        self._handlers = {
+            Op.LOAD: self._load,
+            Op.RECV_ACT: self._recv_act,
+            Op.FORWARD: self._forward,
+            Op.SEND_ACT: self._send_act,
+            Op.RECV_GRAD: self._recv_grad,
+            Op.BACKWARD: self._backward,
+            Op.SEND_GRAD: self._send_grad,
+        }
+
+    def run(
+        self,
+        program: list[Instruction],
+        data_iter: Iterator | None,
+        *,
+        train: bool,
+        micro_batches: int,
+        strategy: Any = None,
+        scale: float = 1.0,
+        actions: dict[Op, Callable[[], None]] | None = None,
+        keep_logits: bool = False,
+    ) -> _Batch:
+        """Execute ``program``; returns the run's record (losses on the last stage)."""
+        backwards = [(ins.mb, ins.chunk) for ins in program if ins.op is Op.BACKWARD]
+        state = _Batch(data_iter, train, scale, micro_batches, backwards[-1] if backwards else None)
+        state.keep_logits = keep_logits
+        self.strategy = strategy
+        for link in self.links:
+            link.new_batch()
+        for ins in program:
+            handler = self._handlers.get(ins.op)
+            if handler is not None:
+                handler(state, ins)
+            elif ins.op is Op.REDUCE_GRADS:
+                strategy.after_backward(True)
+            else:
+                (actions or {})[ins.op]()
+        return state
+
+    def wait_sends(self) -> None:
+        for link in self.links:
+            link.wait_sends()
+
+    def _is_first(self, chunk: int) -> bool:
+        return self.first and chunk == 0
+
+    def _is_last(self, chunk: int) -> bool:
+        return self.last and chunk == self.chunks - 1
+
+    # ------------------------------------------------------------------ handlers
+    def _load(self, st: _Batch, ins: Instruction) -> None:
+        if st.data_iter is None:
+            raise ValueError(
+                "the first and last pipeline stages read the batches: pass "
+                "engine.train_batch(data_iter) (or training_data to initialize) on those ranks"
+            )
+        batch = next(st.data_iter)
+        if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+            raise TypeError(
+                "with a pipeline every batch must be an (inputs, labels) pair, got "
+                f"{type(batch).__name__}{'' if not isinstance(batch, (tuple, list)) else len(batch)}"
+            )
+        inputs, labels = batch
+        if self._is_first(ins.chunk):
+            st.inputs[(ins.mb, 0)] = _cast(inputs, self.compute_dtype)
+        if self._is_last(ins.chunk):
+            st.labels[ins.mb] = labels
+
+    def _recv_act(self, st: _Batch, ins: Instruction) -> None:
+        link = self.links[ins.chunk]
+        st.inputs[(ins.mb, ins.chunk)] = link.recv_activation(requires_grad=st.train)
+
+    def _forward(self, st: _Batch, ins: Instruction) -> None:
+        key, first, last = (ins.mb, ins.chunk), self._is_first(ins.chunk), self._is_last(ins.chunk)
+        x = st.inputs[key] if st.train and not first else st.inputs.pop(key)
+        chunk = ins.chunk if self.chunks > 1 else None
+        if self.meter is not None and st.train:
+            with self.meter.hooks():
+                out = self.module(x, chunk=chunk)
+        else:
+            out = self.module(x, chunk=chunk)
+        if last:
+            if st.keep_logits:
+                st.logits.append(out.detach() if isinstance(out, torch.Tensor) else out)
+            out = self._loss(out, st.labels.pop(ins.mb))
+            st.losses.append(out.detach().float())
+        if st.train:
+            st.outputs[key] = out
+            self.live += 1
+            self.peak_live = max(self.peak_live, self.live)
+        elif not last:
+            st.outputs[key] = out
+
+    def _loss(self, out: Any, labels: Any) -> torch.Tensor:
+        if self.loss_fn is not None:
+            return self.loss_fn(out, labels)
+        if not (isinstance(out, torch.Tensor) and out.dim() == 0):
+            raise TypeError(
+                "the last pipeline stage returned "
+                f"{type(out).__name__} {tuple(getattr(out, 'shape', ()))}, not a scalar loss: "
+                "pass loss_fn=... to PipelineModule (or to initialize)"
+            )
+        return out
+
+    def _send_act(self, st: _Batch, ins: Instruction) -> None:
+        key = (ins.mb, ins.chunk)
+        out = st.outputs[key] if st.train else st.outputs.pop(key)
+        self.links[ins.chunk].send_activation(out)
+
+    def _recv_grad(self, st: _Batch, ins: Instruction) -> None:
+        key = (ins.mb, ins.chunk)
+        st.grads[key] = self.links[ins.chunk].recv_grads(st.outputs[key])
+
+    def _backward(self, st: _Batch, ins: Instruction) -> None:
+        key = (ins.mb, ins.chunk)
+        sync = key == st.last_backward
+        self.strategy.before_backward(sync)
+        out = st.outputs.pop(key)
+        if self._is_last(ins.chunk):
+            scaled = out / st.micro_batches
+            (scaled * st.scale if st.scale != 1.0 else scaled).backward()
+        else:
+            grads = st.grads.pop(key)
+            outs = [t for t in as_tuple(out, "a stage's output") if t.requires_grad]
+            if outs:
+                torch.autograd.backward(outs, grads)
+        del out
+        if not sync:
+            self.strategy.after_backward(False)
+        received = st.inputs.pop(key, None)  # the first stage dropped its input at forward
+        if not self._is_first(ins.chunk):
+            st.to_send[key] = received
+        self.live -= 1
+
+    def _send_grad(self, st: _Batch, ins: Instruction) -> None:
+        self.links[ins.chunk].send_grads(st.to_send.pop((ins.mb, ins.chunk)))
+
+
+def _cast(x: Any, dtype: torch.dtype) -> Any:
+    """16-bit weights need 16-bit inputs; integer inputs (token ids) pass unchanged."""
+    if dtype == torch.float32:
+        return x
+    if isinstance(x, (tuple, list)):
+        return type(x)(_cast(t, dtype) for t in x)
+    if isinstance(x, torch.Tensor) and x.is_floating_point():
+        return x.to(dtype)
+    return x

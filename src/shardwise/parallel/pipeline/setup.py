@@ -1,0 +1,145 @@
+"""What ``initialize`` does for a pipeline, in its order: the model and the number of stages
+before the mesh exists, then the stage and the runner once it does.
+
+Precedence (as DeepSpeed): ``PipelineModule(num_stages=...)`` wins over ``pipeline.stages``;
+a PipelineModule built with ``num_stages=None`` takes the config's. ``partition_method``,
+``activation_checkpoint_interval``, ``seed_layers`` and ``chunks`` given to the module win over
+the config's ``pipeline.partition`` / ``activation_checkpoint_interval`` / ``seed_layers`` /
+``chunks``, which fill in what the module left unset. An ``nn.Sequential`` with ``pipeline.stages > 1`` becomes
+a PipelineModule of its children (same state-dict names).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardwise.config import Config, ConfigError
+from shardwise.parallel.pipeline.module import PipelineModule
+from shardwise.parallel.pipeline.runner import PipelineRunner
+
+logger = logging.getLogger("shardwise")
+
+
+def _config_stages(cfg: Config) -> int | None:
+    stages = cfg.pipeline.stages
+    return None if stages in (None, "auto") else int(stages)
+
+
+def pipeline_stages(cfg: Config, model: nn.Module) -> int:
+    """The pipeline size of the mesh: the module's num_stages, else the config's, else 1."""
+    if isinstance(model, PipelineModule) and model.num_stages is not None:
+        return model.num_stages
+    return _config_stages(cfg) or 1
+
+
+def prepare_model(cfg: Config, model: nn.Module, loss_fn: Any) -> nn.Module:
+    """The model to train: a PipelineModule as given, an nn.Sequential wrapped when the config
+    asks for stages; refuse what a pipeline cannot do, naming the key."""
+    wanted = _config_stages(cfg)
+    if not isinstance(model, PipelineModule) and wanted is not None and wanted > 1:
+        if not isinstance(model, nn.Sequential):
+            raise ConfigError(
+                f"pipeline.stages={wanted} needs the model as a list of layers: pass a "
+                "shardwise.pipe.PipelineModule (PipelineModule(layers=[...], loss_fn=...)) or "
+                f"an nn.Sequential, not {type(model).__name__}",
+                key="pipeline.stages",
+            )
+        model = PipelineModule(
+            model, num_stages=wanted, loss_fn=loss_fn, chunks=cfg.pipeline.chunks
+        )
+    stages = pipeline_stages(cfg, model)
+    if isinstance(model, PipelineModule) and wanted not in (None, stages):
+        logger.info(
+            "PipelineModule(num_stages=%d) takes precedence over pipeline.stages=%d", stages, wanted
+        )
+    if stages > 1 and cfg.zero_optimization.stage == 3:
+        raise ConfigError(
+            "zero_optimization.stage=3 cannot run with pipeline parallelism (each stage would "
+            "gather parameters on every micro-batch); use stage 1 or 2",
+            key="zero_optimization.stage",
+        )
+    chunks = getattr(model, "chunks", None) or cfg.pipeline.chunks
+    if stages > 1 and chunks > 1 and cfg.pipeline.schedule != "interleaved":
+        raise ConfigError(
+            f'pipeline.schedule="{cfg.pipeline.schedule}" runs one model chunk per stage, but '
+            f'{chunks} chunks were asked for: use "schedule": "interleaved" or chunks 1',
+            key="pipeline.schedule",
+        )
+    return model
+
+
+def _fill_from_config(cfg: Config, model: PipelineModule, built_before: bool) -> None:
+    pipe = cfg.pipeline
+    if model.activation_checkpoint_interval == 0:
+        model.activation_checkpoint_interval = pipe.activation_checkpoint_interval
+    if built_before and model.partition_method is None:
+        if pipe.partition.lower() not in ("parameters", "best"):
+            raise ConfigError(
+                f'pipeline.partition="{pipe.partition}" comes too late: the PipelineModule was '
+                "partitioned by parameters when it was built; pass "
+                f'partition_method="{pipe.partition}" to PipelineModule',
+                key="pipeline.partition",
+            )
+    if built_before and pipe.chunks != model.chunks and pipe.chunks > 1:
+        raise ConfigError(
+            f"pipeline.chunks={pipe.chunks} comes too late: the PipelineModule was built with "
+            f"chunks={model.chunks}; pass chunks={pipe.chunks} to PipelineModule",
+            key="pipeline.chunks",
+        )
+    if pipe.seed_layers and not model.seed_layers:
+        if built_before:
+            raise ConfigError(
+                "pipeline.seed_layers=true comes too late: the PipelineModule built its layers "
+                "already; pass seed_layers=True to PipelineModule",
+                key="pipeline.seed_layers",
+            )
+        model.seed_layers = True
+
+
+def bind_pipeline(
+    cfg: Config, model: nn.Module, mesh: Any, dtype: torch.dtype, loss_fn: Any
+) -> PipelineRunner | None:
+    """Build the module's stage if it waited for the mesh; the runner when stages > 1."""
+    if not isinstance(model, PipelineModule):
+        return None
+    built_before = model.built
+    _fill_from_config(cfg, model, built_before)
+    pp, stage = mesh.topology.pp, mesh.pp_rank
+    if not built_before:
+        model.build_stage(pp, stage, cfg.pipeline.partition, cfg.pipeline.chunks)
+    elif (model.num_stages, model.stage_id) != (pp, stage):
+        raise ValueError(
+            f"the PipelineModule built stage {model.stage_id} of {model.num_stages} but this "
+            f"rank is stage {stage} of {pp} in the mesh: build it after init_distributed() in "
+            "the same world"
+        )
+    if pp == 1:
+        return None
+    return PipelineRunner(model, mesh, cfg.pipeline.schedule, dtype, loss_fn)
+
+
+def stage_plan(model: nn.Module, plan: dict[str, str], mesh: Any) -> dict[str, str]:
+    """The tensor-parallel plan restricted to the patterns that name a module of this stage.
+
+    A plan names modules of the whole model; a stage holds some of them. Each pattern must
+    still match on some stage (a typo matches nowhere): the stages compare notes over the
+    pipeline group, so every rank raises the same error."""
+    from shardwise import comm
+    from shardwise.parallel.parallelize import pattern_regex
+
+    names = [name for name, _ in model.named_modules() if name]
+    here = [any(pattern_regex(p).fullmatch(n) for n in names) for p in plan]
+    found = torch.tensor(here, dtype=torch.int32)
+    comm.all_reduce(found, op=comm.ReduceOp.MAX, group=mesh.pp_group)
+    missing = [p for p, f in zip(plan, found.tolist(), strict=True) if not f]
+    if missing:
+        raise ValueError(
+            f"tensor-parallel plan patterns {missing} match no module on any pipeline stage "
+            "('*' stands for one name component; stage modules are named by layer index, "
+            "e.g. '3.mlp.fc')"
+        )
+    return {p: style for (p, style), h in zip(plan.items(), here, strict=True) if h}

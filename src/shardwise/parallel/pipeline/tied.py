@@ -1,0 +1,70 @@
+"""Tied weights across stages: one logical parameter, a copy on every stage that uses it.
+
+In one process a tied parameter (an input embedding reused as the output projection) gets the
+sum of the gradients of its uses. Split over stages, each stage holding the key has a copy and
+the gradient of its own uses; summing the copies' gradients over the stages that hold the key,
+before the update, gives every copy the one-process gradient, so the copies stay identical
+(same start, same gradient, same elementwise optimizer).
+
+Groups: for a key held by stages S = [s_0, s_1, ...], one group per (data, tensor) coordinate,
+``[rank(s, d, t) for s in S]``; the same data/tensor coordinate means the same slice of the
+same data, so the sum is over copies of the same thing. Every rank creates every group, in
+sorted key order (torch.distributed.new_group requires all ranks, same order).
+
+The sum runs after the data-parallel reduction, on the pieces of the gradient the strategy
+owns (``strategy.reduced_grads(p)``: the whole averaged gradient for plain data parallelism,
+this rank's reduced shard under ZeRO, where each tied parameter sits alone in its bucket so
+that shard r covers the same elements on every stage). Summing is linear, so summing reduced
+pieces equals reducing summed gradients.
+
+Norm: each tied parameter counts once in the global gradient norm, on its first stage s_0.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from shardwise import comm
+
+
+class TiedWeights:
+    """This rank's tied parameters and their groups (see the module docstring)."""
+
+    def __init__(self, module: Any, mesh: Any) -> None:
+        topo = mesh.topology
+        self.params = module.tied_parameters()  # key -> [(name, param)] on this stage
+        self.groups: dict[str, tuple[Any, int]] = {}  # key -> (group, rank of its first stage)
+        self.counted_elsewhere: set[int] = set()
+        for key in sorted(module.tied_stages):
+            stages = module.tied_stages[key]
+            if key in self.params and stages[0] != module.stage_id:
+                self.counted_elsewhere.update(id(p) for _, p in self.params[key])
+            if len(stages) < 2:
+                continue
+            for d in range(topo.dp):
+                for t in range(topo.tp):
+                    ranks = [topo.rank(pp=s, dp=d, tp=t) for s in stages]
+                    group = dist.new_group(ranks)
+                    if mesh.rank in ranks:
+                        self.groups[key] = (group, ranks[0])
+
+    def all_params(self) -> list[torch.nn.Parameter]:
+        """Every tied parameter of this stage, in key order (the same order on every stage)."""
+        return [p for key in sorted(self.params) for _, p in self.params[key]]
+
+    def broadcast(self) -> None:
+        """Start every copy from the first stage's values."""
+        with torch.no_grad():
+            for key, (group, src) in sorted(self.groups.items()):
+                for _, p in self.params[key]:
+                    comm.broadcast(p.data, src=src, group=group)
+
+    def reduce(self, strategy: Any) -> None:
+        """Sum the reduced gradient pieces of each tied parameter over the stages holding it."""
+        for key, (group, _) in sorted(self.groups.items()):
+            for _, p in self.params[key]:
+                for piece in strategy.reduced_grads(p):
+                    comm.all_reduce(piece, group=group)
