@@ -11,6 +11,9 @@ returns the losses of its steps and the final consolidated parameters (fp32, CPU
     "gpt"   the example GPT (examples/gpt/model.py) with a vocabulary of 13, which no TP size
             divides: the padded rows of the embedding and head go through the checkpoint; its
             own tp_plan (attention dropout is "split_dropout")
+    "pipe"  a PipelineModule (Linear, Tanh, 2 DropBlocks, Linear: names "<layer>.<param>");
+            the config's pipeline.stages cuts it, 1 stage being the single-process run of the
+            same module; PIPE_PLAN splits each block's fc by column, proj by row
 """
 
 import torch
@@ -58,6 +61,35 @@ def _gpt(dropout: float) -> nn.Module:
     return m.GPT(cfg)
 
 
+class DropBlock(nn.Module):
+    """x + proj(drop(tanh(fc(x)))): under TP the dropout acts on split activations."""
+
+    def __init__(self, width: int, p: float) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, 2 * width)
+        self.drop = nn.Dropout(p)
+        self.proj = nn.Linear(2 * width, width)
+
+    def forward(self, x):
+        return x + self.proj(self.drop(torch.tanh(self.fc(x))))
+
+
+PIPE_PLAN = {"*.fc": "colwise", "*.drop": "split_dropout", "*.proj": "rowwise"}
+
+
+def _pipe(dropout: float) -> nn.Module:
+    from shardwise.pipe import LayerSpec, PipelineModule
+
+    layers = [
+        LayerSpec(nn.Linear, 16, 16),
+        nn.Tanh(),
+        LayerSpec(DropBlock, 16, dropout),
+        LayerSpec(DropBlock, 16, dropout),
+        LayerSpec(nn.Linear, 16, 4),
+    ]
+    return PipelineModule(layers, loss_fn=F.mse_loss)  # stages: the config's pipeline.stages
+
+
 def _tokens() -> TensorDataset:
     data = torch.randint(0, 13, (SAMPLES, T + 1), generator=torch.Generator().manual_seed(7))
     return TensorDataset(data[:, :-1], data[:, 1:])
@@ -66,6 +98,7 @@ def _tokens() -> TensorDataset:
 MODELS = {  # name: (model(dropout), dataset, loss_fn: None = the model returns its loss)
     "mlp": (DropMLP, dataset, F.mse_loss),
     "gpt": (_gpt, _tokens, None),
+    "pipe": (_pipe, dataset, None),  # the PipelineModule holds its loss
 }
 
 

@@ -10,8 +10,9 @@ amplifies the rounding differences of another reduction order, design.md); bf16 
 compared with the bf16 single process at the bf16 tolerances of test_zero.py. Dropout is off:
 random streams are per rank, so no two layouts draw the same masks. Tensor-parallel rows split
 the MLP by MLP_PLAN, or the example GPT by its own plan; its vocabulary of 13 leaves a padded
-row on TP rank 1, which must be neither saved as data nor required on load. Adding a layout or
-a pair is one line.
+row on TP rank 1, which must be neither saved as data nor required on load. Pipeline rows use
+checkpointing.py's PipelineModule ("pipe"), whose single-process side is the same module in one
+stage; PP x TP rows split its blocks by PIPE_PLAN. Adding a layout or a pair is one line.
 
 Also here: each rank reads only its shard (ZeRO-3 on 4 ranks reads a quarter), and tensor-
 parallel boxes (placement.py) load into the whole tensor and back, without processes.
@@ -22,7 +23,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from checkpointing import MLP_PLAN, config, train
+from checkpointing import MLP_PLAN, PIPE_PLAN, config, train
 from equivalence import assert_params_match
 from test_checkpoint_resume import on_world
 
@@ -37,6 +38,7 @@ from shardwise.parallel.zero import ZeroStrategy
 BF16 = {"enabled": True}
 Z3 = {"stage": 3, "stage3_param_persistence_threshold": 40}  # biases whole, weights sharded
 TP2 = {"size": 2, "plan": MLP_PLAN}
+PIPE_TP2, PP2 = {"size": 2, "plan": PIPE_PLAN}, {"stages": 2}
 LAYOUTS = {  # name: (world size, config keys[, model]); the global batch is 8 in each
     "single": (1, {}),
     "dp2": (2, {}),
@@ -51,6 +53,16 @@ LAYOUTS = {  # name: (world size, config keys[, model]); the global batch is 8 i
     "tp2": (2, {"tensor_parallel": TP2}),
     "zero1-dp2-tp2": (4, {"tensor_parallel": TP2, "zero_optimization": {"stage": 1}}),
     "zero2-dp2-tp2": (4, {"tensor_parallel": TP2, "zero_optimization": {"stage": 2}}),
+    "pipe-single": (1, {}, "pipe"),  # the PipelineModule in one stage
+    "pipe-pp2": (2, {"pipeline": PP2}, "pipe"),
+    "pipe-pp4": (4, {"pipeline": {"stages": 4}}, "pipe"),  # stages 1 and 2 read no data
+    "pipe-tp2-pp2": (4, {"pipeline": PP2, "tensor_parallel": PIPE_TP2}, "pipe"),
+    "pipe-zero2-dp4": (4, {"zero_optimization": {"stage": 2}}, "pipe"),
+    "pipe-zero1-dp2-tp2-pp2": (
+        8,
+        {"pipeline": PP2, "tensor_parallel": PIPE_TP2, "zero_optimization": {"stage": 1}},
+        "pipe",
+    ),
     "gpt-single": (1, {}, "gpt"),
     "gpt-tp2": (2, {"tensor_parallel": {"size": 2}}, "gpt"),  # vocabulary 13: a padded row
 }
@@ -67,6 +79,11 @@ PAIRS = [  # (saved under, loaded under)
     ("zero2-dp4", "zero1-dp2-tp2"),
     ("zero1-dp2-tp2", "zero2-dp2-tp2"),  # TP2 kept, ZeRO shards of TP slices re-cut
     ("gpt-tp2", "gpt-single"),
+    ("pipe-pp2", "pipe-single"),
+    ("pipe-single", "pipe-pp2"),
+    ("pipe-tp2-pp2", "pipe-zero2-dp4"),
+    ("pipe-pp4", "pipe-zero2-dp4"),  # the data position comes from a stage that reads
+    ("pipe-single", "pipe-zero1-dp2-tp2-pp2"),  # 8 processes: the one such row
 ]
 
 
@@ -87,9 +104,8 @@ _UNINTERRUPTED: dict = {}
 def uninterrupted(name: str) -> dict:
     """6 steps of the single-process run of the layout's model in its precision (computed
     once)."""
-    single = (
-        "bf16-single" if "bf16" in name else "gpt-single" if _model(name) == "gpt" else "single"
-    )
+    model = _model(name)
+    single = "bf16-single" if "bf16" in name else "single" if model == "mlp" else f"{model}-single"
     if single not in _UNINTERRUPTED:
         _UNINTERRUPTED[single] = train(_config(single), 6, model=_model(single))
     return _UNINTERRUPTED[single]

@@ -11,7 +11,7 @@ streams, so nothing passes by accident. Adding a layout is one line in RESUME.
 
 import pytest
 import torch
-from checkpointing import MLP_PLAN, DropMLP, config, engine_for, load, save, train
+from checkpointing import MLP_PLAN, PIPE_PLAN, DropMLP, config, engine_for, load, save, train
 from harness import run_distributed
 from safetensors.torch import load_file
 
@@ -34,6 +34,13 @@ RESUME = {  # name: (world size, config keys[, model]: checkpointing.MODELS, "ml
     "zero1-gas2-dp2": (2, {"gradient_accumulation_steps": 2, "zero_optimization": {"stage": 1}}),
     "tp2": (2, {"tensor_parallel": TP2}),
     "zero1-dp2-tp2": (4, {"tensor_parallel": TP2, "zero_optimization": {"stage": 1}}),
+    "pp2": (2, {"pipeline": {"stages": 2}}, "pipe"),
+    "zero1-dp2-pp2": (4, {"pipeline": {"stages": 2}, "zero_optimization": {"stage": 1}}, "pipe"),
+    "tp2-pp2": (
+        4,
+        {"pipeline": {"stages": 2}, "tensor_parallel": {"size": 2, "plan": PIPE_PLAN}},
+        "pipe",
+    ),
     "gpt-zero2-dp2-tp2": (
         4,
         {"tensor_parallel": {"size": 2}, "zero_optimization": {"stage": 2}},

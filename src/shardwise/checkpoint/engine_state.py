@@ -153,8 +153,10 @@ def load_checkpoint(
             _load_scheduler(engine, sched_state)
         for k in COUNTERS:
             setattr(engine, k, int(meta["counters"][k]))
+        # The data position is global (samples consumed), so rank 0's serves every rank: it
+        # always reads data (a middle pipeline stage never iterates its loader).
+        set_data_state(engine, shared.get("data"))
         own = reader.rank_state(source_rank(engine.global_rank, reader.world_size))
-        set_data_state(engine, own.get("data"))
         set_rng_state(own["rng"])
     return path, dict(shared.get("client_state") or {})
 

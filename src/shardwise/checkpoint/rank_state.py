@@ -9,7 +9,8 @@ generators, so each rank restores its own state; a rank that did not exist in th
 tensor parallelism) keep their current state.
 
 The data position is the training loader's ``state_dict()`` (data.py): global samples consumed
-in the epoch, which is layout-independent; every rank saves it, any rank's serves.
+in the epoch, which is layout-independent; every rank saves it, and every rank loads rank 0's
+(rank 0 always reads data; the loader of a middle pipeline stage never moves).
 """
 
 from __future__ import annotations
