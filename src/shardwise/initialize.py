@@ -71,7 +71,7 @@ def initialize(
     batch = cfg.resolve_batch(mesh.topology.dp)
     _log_start(cfg, mesh, batch)
     runner = pipe.bind_pipeline(cfg, model, mesh, compute_dtype(cfg), loss_fn)
-    loss_fn = loss_fn if loss_fn is not None else getattr(model, "loss_fn", None)
+    loss_fn = pipe.engine_loss(model, loss_fn)
     if mesh.topology.tp > 1:
         _apply_tensor_parallel(cfg, model, mesh, optimizer, runner)
     else:

@@ -100,6 +100,15 @@ def _fill_from_config(cfg: Config, model: PipelineModule, built_before: bool) ->
         model.seed_layers = True
 
 
+def engine_loss(model: nn.Module, loss_fn: Any) -> Any:
+    """The engine's ``loss_fn``: the one given, else a PipelineModule's (in one stage the
+    engine runs it as any model); never another model's ``loss_fn`` attribute (the example
+    GPT holds a loss module that its own forward applies)."""
+    if loss_fn is None and isinstance(model, PipelineModule):
+        return model.loss_fn
+    return loss_fn
+
+
 def bind_pipeline(
     cfg: Config, model: nn.Module, mesh: Any, dtype: torch.dtype, loss_fn: Any
 ) -> PipelineRunner | None:
