@@ -3,7 +3,8 @@
 Two models, each as a layer list for PipelineModule and as a plain PyTorch module built with
 the same random draws in the same order (so the same weights) and the same state-dict names:
 
-    mlp  9 layers (5 Linear + Tanh + a lambda): regression, MSE
+    mlp     9 layers (5 Linear + Tanh + a lambda): regression, MSE
+    blocks  7 layers, 4 of them MLP blocks (fc, proj) for tensor parallelism: regression, MSE
     lm   a tiny language model whose input embedding is the output projection (TiedLayerSpec
          "embed" on the first and the last layer): cross-entropy over a vocabulary of 11
 """
@@ -46,6 +47,36 @@ def mlp_reference():
     )
 
 
+class MLPBlock(nn.Module):
+    """x + proj(tanh(fc(x))): a Megatron MLP, fc split by column and proj by row under TP."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.fc = nn.Linear(width, 2 * width)
+        self.proj = nn.Linear(2 * width, width)
+
+    def forward(self, x):
+        return x + self.proj(torch.tanh(self.fc(x)))
+
+
+BLOCKS_PLAN = {"*.fc": "colwise", "*.proj": "rowwise"}
+
+
+def blocks_layers():
+    return [
+        LayerSpec(nn.Linear, 16, 16),
+        nn.Tanh(),
+        *[LayerSpec(MLPBlock, 16) for _ in range(4)],
+        LayerSpec(nn.Linear, 16, 4),
+    ]
+
+
+def blocks_reference():
+    return nn.Sequential(
+        nn.Linear(16, 16), nn.Tanh(), *[MLPBlock(16) for _ in range(4)], nn.Linear(16, 4)
+    )
+
+
 def logits(embedding, h):
     return h @ embedding.weight.t()  # (B, T, D) @ (D, V) -> (B, T, V)
 
@@ -85,11 +116,12 @@ class LMReference(nn.Module):
 MODELS = {
     "mlp": (mlp_layers, mlp_reference, F.mse_loss),
     "lm": (lm_layers, LMReference, lm_loss),
+    "blocks": (blocks_layers, blocks_reference, F.mse_loss),
 }
 
 
 def make_batches(model: str, n: int):
-    if model == "mlp":
+    if model in ("mlp", "blocks"):
         return make_data(n)
     g = torch.Generator().manual_seed(5)
     tokens = torch.randint(0, V, (n, T + 1), generator=g)

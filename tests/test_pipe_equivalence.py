@@ -23,7 +23,7 @@ test_zero.py.
 import pytest
 import torch
 from harness import run_distributed
-from pipe_models import micro_batches, pipeline_module, reference_run
+from pipe_models import BLOCKS_PLAN, micro_batches, pipeline_module, reference_run
 
 import shardwise
 
@@ -53,12 +53,15 @@ ROWS = [
     ("dp2-pp2-tied-zero1-m2", "lm", 2, 2, "1f1b", 2, {"zero": 1}),
     ("dp2-pp2-tied-zero2-m2", "lm", 2, 2, "gpipe", 2, {"zero": 2}),
     ("dp2-pp2-bf16-zero1-m2", "mlp", 2, 2, "1f1b", 2, {"zero": 1, "bf16": True}),
+    ("tp2-pp2-1f1b-m2", "blocks", 1, 2, "1f1b", 2, {"tp": 2}),
+    ("tp2-pp2-gpipe-zero1-m3", "blocks", 1, 2, "gpipe", 3, {"tp": 2, "zero": 1}),
+    ("dp2-pp2-tp2-zero1-m2", "blocks", 2, 2, "1f1b", 2, {"tp": 2, "zero": 1}),  # 8 processes
 ]
 
 
 def _train(model, pp, schedule, gas, options) -> dict:
     options = dict(options)
-    zero, bf16 = options.pop("zero", 0), options.pop("bf16", False)
+    zero, bf16, tp = options.pop("zero", 0), options.pop("bf16", False), options.pop("tp", 1)
     config = {
         "train_micro_batch_size_per_gpu": MB,
         "gradient_accumulation_steps": gas,
@@ -68,6 +71,7 @@ def _train(model, pp, schedule, gas, options) -> dict:
         # Small buckets: several per stage, parameters straddling ZeRO shard boundaries.
         "zero_optimization": {"stage": zero, "reduce_bucket_size": 300},
         "bf16": {"enabled": bf16},
+        "tensor_parallel": {"size": tp, "plan": BLOCKS_PLAN if tp > 1 else None},
     }
     engine, *_ = shardwise.initialize(model=pipeline_module(model, pp, **options), config=config)
     data = micro_batches(model, engine, MB, gas, STEPS)
@@ -85,7 +89,8 @@ def test_pipeline_trains_like_one_process(name, model, dp, pp, schedule, gas, op
     bf16 = options.get("bf16", False)
     dtype = torch.bfloat16 if bf16 else torch.float32
     want = reference_run(model, dp, gas, MB, STEPS, LR, CLIP, dtype)
-    results = run_distributed(_train, dp * pp, model, pp, schedule, gas, options)
+    world = dp * pp * options.get("tp", 1)
+    results = run_distributed(_train, world, model, pp, schedule, gas, options)
     rel, atol = (1e-2, 4e-3) if bf16 else (1e-5, 1e-6)
     assert max(want["norms"]) > CLIP, f"{name}: clipping never engaged; the test is void"
     assert sorted({r["stage"] for r in results}) == list(range(pp)), name

@@ -73,7 +73,7 @@ def initialize(
     runner = pipe.bind_pipeline(cfg, model, mesh, compute_dtype(cfg), loss_fn)
     loss_fn = loss_fn if loss_fn is not None else getattr(model, "loss_fn", None)
     if mesh.topology.tp > 1:
-        _apply_tensor_parallel(cfg, model, mesh)
+        _apply_tensor_parallel(cfg, model, mesh, runner)
     else:
         broadcast_parameters(model, src=mesh.axis_ranks("dp")[0], group=mesh.dp_group)
     if runner is not None:
@@ -157,15 +157,27 @@ def _build_strategy(
     )
 
 
-def _apply_tensor_parallel(cfg: Config, model: nn.Module, mesh: ProcessMesh) -> None:
+def _apply_tensor_parallel(
+    cfg: Config, model: nn.Module, mesh: ProcessMesh, runner: Any = None
+) -> None:
     """Split the model's layers across the tensor-parallel group, from identical weights.
 
     Every rank first takes rank 0's whole weights (the user may not have seeded), so that the
-    slices of all ranks come from one model; then the plan rewrites the layers in place."""
+    slices of all ranks come from one model; then the plan rewrites the layers in place.
+    With a pipeline, the same within each stage, with the plan's patterns of this stage."""
     from shardwise.parallel.parallelize import parallelize, resolve_plan
 
-    broadcast_parameters(model, src=0, group=None)
+    if runner is None:
+        broadcast_parameters(model, src=0, group=None)
+    else:
+        runner.broadcast_stage()
     plan = resolve_plan(model, cfg.tensor_parallel.plan)
+    if runner is not None:
+        from shardwise.parallel.pipeline.setup import stage_plan
+
+        plan = stage_plan(model, plan, mesh)
+        if not plan:  # this stage has no split layer: every TP rank runs it whole
+            return
     parallelize(model, plan, mesh, sequence_parallel=cfg.tensor_parallel.sequence_parallel)
 
 

@@ -93,7 +93,8 @@ def _tp_of(mesh_or_group: Any) -> tuple[Any, int]:
     return mesh_or_group, comm.get_rank(mesh_or_group)
 
 
-def _pattern(pattern: str) -> re.Pattern:
+def pattern_regex(pattern: str) -> re.Pattern:
+    """A plan pattern as a regex: ``*`` is exactly one name component."""
     return re.compile(re.escape(pattern).replace(r"\*", r"[^.]+"))
 
 
@@ -104,7 +105,7 @@ def match_plan(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
     unknown = {p: s for p, s in plan.items() if s not in STYLES}
     if unknown:
         raise ValueError(f"unknown tensor-parallel styles {unknown}; known: {sorted(STYLES)}")
-    compiled = {p: _pattern(p) for p in plan}
+    compiled = {p: pattern_regex(p) for p in plan}
     found: dict[str, tuple[str, str]] = {}
     used = set()
     for name, module in model.named_modules():

@@ -64,6 +64,7 @@ class PipelineRunner:
         prev = self.peers[s - 1] if s > 0 else None
         nxt = self.peers[s + 1] if s < self.stages - 1 else None
         self.link = StageLink(prev, nxt, getattr(module, "dynamic_shape", False))
+        self.stage_group, self.stage_root = _stage_group(mesh)
         self.tied = TiedWeights(module, mesh)
         self.executor = StageExecutor(
             module,
@@ -75,6 +76,13 @@ class PipelineRunner:
         )
         if mesh.rank == 0:
             logger.info("%s; schedule %s", module.describe(), schedule)
+
+    def broadcast_stage(self) -> None:
+        """Every rank of this stage (its data x tensor ranks) takes the stage's first rank's
+        weights: tensor parallelism must split one model, data ranks must start equal."""
+        from shardwise.parallel.data import broadcast_parameters
+
+        broadcast_parameters(self.module, src=self.stage_root, group=self.stage_group)
 
     def is_first_stage(self) -> bool:
         return self.stage_id == 0
@@ -173,3 +181,18 @@ class PipelineRunner:
     def consolidated_state_dict(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Every stage's entries, tied weights once, on every rank."""
         return gather_stages(state, self.mesh.pp_group, self.peers, self.stage_id)
+
+
+def _stage_group(mesh: Any) -> tuple[Any, int]:
+    """The group of the ranks that run this rank's stage (data x tensor), and its first rank.
+    Every rank creates every stage's group, in stage order (new_group needs all ranks)."""
+    import torch.distributed as dist
+
+    topo = mesh.topology
+    mine, root = None, topo.rank(pp=mesh.pp_rank)
+    for s in range(topo.pp):
+        ranks = [topo.rank(pp=s, dp=d, tp=t) for d in range(topo.dp) for t in range(topo.tp)]
+        group = dist.new_group(ranks) if len(ranks) > 1 else None
+        if s == mesh.pp_rank:
+            mine = group
+    return mine, root

@@ -111,3 +111,26 @@ def bind_pipeline(
     if pp == 1:
         return None
     return PipelineRunner(model, mesh, cfg.pipeline.schedule, dtype, loss_fn)
+
+
+def stage_plan(model: nn.Module, plan: dict[str, str], mesh: Any) -> dict[str, str]:
+    """The tensor-parallel plan restricted to the patterns that name a module of this stage.
+
+    A plan names modules of the whole model; a stage holds some of them. Each pattern must
+    still match on some stage (a typo matches nowhere): the stages compare notes over the
+    pipeline group, so every rank raises the same error."""
+    from shardwise import comm
+    from shardwise.parallel.parallelize import pattern_regex
+
+    names = [name for name, _ in model.named_modules() if name]
+    here = [any(pattern_regex(p).fullmatch(n) for n in names) for p in plan]
+    found = torch.tensor(here, dtype=torch.int32)
+    comm.all_reduce(found, op=comm.ReduceOp.MAX, group=mesh.pp_group)
+    missing = [p for p, f in zip(plan, found.tolist(), strict=True) if not f]
+    if missing:
+        raise ValueError(
+            f"tensor-parallel plan patterns {missing} match no module on any pipeline stage "
+            "('*' stands for one name component; stage modules are named by layer index, "
+            "e.g. '3.mlp.fc')"
+        )
+    return {p: style for (p, style), h in zip(plan.items(), here, strict=True) if h}
