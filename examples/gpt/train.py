@@ -193,6 +193,7 @@ def setup(args: argparse.Namespace) -> tuple:
         tie_weights=args.tie_weights,
     )
     model = GPT(gcfg)
+    n_params = model.num_params()  # before tensor parallelism splits the layers in place
     cfg = build_config(args)
     net: torch.nn.Module = model
     if args.pp > 1:  # stages: the embeddings and the first blocks, ..., the last blocks and head
@@ -209,7 +210,7 @@ def setup(args: argparse.Namespace) -> tuple:
         print(
             f"corpus: {corpus['chars']:,} chars of stdlib source (sha256 {corpus['digest']}), "
             f"vocab {tok.vocab_size}, {len(train_set):,} train / {len(val_set):,} val windows\n"
-            f"model: {model.num_params() / 1e6:.2f}M params, {gcfg}\n"
+            f"model: {n_params / 1e6:.2f}M params, {gcfg}\n"
             f"layout: {engine.world_size} process(es), dp={engine.dp_world_size} pp={args.pp} "
             f"tp={args.tp}; {engine.train_batch_size()} windows of {args.block_size} chars "
             "per step",
