@@ -30,8 +30,9 @@ $(VENV)/.bench: $(VENV)/.base
 venv: $(VENV)/.base
 dev: $(VENV)/.dev
 
+# 4 processes: data 2 x pipeline 2 (micro-batch 4 x 4 micro-batches, 32 windows per step).
 demo: $(VENV)/.base
-	$(VPY) -m shardwise run --nproc-per-node 2 examples/gpt/train.py --out runs/demo
+	$(VPY) -m shardwise run --nproc-per-node 4 examples/gpt/train.py --dp 2 --pp 2 --micro-batch 4 --out runs/demo
 
 lint: $(VENV)/.dev
 	$(VENV)/bin/ruff check .

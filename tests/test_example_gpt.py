@@ -103,6 +103,43 @@ def test_tp_plan_names_real_modules():
     match_plan(model, M.GPT.tp_plan)  # what parallelize checks: every pattern, style and type
 
 
+def _pipeline(model: M.GPT):
+    from shardwise.pipe import PipelineModule
+
+    return PipelineModule(M.pipeline_layers(model), num_stages=1, loss_fn=M.LMLoss())
+
+
+def test_pipeline_form_is_the_gpt():
+    """The layer list computes the GPT's logits and loss, with the GPT's own parameters under
+    names that gpt_name maps back one to one."""
+    model = tiny()
+    pipe = _pipeline(model)
+    idx, targets = torch.randint(0, 50, (2, 3, 16), generator=torch.Generator().manual_seed(3))
+    torch.testing.assert_close(pipe(idx), model(idx), rtol=0, atol=0)
+    torch.testing.assert_close(pipe.loss_fn(pipe(idx), targets), model(idx, targets))
+    renamed = {M.gpt_name(k, 2): v for k, v in pipe.state_dict().items()}
+    assert renamed.keys() == model.state_dict().keys()
+    for k, v in renamed.items():
+        assert v.data_ptr() == model.state_dict()[k].data_ptr(), k  # shared, not copied
+    for k in pipe.state_dict():
+        assert M.pipeline_name(M.gpt_name(k, 2), 2) == k
+
+
+def test_pipeline_tp_plan_names_real_modules():
+    """GPT.tp_plan renamed for the pipeline hits the same modules, one pattern each."""
+    from shardwise.parallel.parallelize import match_plan
+
+    model = tiny()
+    on_gpt = match_plan(model, M.GPT.tp_plan)
+    on_pipe = match_plan(_pipeline(model), M.pipeline_tp_plan(2))
+    assert {M.pipeline_name(n, 2): s for n, s in on_gpt.items()} == on_pipe
+
+
+def test_pipeline_refuses_tied_weights():
+    with pytest.raises(ValueError, match="tie_weights"):
+        M.pipeline_layers(tiny(tie_weights=True))
+
+
 def test_generate_length_and_determinism():
     model = tiny()
     idx = torch.zeros(2, 3, dtype=torch.long)
@@ -173,29 +210,77 @@ def test_windows_are_shifted_by_one_and_cover_the_tokens():
 # ----------------------------------------------------------------------------- end to end
 
 
-def test_train_script_end_to_end(tmp_path):
-    """A few steps of the real script in one process: every output is written and loads."""
-    from safetensors.torch import load_file
+SMALL_RUN = [
+    "--steps", "6", "--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--block-size", "32",
+    "--corpus-mb", "0.2", "--eval-interval", "3", "--eval-windows", "8", "--warmup", "2",
+    "--sample-chars", "40",
+]  # fmt: skip
 
-    out = tmp_path / "run"
-    cmd = [
-        sys.executable, str(GPT_DIR / "train.py"), "--out", str(out), "--steps", "6",
-        "--micro-batch", "4", "--grad-accum", "2", "--n-layer", "1", "--n-embd", "32",
-        "--n-head", "2", "--block-size", "32", "--corpus-mb", "0.2", "--eval-interval", "3",
-        "--eval-windows", "8", "--warmup", "2", "--sample-chars", "40",
+
+def _train(out: Path, nproc: int = 1, extra: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    """train.py on a small model: one plain process, or ``nproc`` under the launcher."""
+    launch = [sys.executable] if nproc == 1 else [
+        sys.executable, "-m", "shardwise", "run", "--nproc-per-node", str(nproc)
     ]  # fmt: skip
+    cmd = [*launch, str(GPT_DIR / "train.py"), "--out", str(out), *SMALL_RUN, *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)  # a single process, not a rank of whatever world runs the tests
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+        env.pop(k, None)  # a world of our own, not a rank of whatever world runs the tests
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "sample:\ndef " in proc.stdout, proc.stdout
-    for name in ("model.safetensors", "vocab.json", "config.json", "metrics.json", "loss.png"):
-        assert (out / name).stat().st_size > 0, name
-    assert not list(out.glob("*.tmp"))
+    return proc
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory) -> Path:
+    """The reference run: one process, micro-batch 4 x 2 accumulation steps = 8 windows."""
+    out = tmp_path_factory.mktemp("gpt") / "one"
+    _train(out, 1, ("--micro-batch", "4", "--grad-accum", "2"))
+    return out
+
+
+def _load_run(out: Path) -> tuple[M.GPT, dict]:
+    from safetensors.torch import load_file
+
     meta = json.loads((out / "config.json").read_text())
     model = M.GPT(M.GPTConfig(**meta["model"]))
     model.load_state_dict(load_file(str(out / "model.safetensors")))  # strict: every key
-    metrics = json.loads((out / "metrics.json").read_text())
+    return model, json.loads((out / "metrics.json").read_text())
+
+
+def test_train_script_end_to_end(one_process):
+    """A few steps of the real script in one process: every output is written and loads."""
+    out = one_process
+    for name in ("model.safetensors", "vocab.json", "config.json", "metrics.json", "loss.png"):
+        assert (out / name).stat().st_size > 0, name
+    assert not list(out.glob("*.tmp"))
+    _, metrics = _load_run(out)
     assert len(metrics["train"]) == 6 and metrics["val_step"] == [0, 3, 6]
     assert all(math.isfinite(v) for v in metrics["train"] + metrics["val"])
+
+
+# Layouts of the same global batch (8 windows) as the one-process run, so the same seed trains
+# the same model: micro-batch x grad-accum x dp = 8.
+LAYOUTS = [
+    ("pp2", 2, ("--pp", "2", "--micro-batch", "2", "--grad-accum", "4")),
+    ("dp2-pp2-tp2", 8, ("--dp", "2", "--pp", "2", "--tp", "2", "--micro-batch", "2",
+                        "--grad-accum", "2")),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("name,nproc,extra", LAYOUTS, ids=[x[0] for x in LAYOUTS])
+def test_pipeline_layouts_train_like_one_process(one_process, tmp_path, name, nproc, extra):
+    """--pp (and 3D): the PipelineModule of the GPT's layers trains the one-process model, and
+    its consolidated weights, renamed, load into the plain GPT the sampler uses."""
+    proc = _train(tmp_path / name, nproc, extra)
+    assert "sample:\ndef " in proc.stdout, f"{name}: {proc.stdout}"
+    assert "pipeline partition (type:Block): 2 stages" in proc.stderr, f"{name}: {proc.stderr}"
+    ref_model, ref = _load_run(one_process)
+    model, got = _load_run(tmp_path / name)
+    # fp32; tensor parallelism sums the matmuls in another order (~1e-7 relative per op),
+    # six Adam steps carry that along: a wrong micro-batch, scale or reduction is >= 1e-2 off.
+    for key in ("train", "val"):
+        diff = max(abs(a - b) for a, b in zip(got[key], ref[key], strict=True))
+        assert diff < 1e-4, f"{name}: {key} losses {got[key]} vs one process {ref[key]}"
+    for (n, p), (_, q) in zip(model.named_parameters(), ref_model.named_parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-4, msg=lambda m, n=n: f"{name} {n}: {m}")

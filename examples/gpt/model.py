@@ -238,3 +238,87 @@ class GPT(nn.Module):
             idx = torch.cat([idx, nxt], dim=1)
         self.train(was_training)
         return idx
+
+
+# ----------------------------------------------------------------------------- pipeline form
+# The same model as a list of layers for shardwise.pipe.PipelineModule: [embeddings, block 0,
+# ..., block n-1, final norm + head], and the loss as a module. The layers share the GPT's own
+# modules, so a pipeline built from a GPT starts from exactly its weights (every layout of the
+# same seed trains the same model); a model too big for one process would use LayerSpec.
+# Layer names are the index in the list: "0.tok_emb", "3.attn.q", f"{n_layer + 1}.head".
+
+
+class Embed(nn.Module):
+    """Layer 0: idx (B, T) -> dropout(tok_emb(idx) + pos_emb(positions)) (B, T, C)."""
+
+    def __init__(self, gpt: GPT) -> None:
+        super().__init__()
+        self.block_size = gpt.cfg.block_size
+        self.tok_emb, self.pos_emb, self.drop = gpt.tok_emb, gpt.pos_emb, gpt.drop
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        if idx.shape[1] > self.block_size:
+            raise ValueError(f"sequence length {idx.shape[1]} exceeds block_size {self.block_size}")
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        return self.drop(self.tok_emb(idx) + self.pos_emb(pos))  # (B, T, C) + (T, C)
+
+
+class Final(nn.Module):
+    """Last layer: x (B, T, C) -> head(ln_f(x)), the logits (B, T, V)."""
+
+    def __init__(self, gpt: GPT) -> None:
+        super().__init__()
+        self.ln_f, self.head = gpt.ln_f, gpt.head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.ln_f(x))  # (B, T, C) @ (C, V) -> (B, T, V)
+
+
+class LMLoss(nn.Module):
+    """loss(logits (B, T, V), targets (B, T)): the mean cross-entropy over B*T positions.
+
+    ``ce`` is the nn.CrossEntropyLoss a tensor-parallel plan swaps (loss_parallel)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ce = nn.CrossEntropyLoss()
+
+    def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self.ce(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+
+def pipeline_layers(gpt: GPT) -> list[nn.Module]:
+    """The layer list of ``gpt`` for PipelineModule(layers=..., loss_fn=LMLoss())."""
+    if gpt.cfg.tie_weights:
+        raise ValueError(
+            "pipeline_layers: tie_weights=True shares the embedding with the head, which sit on "
+            "different pipeline stages; train the pipeline untied (tie_weights=False)"
+        )
+    return [Embed(gpt), *gpt.blocks, Final(gpt)]
+
+
+def pipeline_name(name: str, n_layer: int) -> str:
+    """A GPT module/parameter name (or tp_plan pattern) -> its name in the pipeline form."""
+    head, _, rest = name.partition(".")
+    if head == "blocks":  # "blocks.2.attn.q" -> "3.attn.q"; "blocks.*.attn.q" -> "*.attn.q"
+        index, _, rest = rest.partition(".")
+        return f"{index if index == '*' else int(index) + 1}.{rest}"
+    if head in ("tok_emb", "pos_emb", "drop"):
+        return f"0.{name}"
+    if head in ("ln_f", "head"):
+        return f"{n_layer + 1}.{name}"
+    if head == "loss_fn":
+        return "loss_fn.ce"
+    raise KeyError(f"{name!r} is not a name of the GPT")
+
+
+def gpt_name(name: str, n_layer: int) -> str:
+    """pipeline_name's inverse for parameter names: "3.attn.q.weight" -> "blocks.2.attn.q.weight"."""
+    index, _, rest = name.partition(".")
+    i = int(index)
+    return rest if i in (0, n_layer + 1) else f"blocks.{i - 1}.{rest}"
+
+
+def pipeline_tp_plan(n_layer: int) -> dict[str, str]:
+    """GPT.tp_plan with the pipeline form's names."""
+    return {pipeline_name(p, n_layer): style for p, style in GPT.tp_plan.items()}

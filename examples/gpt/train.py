@@ -4,7 +4,9 @@
     python examples/gpt/train.py --out runs/one          # one process needs no launcher
 
 Written the way a DeepSpeed user writes a script: build a config dict, call
-``shardwise.initialize``, then ``engine(x, y)`` / ``engine.backward(loss)`` / ``engine.step()``.
+``shardwise.initialize``, then ``engine(x, y)`` / ``engine.backward(loss)`` / ``engine.step()``;
+with ``--pp`` > 1 the model is a ``PipelineModule`` of the GPT's layers and a step is
+``engine.train_batch(data)`` (the micro-batches of one step flow through the stages).
 Writes to --out: model.safetensors, vocab.json, config.json, metrics.json, loss.png.
 """
 
@@ -25,12 +27,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 from data import CharTokenizer, CharWindows, build_datasets  # noqa: E402
-from model import GPT, GPTConfig  # noqa: E402
+from model import GPT, GPTConfig, LMLoss, gpt_name, pipeline_layers, pipeline_tp_plan  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 import shardwise  # noqa: E402
 from shardwise.data import RepeatingLoader  # noqa: E402
 from shardwise.metrics import MeanMetric, all_reduce_mean  # noqa: E402
+from shardwise.pipe import PipelineModule  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -38,7 +41,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default="runs/gpt", help="directory for checkpoint, plot, metrics")
     p.add_argument("--steps", type=int, default=500, help="optimizer steps")
     p.add_argument("--micro-batch", type=int, default=16, help="windows per rank per micro-step")
-    p.add_argument("--grad-accum", type=int, default=1, help="micro-steps per optimizer step")
+    p.add_argument(
+        "--grad-accum",
+        type=int,
+        default=None,
+        help="micro-steps per optimizer step; the pipeline's micro-batches (default 1, or 2*pp)",
+    )
     p.add_argument("--n-layer", type=int, default=4)
     p.add_argument("--n-embd", type=int, default=128)
     p.add_argument("--n-head", type=int, default=4)
@@ -56,7 +64,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     p.add_argument("--config", default=None, help="JSON file merged over the built config")
     p.add_argument("--sample-chars", type=int, default=300, help="length of the final sample")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.grad_accum is None:
+        # A pipeline idles (p - 1) / (m + p - 1) of a step: give it m = 2p micro-batches.
+        args.grad_accum = 1 if args.pp == 1 else 2 * args.pp
+    return args
 
 
 def build_config(args: argparse.Namespace) -> dict:
@@ -89,6 +101,8 @@ def build_config(args: argparse.Namespace) -> dict:
         cfg["pipeline"] = {"stages": args.pp}
     if args.tp > 1:
         cfg["tensor_parallel"] = {"size": args.tp}
+        if args.pp > 1:  # GPT.tp_plan, named as the PipelineModule names the layers
+            cfg["tensor_parallel"]["plan"] = pipeline_tp_plan(args.n_layer)
     if args.config:
         _merge(cfg, json.loads(Path(args.config).read_text()))
     return cfg
@@ -112,6 +126,8 @@ def evaluate(engine: shardwise.Engine, val: CharWindows, n_windows: int, batch: 
     """
     n = min(n_windows, len(val))
     picks = [i * len(val) // n for i in range(n)]
+    if engine.pipeline is not None:
+        return _evaluate_pipeline(engine, val, picks, batch)
     mine = picks[engine.dp_rank :: engine.dp_world_size]
     engine.eval()
     mean = MeanMetric()  # weighted by windows: exact even when dp does not divide n
@@ -123,8 +139,34 @@ def evaluate(engine: shardwise.Engine, val: CharWindows, n_windows: int, batch: 
     return mean.compute(group=engine.mesh.dp_group)
 
 
+def _evaluate_pipeline(
+    engine: shardwise.Engine, val: CharWindows, picks: list[int], batch: int
+) -> float:
+    """evaluate() through the pipeline: ``eval_batch`` runs the micro-batches through the
+    stages and returns their mean, averaged over data ranks, on every rank.
+
+    That mean is unweighted, so every data rank gets the same number of windows (the picks
+    beyond a multiple of dp are left out) and micro-batches of one size per call: the full
+    ones, then one call for the remainder, weighted by windows."""
+    per_rank = len(picks) // engine.dp_world_size
+    mine = picks[engine.dp_rank :: engine.dp_world_size][:per_rank]
+    full = per_rank - per_rank % batch
+    total = 0.0
+    for part, size in ((mine[:full], batch), (mine[full:], per_rank - full)):
+        if not part:
+            continue
+        micro = []
+        for s in range(0, len(part), size):
+            xs, ys = zip(*(val[i] for i in part[s : s + size]), strict=True)
+            micro.append((torch.stack(xs), torch.stack(ys)))
+        total += engine.eval_batch(iter(micro), num_micro_batches=len(micro)).item() * len(part)
+    return total / per_rank
+
+
 def train_step(engine: shardwise.Engine, data: Iterator) -> float:
     """One optimizer step over GAS micro-batches; the loss averaged over them and over ranks."""
+    if engine.pipeline is not None:  # the schedule runs forward, backward and step
+        return engine.train_batch(data).item()
     loss_sum = 0.0
     for _ in range(engine.gradient_accumulation_steps()):
         x, y = next(data)
@@ -151,8 +193,14 @@ def setup(args: argparse.Namespace) -> tuple:
         tie_weights=args.tie_weights,
     )
     model = GPT(gcfg)
+    n_params = model.num_params()  # before tensor parallelism splits the layers in place
     cfg = build_config(args)
-    engine, _, loader, _ = shardwise.initialize(model=model, config=cfg, training_data=train_set)
+    net: torch.nn.Module = model
+    if args.pp > 1:  # stages: the embeddings and the first blocks, ..., the last blocks and head
+        net = PipelineModule(
+            pipeline_layers(model), loss_fn=LMLoss(), partition_method="type:Block"
+        )
+    engine, _, loader, _ = shardwise.initialize(model=net, config=cfg, training_data=train_set)
     if args.dp and args.dp != engine.dp_world_size:
         raise SystemExit(
             f"--dp {args.dp} but the world of {engine.world_size} processes with pp={args.pp} "
@@ -162,7 +210,7 @@ def setup(args: argparse.Namespace) -> tuple:
         print(
             f"corpus: {corpus['chars']:,} chars of stdlib source (sha256 {corpus['digest']}), "
             f"vocab {tok.vocab_size}, {len(train_set):,} train / {len(val_set):,} val windows\n"
-            f"model: {model.num_params() / 1e6:.2f}M params, {gcfg}\n"
+            f"model: {n_params / 1e6:.2f}M params, {gcfg}\n"
             f"layout: {engine.world_size} process(es), dp={engine.dp_world_size} pp={args.pp} "
             f"tp={args.tp}; {engine.train_batch_size()} windows of {args.block_size} chars "
             "per step",
@@ -219,6 +267,8 @@ def save_outputs(
     state = engine.consolidated_state_dict()
     if engine.global_rank != 0:
         return
+    if engine.pipeline is not None:  # "3.attn.q.weight" -> "blocks.2.attn.q.weight"
+        state = {gpt_name(k, gcfg.n_layer): v for k, v in state.items()}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     save_weights(state, out / "model.safetensors")

@@ -1,0 +1,227 @@
+"""The pipeline bubble, measured: idle fraction per stage against (p - 1) / (m + p - 1).
+
+    python -m shardwise run --nproc-per-node 4 benchmarks/pipeline_bubble.py
+
+A pipeline of p stages running m micro-batches keeps every stage busy for m (t_f + t_b) and
+idle for (p - 1)(t_f + t_b) (the ramp up and the ramp down), for GPipe and 1F1B alike
+(papers.md section 4): the idle fraction of the batch's wall time is (p - 1) / (m + p - 1).
+Timing noise on a 2-core machine would swamp a real model's compute, so every stage is one
+fixed-cost layer: its forward sleeps t_f and its backward t_b (a scalar weight keeps the stage
+trainable). Sleeping takes no CPU, so 4 processes on 2 cores behave like 4 devices.
+
+One launch of 4 processes; p = 4 is one pipeline, p = 2 two data-parallel pipelines of 2.
+Every (p, schedule, m) gets its own engine (m is the config's gradient_accumulation_steps),
+built up front; rounds interleave all of them. A batch is timed between two barriers (so the
+total is the slowest rank's); each stage's busy time is what its layer measured around its
+sleeps; idle = 1 - busy / total. The figure is the median over rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script: find common.py
+from common import format_table, single_thread  # noqa: E402
+
+import shardwise  # noqa: E402
+from shardwise.pipe import LayerSpec, PipelineModule  # noqa: E402
+
+SCHEDULES = ("gpipe", "1f1b")
+WIDTH = 8  # activation features: tiny, so messages cost nothing next to the sleeps
+
+
+class Clock:
+    """Seconds this process spent in fixed-cost forwards and backwards."""
+
+    busy = 0.0
+
+
+def _sleep(seconds: float) -> None:
+    t0 = time.perf_counter()
+    time.sleep(seconds)
+    Clock.busy += time.perf_counter() - t0  # what it really took: oversleeping counts as busy
+
+
+class _FixedCost(torch.autograd.Function):
+    """Identity whose forward takes t_f and backward t_b of wall time."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, t_f: float, t_b: float) -> torch.Tensor:  # noqa: ANN001
+        ctx.t_b = t_b
+        _sleep(t_f)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple:  # noqa: ANN001
+        _sleep(ctx.t_b)
+        return grad, None, None
+
+
+class FixedCostLayer(nn.Module):
+    """x -> w * x, costing t_f seconds forward and t_b backward, whatever the machine does."""
+
+    def __init__(self, t_f: float, t_b: float) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(()))
+        self.t_f, self.t_b = t_f, t_b
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _FixedCost.apply(x * self.w, self.t_f, self.t_b)
+
+
+def build_engine(p: int, schedule: str, m: int, args: argparse.Namespace) -> shardwise.Engine:
+    t_f, t_b = args.t_forward / 1e3, args.t_backward / 1e3
+    model = PipelineModule(
+        [LayerSpec(FixedCostLayer, t_f, t_b) for _ in range(p)],
+        num_stages=p,
+        loss_fn=F.mse_loss,
+        partition_method="uniform",  # one layer per stage
+    )
+    config = {
+        "train_micro_batch_size_per_gpu": args.micro_batch,
+        "gradient_accumulation_steps": m,
+        "optimizer": {
+            "type": "SGD",
+            "params": {"lr": 1e-9},
+        },  # the weights barely move: they do not matter
+        "gradient_clipping": 0.0,
+        "pipeline": {"schedule": schedule},
+    }
+    engine, *_ = shardwise.initialize(model=model, config=config)
+    return engine
+
+
+def time_batch(engine: shardwise.Engine, m: int, rows: int) -> tuple[float, float]:
+    """(wall seconds of one train_batch on this rank, its busy seconds).
+
+    Every rank starts together (a barrier); train_batch ends with the loss broadcast from the
+    last stage, so every stage's time spans the whole pipeline. No barrier at the end: its own
+    latency would count as idle time."""
+    batch = (torch.ones(rows, WIDTH), torch.zeros(rows, WIDTH))
+    data = iter([batch] * m)
+    dist.barrier()
+    Clock.busy = 0.0
+    t0 = time.perf_counter()
+    engine.train_batch(data)
+    return time.perf_counter() - t0, Clock.busy
+
+
+def measure(args: argparse.Namespace) -> dict:
+    """{(p, schedule, m): [[(wall, busy) of every rank] per round]}"""
+    engines = {
+        (p, s, m): build_engine(p, s, m, args)
+        for p in args.stages
+        for s in SCHEDULES
+        for m in range(1, args.max_micro_batches + 1)
+    }
+    for (_, _, m), engine in engines.items():  # warm-up: the first batch describes shapes
+        time_batch(engine, m, args.micro_batch)
+    runs: dict = {key: [] for key in engines}
+    for r in range(args.rounds):
+        for (p, s, m), engine in engines.items():
+            mine = torch.tensor(time_batch(engine, m, args.micro_batch), dtype=torch.float64)
+            gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+            dist.all_gather(gathered, mine)  # outside the timed region
+            runs[(p, s, m)].append([tuple(g.tolist()) for g in gathered])
+        if dist.get_rank() == 0:
+            print(f"round {r + 1}/{args.rounds} done", flush=True)
+    return runs
+
+
+def idle_per_stage(rounds: list[list[tuple[float, float]]], p: int) -> list[float]:
+    """1 - busy / batch time (the slowest rank's), the median over rounds and over a stage's
+    ranks (pipeline is the outermost axis: rank r runs stage r // (world / p))."""
+    per = len(rounds[0]) // p
+    return [
+        statistics.median(
+            1 - v[r][1] / max(w for w, _ in v)
+            for v in rounds
+            for r in range(s * per, (s + 1) * per)
+        )
+        for s in range(p)
+    ]
+
+
+def batch_ms(rounds: list[list[tuple[float, float]]]) -> float:
+    """The median over rounds of the slowest rank's batch time."""
+    return 1e3 * statistics.median(max(w for w, _ in v) for v in rounds)
+
+
+def _table(args: argparse.Namespace, runs: dict, p: int) -> tuple[str, float]:
+    stages = [f"s{s}" for s in range(p)]
+    headers = ["m", "(p-1)/(m+p-1)"]
+    for name in ("GPipe", "1F1B"):
+        headers += [f"{name} {x}" for x in stages] + [f"{name} ms"]
+    headers.append("ideal ms")
+    rows, worst = [], 0.0
+    for m in range(1, args.max_micro_batches + 1):
+        formula = (p - 1) / (m + p - 1)
+        cells = [str(m), f"{formula:.3f}"]
+        for s in SCHEDULES:
+            measured = idle_per_stage(runs[(p, s, m)], p)
+            worst = max(worst, *(abs(x - formula) for x in measured))
+            cells += [f"{x:.3f}" for x in measured] + [f"{batch_ms(runs[(p, s, m)]):.0f}"]
+        ideal = (m + p - 1) * (args.t_forward + args.t_backward)
+        rows.append([*cells, f"{ideal:.0f}"])
+    return format_table(headers, rows), worst
+
+
+def report(args: argparse.Namespace, runs: dict) -> None:
+    print(
+        f"\nPipeline bubble: fixed-cost stages, t_f {args.t_forward:g} ms, t_b "
+        f"{args.t_backward:g} ms per micro-batch; {dist.get_world_size()} processes "
+        f"(p = 2 runs as 2 data-parallel pipelines); median of {args.rounds} rounds.\n"
+        "sN: idle fraction of stage N (1 - busy / batch wall time); ms: batch wall time of "
+        "the slowest rank; ideal: (m + p - 1)(t_f + t_b)"
+    )
+    worst = 0.0
+    for p in args.stages:
+        table, w = _table(args, runs, p)
+        worst = max(worst, w)
+        print(f"\np = {p}\n\n{table}")
+    print(f"\nlargest |measured - formula|: {worst:.3f}")
+    print(f"load average (1 min): {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--stages", type=lambda s: [int(x) for x in s.split(",")], default=[2, 4])
+    p.add_argument("--max-micro-batches", type=int, default=16, help="m runs 1..this")
+    p.add_argument("--t-forward", type=float, default=10.0, help="ms per stage forward")
+    p.add_argument("--t-backward", type=float, default=20.0, help="ms per stage backward")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--micro-batch", type=int, default=2, help="rows per micro-batch")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    single_thread()
+    quiet = logging.getLogger("shardwise")  # 64 engines: no start-up logs (a handler of
+    quiet.addHandler(logging.NullHandler())  # our own keeps initialize from adding one)
+    quiet.setLevel(logging.WARNING)
+    shardwise.init_distributed()
+    world = dist.get_world_size()
+    bad = [p for p in args.stages if world % p]
+    if bad:
+        raise SystemExit(f"--stages {bad} do not divide the world of {world} processes")
+    runs = measure(args)
+    if dist.get_rank() == 0:
+        report(args, runs)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

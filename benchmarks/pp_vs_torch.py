@@ -1,0 +1,240 @@
+"""Pipeline parallelism, side by side: shardwise 1F1B vs torch.distributed.pipelining 1F1B.
+
+    python -m shardwise run --nproc-per-node 2 benchmarks/pp_vs_torch.py
+
+One launch, 2 processes = 2 stages, gloo, one thread each. Both contenders get the same split
+of common.py's GPT (head untied: a tie across stages is a feature torch's stages lack) as the
+same list of layers, [embeddings, block 0, ..., block L-1, final norm + head], cut where our
+partition cuts it (``type:Block``: half the blocks per stage), from the same seeded weights,
+with the same torch AdamW, on the same micro-batches:
+
+    ours   shardwise.pipe.PipelineModule, engine.train_batch (schedule "1f1b")
+    torch  PipelineStage + Schedule1F1B(n_microbatches=m), then opt.step() / zero_grad()
+
+A step is one global batch of m micro-batches (forwards, backwards, point-to-point, optimizer
+step on each stage); the batch is chunked into micro-batches the same way for both (torch's
+tensor_split along rows). Rounds interleave the two contenders; each step is timed between
+two barriers, costs what the slowest rank took, and the figure is the median (dp.py's rules).
+Every step's loss (mean over the micro-batches, from the last stage) is compared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script: find common.py
+from common import (  # noqa: E402
+    add_model_args,
+    format_table,
+    make_batches,
+    make_model,
+    median_ms,
+    n_params,
+    single_thread,
+)
+
+import shardwise  # noqa: E402
+from shardwise.pipe import PipelineModule  # noqa: E402
+
+LR, WEIGHT_DECAY = 1e-3, 0.01
+LOSS_TOLERANCE = 1e-4  # same weights, data and fp32 math; only the order of additions differs
+
+
+class Embed(nn.Module):
+    """idx (B, T) -> token + position embeddings (B, T, C)."""
+
+    def __init__(self, tok: nn.Embedding, pos: nn.Embedding) -> None:
+        super().__init__()
+        self.tok, self.pos = tok, pos
+
+    def forward(self, idx_bt: torch.Tensor) -> torch.Tensor:
+        return self.tok(idx_bt) + self.pos(torch.arange(idx_bt.shape[1]))
+
+
+class Final(nn.Module):
+    """(B, T, C) -> logits (B, T, V): final LayerNorm, then the head."""
+
+    def __init__(self, ln_f: nn.LayerNorm, head: nn.Linear) -> None:
+        super().__init__()
+        self.ln_f, self.head = ln_f, head
+
+    def forward(self, x_btc: torch.Tensor) -> torch.Tensor:
+        return self.head(self.ln_f(x_btc))
+
+
+def lm_loss(logits_btv: torch.Tensor, targets_bt: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits_btv.flatten(0, 1), targets_bt.flatten())
+
+
+def gpt_layers(args: argparse.Namespace) -> list[nn.Module]:
+    """common.py's GPT as a layer list; the head gets its own copy of the embedding's weights."""
+    gpt = make_model(args)
+    head = nn.Linear(args.d_model, gpt.tok.num_embeddings, bias=False)
+    head.weight = nn.Parameter(gpt.tok.weight.detach().clone())
+    return [Embed(gpt.tok, gpt.pos), *gpt.blocks, Final(gpt.ln_f, head)]
+
+
+@dataclass
+class Contender:
+    """A name and a training step on one global batch (returns the mean loss on every rank)."""
+
+    name: str
+    step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    times: list[float] = field(default_factory=list)
+    cpu: list[float] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+    steps_done: int = 0
+
+
+def build_ours(args: argparse.Namespace) -> tuple[Contender, list[int]]:
+    net = PipelineModule(
+        gpt_layers(args), num_stages=2, loss_fn=lm_loss, partition_method="type:Block"
+    )
+    opt = torch.optim.AdamW(net.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    config = {
+        "train_micro_batch_size_per_gpu": args.micro_batch,
+        "gradient_accumulation_steps": args.micro_batches,
+        "gradient_clipping": 0.0,
+        "pipeline": {"schedule": "1f1b"},
+    }
+    engine, *_ = shardwise.initialize(model=net, optimizer=opt, config=config)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        chunks = zip(
+            x.tensor_split(args.micro_batches), y.tensor_split(args.micro_batches), strict=True
+        )
+        return engine.train_batch(iter(list(chunks)))
+
+    return Contender("shardwise 1F1B", step), list(net.parts)
+
+
+def build_torch(args: argparse.Namespace, parts: list[int]) -> Contender:
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    rank = dist.get_rank()
+    module = nn.Sequential(*gpt_layers(args)[parts[rank] : parts[rank + 1]])
+    stage = PipelineStage(module, rank, 2, torch.device("cpu"))
+    schedule = Schedule1F1B(stage, n_microbatches=args.micro_batches, loss_fn=lm_loss)
+    opt = torch.optim.AdamW(module.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        losses: list[torch.Tensor] = []
+        if rank == 0:
+            schedule.step(x)
+        else:
+            schedule.step(target=y, losses=losses)
+        opt.step()
+        opt.zero_grad()  # set_to_none, torch's default
+        return torch.stack(losses).mean() if losses else torch.zeros(())
+
+    return Contender("torch Schedule1F1B", step)
+
+
+def run_block(c: Contender, batches: list, warmup: int, steps: int) -> None:
+    """``warmup`` untimed then ``steps`` timed steps of ``c``, continuing its batch sequence."""
+    times, cpu, losses = [], [], []
+    for i in range(warmup + steps):
+        x, y = batches[c.steps_done]
+        dist.barrier()
+        t0, c0 = time.perf_counter(), time.process_time()
+        loss = c.step(x, y)
+        dist.barrier()  # the step is over when the slowest stage is done
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
+        last = dist.get_rank() == dist.get_world_size() - 1
+        losses.append(loss.detach().double() if last else torch.zeros((), dtype=torch.float64))
+        c.steps_done += 1
+    slowest = torch.tensor([times, cpu], dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    loss_t = torch.stack(losses)
+    dist.all_reduce(loss_t)  # the last stage's loss, on every rank
+    c.times += slowest[0].tolist()
+    c.cpu += slowest[1].tolist()
+    c.losses += loss_t.tolist()
+
+
+def report(args: argparse.Namespace, contenders: list[Contender], parts: list[int]) -> None:
+    ours = contenders[0]
+    print(
+        f"\nPP benchmark: GPT {args.layers}x{args.d_model}, seq {args.seq}, "
+        f"{n_params(make_model(args)) / 1e6:.1f}M params (+ the untied head); 2 stages "
+        f"(layers {parts[0]}-{parts[1] - 1} | {parts[1]}-{parts[2] - 1} of embed, "
+        f"{args.layers} blocks, head), gloo, 1 thread/rank; m = {args.micro_batches} "
+        f"micro-batches of {args.micro_batch} rows; {args.rounds} rounds x ({args.warmup} "
+        f"warm-up + {args.steps} timed) steps each; AdamW lr {LR}\n"
+    )
+    headers = ["contender", "median ms", "min ms", "ours/peer", "CPU ms", "CPU ours/peer"]
+    headers += ["final loss", "max |loss - ours|"]
+    rows, worst = [], 0.0
+    for c in contenders:
+        med, cpu = median_ms(c.times), median_ms(c.cpu)
+        diff = max(abs(a - b) for a, b in zip(c.losses, ours.losses, strict=True))
+        worst = max(worst, diff)
+        rows.append(
+            [c.name, f"{med:.1f}", f"{1e3 * min(c.times):.1f}"]
+            + [f"{median_ms(ours.times) / med:.3f}", f"{cpu:.1f}"]
+            + [f"{median_ms(ours.cpu) / cpu:.3f}", f"{c.losses[-1]:.4f}", f"{diff:.1e}"]
+        )
+    print(format_table(headers, rows))
+    print(
+        "\nms: wall time of a step (m micro-batches + optimizer), slowest rank; CPU ms: CPU "
+        "time of all its threads; ours/peer <= 1.00: shardwise as fast or faster."
+    )
+    print(f"loss {ours.losses[0]:.4f} -> {ours.losses[-1]:.4f} over {len(ours.losses)} steps; ")
+    if worst <= LOSS_TOLERANCE:
+        print(f"both contenders' losses agree within {LOSS_TOLERANCE:g}")
+    else:
+        print(f"WARNING: losses differ by > {LOSS_TOLERANCE:g}: the timings are not comparable")
+    print(f"load average (1 min): {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_model_args(p)
+    p.add_argument("--micro-batches", type=int, default=8, help="m per step (>= 2 for torch)")
+    p.set_defaults(micro_batch=2)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    single_thread()
+    logging.getLogger("shardwise").addHandler(logging.NullHandler())  # no start-up log lines
+    shardwise.init_distributed()
+    if dist.get_world_size() != 2:
+        raise SystemExit(
+            f"pp_vs_torch.py runs 2 stages: launch 2 processes, not {dist.get_world_size()}"
+        )
+    ours, parts = build_ours(args)
+    contenders = [ours, build_torch(args, parts)]
+    rows = args.micro_batch * args.micro_batches
+    batches = make_batches(args.rounds * (args.warmup + args.steps), rows, args.seq)
+    for r in range(args.rounds):
+        for c in contenders:
+            run_block(c, batches, args.warmup, args.steps)
+        if dist.get_rank() == 0:
+            done = ", ".join(
+                f"{c.name} {median_ms(c.times[-args.steps :]):.0f} ms" for c in contenders
+            )
+            print(f"round {r + 1}/{args.rounds}: {done}", flush=True)
+    if dist.get_rank() == 0:
+        report(args, contenders, parts)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
