@@ -12,7 +12,8 @@ import logging
 import math
 import os
 import statistics
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -138,6 +139,42 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
 
 
 # ----------------------------------------------------------------------------- measuring
+
+
+def timed_steps(
+    c: object,
+    step: Callable[[int], torch.Tensor],
+    warmup: int,
+    steps: int,
+    loss_over_ranks: str = "mean",
+) -> None:
+    """``warmup`` untimed then ``steps`` timed calls ``step(c.steps_done)`` (one training step
+    on batch number ``c.steps_done``, returning this rank's loss), appended to ``c.times``,
+    ``c.cpu`` (the slowest rank's seconds) and ``c.losses`` (the rank ``"mean"`` of the losses,
+    or their ``"sum"`` when only one rank holds a non-zero loss, as the last pipeline stage)."""
+    times, cpu, losses = [], [], []
+    for i in range(warmup + steps):
+        dist.barrier()  # every rank starts together: no rank's step absorbs another's lateness
+        t0, c0 = time.perf_counter(), time.process_time()
+        loss = step(c.steps_done)
+        dist.barrier()  # the step is over when the slowest rank is done
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+            # CPU time of every thread of this rank (gloo's included): what the step costs,
+            # nearly blind to other processes competing for the cores, unlike wall time.
+            cpu.append(time.process_time() - c0)
+        losses.append(loss.detach().double())
+        c.steps_done += 1
+    # One collective per block, outside the timed region: the slowest rank, the mean loss.
+    slowest = torch.tensor([times, cpu], dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    loss_t = torch.stack(losses)
+    dist.all_reduce(loss_t)
+    if loss_over_ranks == "mean":
+        loss_t /= dist.get_world_size()
+    c.times += slowest[0].tolist()
+    c.cpu += slowest[1].tolist()
+    c.losses += loss_t.tolist()
 
 
 def median_ms(seconds: Iterable[float]) -> float:

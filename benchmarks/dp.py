@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +39,7 @@ from common import (  # noqa: E402
     rss_mb,
     single_thread,
     tensor_mb,
+    timed_steps,
 )
 
 LR, WEIGHT_DECAY = 1e-3, 0.01
@@ -152,32 +152,15 @@ def build_deepspeed(args: argparse.Namespace, deepspeed: object) -> Contender:
 
 
 def run_block(c: Contender, batches: list, warmup: int, steps: int) -> None:
-    """``warmup`` untimed then ``steps`` timed steps of ``c``, continuing its batch sequence."""
+    """``warmup`` untimed then ``steps`` timed steps of ``c``, each rank on its rows."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    times, cpu, losses = [], [], []
-    for i in range(warmup + steps):
-        x, y = batches[c.steps_done]
+
+    def step(i: int) -> torch.Tensor:
+        x, y = batches[i]
         rows = slice(rank * len(x) // world, (rank + 1) * len(x) // world)
-        x, y = x[rows], y[rows]
-        dist.barrier()  # every rank starts together: no rank's step absorbs another's lateness
-        t0, c0 = time.perf_counter(), time.process_time()
-        loss = c.step(x, y)
-        dist.barrier()  # the step is over when the slowest rank is done
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
-            # CPU time of every thread of this rank (gloo's included): what the step costs,
-            # nearly blind to other processes competing for the cores, unlike wall time.
-            cpu.append(time.process_time() - c0)
-        losses.append(loss.detach())
-        c.steps_done += 1
-    # One collective per block, outside the timed region: the slowest rank, the mean loss.
-    slowest = torch.tensor([times, cpu], dtype=torch.float64)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    mean_loss = torch.stack(losses).double()
-    dist.all_reduce(mean_loss)
-    c.times += slowest[0].tolist()
-    c.cpu += slowest[1].tolist()
-    c.losses += (mean_loss / world).tolist()
+        return c.step(x[rows], y[rows])
+
+    timed_steps(c, step, warmup, steps)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

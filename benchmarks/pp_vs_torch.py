@@ -24,7 +24,6 @@ import argparse
 import logging
 import os
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,6 +42,7 @@ from common import (  # noqa: E402
     median_ms,
     n_params,
     single_thread,
+    timed_steps,
 )
 
 import shardwise  # noqa: E402
@@ -143,27 +143,15 @@ def build_torch(args: argparse.Namespace, parts: list[int]) -> Contender:
 
 
 def run_block(c: Contender, batches: list, warmup: int, steps: int) -> None:
-    """``warmup`` untimed then ``steps`` timed steps of ``c``, continuing its batch sequence."""
-    times, cpu, losses = [], [], []
-    for i in range(warmup + steps):
-        x, y = batches[c.steps_done]
-        dist.barrier()
-        t0, c0 = time.perf_counter(), time.process_time()
-        loss = c.step(x, y)
-        dist.barrier()  # the step is over when the slowest stage is done
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
-            cpu.append(time.process_time() - c0)
-        last = dist.get_rank() == dist.get_world_size() - 1
-        losses.append(loss.detach().double() if last else torch.zeros((), dtype=torch.float64))
-        c.steps_done += 1
-    slowest = torch.tensor([times, cpu], dtype=torch.float64)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    loss_t = torch.stack(losses)
-    dist.all_reduce(loss_t)  # the last stage's loss, on every rank
-    c.times += slowest[0].tolist()
-    c.cpu += slowest[1].tolist()
-    c.losses += loss_t.tolist()
+    """``warmup`` untimed then ``steps`` timed steps of ``c``, continuing its batch sequence;
+    the recorded loss is the last stage's."""
+    last = dist.get_rank() == dist.get_world_size() - 1
+
+    def step(i: int) -> torch.Tensor:
+        loss = c.step(*batches[i])
+        return loss if last else torch.zeros((), dtype=torch.float64)
+
+    timed_steps(c, step, warmup, steps, loss_over_ranks="sum")
 
 
 def report(args: argparse.Namespace, contenders: list[Contender], parts: list[int]) -> None:

@@ -33,7 +33,6 @@ import contextlib
 import importlib.util
 import os
 import sys
-import time
 import warnings
 from collections import defaultdict
 from collections.abc import Callable
@@ -62,6 +61,7 @@ from common import (  # noqa: E402
     make_batches,
     median_ms,
     single_thread,
+    timed_steps,
 )
 
 LR, WEIGHT_DECAY = 1e-3, 0.01
@@ -217,29 +217,9 @@ class CollectiveBytes(TorchDispatchMode):
 
 
 def run_block(c: Contender, batches: list, warmup: int, steps: int) -> None:
-    """``warmup`` untimed then ``steps`` timed steps of ``c``, continuing its batch sequence."""
-    times, cpu, losses = [], [], []
-    for i in range(warmup + steps):
-        x, y = batches[c.steps_done]  # the whole batch on every rank
-        dist.barrier()  # every rank starts together: no rank's step absorbs another's lateness
-        t0, c0 = time.perf_counter(), time.process_time()
-        loss = c.step(x, y)
-        dist.barrier()  # the step is over when the slowest rank is done
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
-            # CPU time of every thread of this rank (gloo's included): what the step costs,
-            # nearly blind to other processes competing for the cores, unlike wall time.
-            cpu.append(time.process_time() - c0)
-        losses.append(loss.detach().float())
-        c.steps_done += 1
-    # One collective per block, outside the timed region: the slowest rank, the mean loss.
-    slowest = torch.tensor([times, cpu], dtype=torch.float64)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    mean_loss = torch.stack(losses).double()
-    dist.all_reduce(mean_loss)
-    c.times += slowest[0].tolist()
-    c.cpu += slowest[1].tolist()
-    c.losses += (mean_loss / dist.get_world_size()).tolist()
+    """``warmup`` untimed then ``steps`` timed steps of ``c``, continuing its batch sequence
+    (the whole batch on every rank)."""
+    timed_steps(c, lambda i: c.step(*batches[i]), warmup, steps)
 
 
 def count_step(c: Contender, batches: list) -> None:

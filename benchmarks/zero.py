@@ -40,6 +40,7 @@ from common import (  # noqa: E402
     median_ms,
     n_params,
     single_thread,
+    timed_steps,
 )
 from zero_peers import (  # noqa: E402
     KINDS,
@@ -114,29 +115,13 @@ def local_rows(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Te
 
 def run_block(c: Contender, batches: list, warmup: int, steps: int) -> None:
     """``warmup`` untimed then ``steps`` timed steps of ``c``, continuing its batch sequence."""
-    times, cpu, losses = [], [], []
-    for i in range(warmup + steps):
-        x, y = local_rows(*batches[c.steps_done])
-        dist.barrier()  # every rank starts together: no rank's step absorbs another's lateness
-        t0, c0 = time.perf_counter(), time.process_time()
-        loss = c.backward(x, y)
+
+    def step(i: int) -> torch.Tensor:
+        loss = c.backward(*local_rows(*batches[i]))
         c.update()
-        dist.barrier()  # the step is over when the slowest rank is done
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
-            # CPU time of every thread of this rank (gloo's included): what the step costs,
-            # nearly blind to other processes competing for the cores, unlike wall time.
-            cpu.append(time.process_time() - c0)
-        losses.append(loss.detach().float())
-        c.steps_done += 1
-    # One collective per block, outside the timed region: the slowest rank, the mean loss.
-    slowest = torch.tensor([times, cpu], dtype=torch.float64)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    mean_loss = torch.stack(losses).double()
-    dist.all_reduce(mean_loss)
-    c.times += slowest[0].tolist()
-    c.cpu += slowest[1].tolist()
-    c.losses += (mean_loss / dist.get_world_size()).tolist()
+        return loss
+
+    timed_steps(c, step, warmup, steps)
 
 
 def probe_memory(c: Contender, batch: tuple[torch.Tensor, torch.Tensor]) -> None:
