@@ -158,11 +158,28 @@ def batch_ms(rounds: list[list[tuple[float, float]]]) -> float:
     return 1e3 * statistics.median(max(w for w, _ in v) for v in rounds)
 
 
-def _table(args: argparse.Namespace, runs: dict, p: int) -> tuple[str, float]:
+def overhead_ms(args: argparse.Namespace, runs: dict, p: int, schedule: str) -> float:
+    """delta, the least-squares fit of batch time = (m + p - 1)(t_f + t_b + delta) over m.
+
+    The ramp is m + p - 1 slots of t_f + t_b on the critical path; every slot also pays a
+    point-to-point hop, Python and wake-up latency (4 processes on 2 cores): delta."""
+    t = args.t_forward + args.t_backward
+    xs = [m + p - 1 for m in range(1, args.max_micro_batches + 1)]
+    ws = [batch_ms(runs[(p, schedule, m)]) for m in range(1, args.max_micro_batches + 1)]
+    return sum(x * (w - x * t) for x, w in zip(xs, ws, strict=True)) / sum(x * x for x in xs)
+
+
+def _table(args: argparse.Namespace, runs: dict, p: int) -> tuple[str, float, dict]:
+    """The table of one p, the largest |measured - model| and the fitted delta per schedule.
+
+    model: the idle fraction the formula predicts once every slot costs t + delta instead of
+    t = t_f + t_b: 1 - (1 - (p-1)/(m+p-1)) t / (t + delta)."""
+    t = args.t_forward + args.t_backward
+    delta = {s: overhead_ms(args, runs, p, s) for s in SCHEDULES}
     stages = [f"s{s}" for s in range(p)]
     headers = ["m", "(p-1)/(m+p-1)"]
     for name in ("GPipe", "1F1B"):
-        headers += [f"{name} {x}" for x in stages] + [f"{name} ms"]
+        headers += [f"{name} {x}" for x in stages] + [f"{name} model", f"{name} ms"]
     headers.append("ideal ms")
     rows, worst = [], 0.0
     for m in range(1, args.max_micro_batches + 1):
@@ -170,11 +187,13 @@ def _table(args: argparse.Namespace, runs: dict, p: int) -> tuple[str, float]:
         cells = [str(m), f"{formula:.3f}"]
         for s in SCHEDULES:
             measured = idle_per_stage(runs[(p, s, m)], p)
-            worst = max(worst, *(abs(x - formula) for x in measured))
-            cells += [f"{x:.3f}" for x in measured] + [f"{batch_ms(runs[(p, s, m)]):.0f}"]
-        ideal = (m + p - 1) * (args.t_forward + args.t_backward)
+            model = 1 - (1 - formula) * t / (t + delta[s])
+            worst = max(worst, *(abs(x - model) for x in measured))
+            cells += [f"{x:.3f}" for x in measured]
+            cells += [f"{model:.3f}", f"{batch_ms(runs[(p, s, m)]):.0f}"]
+        ideal = (m + p - 1) * t
         rows.append([*cells, f"{ideal:.0f}"])
-    return format_table(headers, rows), worst
+    return format_table(headers, rows), worst, delta
 
 
 def report(args: argparse.Namespace, runs: dict) -> None:
@@ -182,15 +201,17 @@ def report(args: argparse.Namespace, runs: dict) -> None:
         f"\nPipeline bubble: fixed-cost stages, t_f {args.t_forward:g} ms, t_b "
         f"{args.t_backward:g} ms per micro-batch; {dist.get_world_size()} processes "
         f"(p = 2 runs as 2 data-parallel pipelines); median of {args.rounds} rounds.\n"
-        "sN: idle fraction of stage N (1 - busy / batch wall time); ms: batch wall time of "
-        "the slowest rank; ideal: (m + p - 1)(t_f + t_b)"
+        "sN: idle fraction of stage N (1 - busy / batch wall time); model: the formula with "
+        "each slot costing t_f + t_b + delta (delta fitted to the batch times, below); "
+        "ms: batch wall time of the slowest rank; ideal: (m + p - 1)(t_f + t_b)"
     )
     worst = 0.0
     for p in args.stages:
-        table, w = _table(args, runs, p)
+        table, w, delta = _table(args, runs, p)
         worst = max(worst, w)
-        print(f"\np = {p}\n\n{table}")
-    print(f"\nlargest |measured - formula|: {worst:.3f}")
+        fitted = ", ".join(f"{s} {d:.1f} ms" for s, d in delta.items())
+        print(f"\np = {p} (delta per slot: {fitted})\n\n{table}")
+    print(f"\nlargest |measured - model|: {worst:.3f}")
     print(f"load average (1 min): {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
 
 
