@@ -401,11 +401,21 @@ def test_all_needs_a_block_list():
         apply_activation_checkpointing(nn.Sequential(nn.Linear(2, 2)), "all")
 
 
-@pytest.mark.parametrize("key", ["partition_activations", "cpu_checkpointing"])
-def test_unsupported_deepspeed_keys_are_refused_by_initialize(key):
-    config = {"train_batch_size": 2, "activation_checkpointing": {key: True}}
-    with pytest.raises(shardwise.ConfigError, match=f"activation_checkpointing.{key}"):
+def test_unsupported_deepspeed_keys_are_refused_by_initialize():
+    config = {"train_batch_size": 2, "activation_checkpointing": {"cpu_checkpointing": True}}
+    with pytest.raises(shardwise.ConfigError, match="activation_checkpointing.cpu_checkpointing"):
         shardwise.initialize(model=make_gpt(), config=config)
+
+
+def test_partition_activations_with_one_tensor_parallel_rank_changes_nothing():
+    # Nothing to split over (DeepSpeed does the same with one model-parallel rank): accepted,
+    # and the blocks run under the plain checkpoint. TP > 1: test_partition_activations.py.
+    config = {
+        "train_batch_size": 2,
+        "activation_checkpointing": {"partition_activations": True, "checkpoint_layers": "all"},
+    }
+    engine, *_ = shardwise.initialize(model=make_gpt(), config=config)
+    assert all(is_checkpointed(b) for b in engine.module.blocks)
 
 
 def test_configure_takes_deepspeeds_arguments_and_refuses_what_it_lacks(monkeypatch):
@@ -424,16 +434,15 @@ def test_configure_takes_deepspeeds_arguments_and_refuses_what_it_lacks(monkeypa
     assert ckpt._state["block"].number_checkpoints == 4
     assert ckpt._state["block"].contiguous_memory_optimization
     ckpt.reset()
-    for argument, key in [
-        ("partition_activations", "partition_activations"),
-        ("checkpoint_in_cpu", "cpu_checkpointing"),
-    ]:
-        with pytest.raises(shardwise.ConfigError, match=argument) as err:
-            ckpt.configure(None, **{argument: True})
-        assert err.value.key == f"activation_checkpointing.{key}"
-    with pytest.raises(shardwise.ConfigError, match="partition_activations"):
+    with pytest.raises(shardwise.ConfigError, match="checkpoint_in_cpu") as err:
+        ckpt.configure(None, checkpoint_in_cpu=True)
+    assert err.value.key == "activation_checkpointing.cpu_checkpointing"
+    with pytest.raises(shardwise.ConfigError, match="cpu_checkpointing"):
         ckpt.configure(
-            None, deepspeed_config={"activation_checkpointing": {"partition_activations": True}}
+            None, deepspeed_config={"activation_checkpointing": {"cpu_checkpointing": True}}
         )
+    # Accepted; without an mpu there is no group to split over (test_partition_activations.py).
+    ckpt.configure(None, partition_activations=True)
+    assert ckpt._state["block"].partition_activations
     with pytest.raises(shardwise.ConfigError, match="number_checkpoints"):
         ckpt.configure(None, num_checkpoints=0)

@@ -131,8 +131,8 @@ def test_backward_needs_a_scalar():
         ),
         ({"communication_data_type": "fp16"}, "communication_data_type"),
         (
-            {"activation_checkpointing": {"partition_activations": True}},
-            "activation_checkpointing.partition_activations",
+            {"activation_checkpointing": {"cpu_checkpointing": True}},
+            "activation_checkpointing.cpu_checkpointing",
         ),
     ],
 )

@@ -59,12 +59,17 @@ ROWS = [
     ("tp2-pp2-1f1b-m2", "blocks", 1, 2, "1f1b", 2, {"tp": 2}),
     ("tp2-pp2-gpipe-zero1-m3", "blocks", 1, 2, "gpipe", 3, {"tp": 2, "zero": 1}),
     ("dp2-pp2-tp2-zero1-m2", "blocks", 2, 2, "1f1b", 2, {"tp": 2, "zero": 1}),  # 8 processes
+    # Checkpointed stage layers whose kept inputs are split over the TP pair.
+    ("tp2-pp2-ckpt-partitioned-m2", "blocks", 1, 2, "1f1b", 2, {"tp": 2, "partition": True}),
 ]
 
 
 def _train(model, pp, schedule, gas, options) -> dict:
     options = dict(options)
     zero, bf16, tp = options.pop("zero", 0), options.pop("bf16", False), options.pop("tp", 1)
+    partition = options.pop("partition", False)
+    if partition:
+        options["activation_checkpoint_interval"] = 1
     config = {
         "train_micro_batch_size_per_gpu": MB,
         "gradient_accumulation_steps": gas,
@@ -75,8 +80,11 @@ def _train(model, pp, schedule, gas, options) -> dict:
         "zero_optimization": {"stage": zero, "reduce_bucket_size": 300},
         "bf16": {"enabled": bf16},
         "tensor_parallel": {"size": tp, "plan": BLOCKS_PLAN if tp > 1 else None},
+        "activation_checkpointing": {"partition_activations": partition},
     }
-    engine, *_ = shardwise.initialize(model=pipeline_module(model, pp, **options), config=config)
+    module = pipeline_module(model, pp, **options)
+    engine, *_ = shardwise.initialize(model=module, config=config)
+    assert (module.activation_partition.group is not None) == partition
     data = micro_batches(model, engine, MB, gas, STEPS)
     reads = engine.is_first_stage() or engine.is_last_stage()
     losses, norms = [], []

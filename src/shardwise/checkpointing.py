@@ -17,10 +17,11 @@ Random numbers are replayed, so dropout draws the same mask in the recompute as 
   stash does not see it. Each live tracker is set back to its state at forward for the
   recompute, then restored, so the recompute does not advance the tracker's stream either.
 
-DeepSpeed's ``configure`` options are accepted by name; what they ask for and shardwise does not
-do (partitioning checkpointed inputs over tensor-parallel ranks, moving them to host memory) is
-refused with a ConfigError, the rest (CUDA-specific buffers, synchronization, timing) has no
-effect. ``docs/config.md`` lists each one.
+DeepSpeed's ``configure`` options are accepted by name. ``partition_activations`` splits the kept
+inputs over the tensor-parallel group of the mpu (``shardwise.parallel.partitioned_checkpoint``;
+through ``initialize`` the group is the mesh's); moving them to host memory
+(``cpu_checkpointing``) is refused with a ConfigError; the rest (CUDA-specific buffers,
+synchronization, timing) has no effect. ``docs/config.md`` lists each one.
 """
 
 from __future__ import annotations
@@ -34,7 +35,9 @@ import torch
 import torch.distributed as dist
 import torch.utils.checkpoint
 
+from shardwise import comm
 from shardwise.config import ActivationCheckpointingConfig, Config, ConfigError, parse_config
+from shardwise.parallel import partitioned_checkpoint as partitioned
 from shardwise.parallel import random as tp_random
 
 __all__ = [
@@ -67,10 +70,26 @@ def checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
 
     Results and gradients are those of the plain call, dropout included: the RNG states of
     torch and of every tensor-parallel RNG tracker are replayed for the recompute. Under
-    ``torch.no_grad()`` nothing would be saved, so ``function`` simply runs.
+    ``torch.no_grad()`` nothing would be saved, so ``function`` simply runs. After
+    ``configure(mpu, partition_activations=True)`` each rank of the mpu's tensor-parallel
+    group keeps 1/N of the inputs (``shardwise.parallel.partitioned_checkpoint``).
     """
+    return run_checkpointed(function, args, kwargs, _configured_partition_group())
+
+
+def run_checkpointed(
+    function: Callable[..., Any], args: tuple, kwargs: dict, partition_group: Any = None
+) -> Any:
+    """:func:`checkpoint` with the group to partition the kept inputs over given explicitly
+    (None, or a group of one rank: inputs kept whole)."""
     if not torch.is_grad_enabled():
         return function(*args, **kwargs)
+    if (
+        partition_group is not None
+        and comm.get_world_size(partition_group) > 1
+        and not partitioned.needs_plain_checkpoint(args)
+    ):
+        return partitioned.partitioned_checkpoint(function, partition_group, *args, **kwargs)
     at_forward = _tracker_states()
     calls = 0
 
@@ -91,6 +110,17 @@ def checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     )
 
 
+def _configured_partition_group() -> Any:
+    """The mpu's tensor-parallel group when ``configure`` asked for partition_activations."""
+    block, mpu = _state["block"], _state["mpu"]
+    if block is None or not block.partition_activations or mpu is None:
+        return None
+    for name in ("get_tensor_model_parallel_group", "get_model_parallel_group"):
+        if hasattr(mpu, name):
+            return getattr(mpu, name)()
+    return None
+
+
 def configure(
     mpu_: Any = None,
     deepspeed_config: dict | str | os.PathLike[str] | Config | None = None,
@@ -104,10 +134,11 @@ def configure(
     """DeepSpeed's ``configure``: options from ``deepspeed_config``'s ``activation_checkpointing``
     block (a dict, a JSON path or a parsed Config), overridden by the arguments that are not None.
 
-    ``mpu_`` (Megatron's model-parallel unit) only gives ``model_parallel_cuda_manual_seed`` the
-    tensor-parallel rank; DeepSpeed also partitions activations with it, which shardwise refuses.
-    Raises ConfigError (naming the config key and the argument) for ``partition_activations=True``
-    and ``checkpoint_in_cpu=True``.
+    ``mpu_`` (Megatron's model-parallel unit) gives ``model_parallel_cuda_manual_seed`` the
+    tensor-parallel rank and ``partition_activations`` its group (without an mpu there is no
+    tensor-parallel group: inputs are kept whole, as DeepSpeed does with one model-parallel
+    rank). Raises ConfigError (naming the config key and the argument) for
+    ``checkpoint_in_cpu=True``.
     """
     if isinstance(deepspeed_config, Config):
         block = deepspeed_config.activation_checkpointing
@@ -141,7 +172,6 @@ def configure(
 
 # Keys whose true value asks for something shardwise does not do, and why.
 REFUSED = {
-    "partition_activations": "checkpointed inputs are not split over tensor-parallel ranks",
     "cpu_checkpointing": "checkpointed inputs stay on the compute device (on a CPU run they "
     "already are in host memory)",
 }

@@ -78,7 +78,7 @@ def initialize(
         broadcast_parameters(model, src=mesh.axis_ranks("dp")[0], group=mesh.dp_group)
     if runner is not None:
         runner.tied.broadcast()
-    _apply_activation_checkpointing(cfg, model)  # after TP and PP, before the precision cast
+    _apply_activation_checkpointing(cfg, model, mesh)  # after TP and PP, before the cast
     model.to(compute_dtype(cfg))
     opt = _build_optimizer(cfg, model, optimizer, model_parameters)
     isolate = runner.tied.all_params() if runner is not None else []
@@ -217,6 +217,7 @@ def _refuse_unimplemented(cfg: Config, mpu: Any) -> None:
     if cfg.tensor_parallel.size > 1 and cfg.zero_optimization.stage == 3:
         todo.append("zero_optimization.stage=3 with tensor_parallel.size > 1 (use stage 1 or 2)")
     todo += _unbuilt_options(cfg)
+    _refuse_conflicts(cfg)
     if mpu is not None:
         todo.append("mpu (pass tensor_parallel/pipeline sizes in the config instead)")
     if todo:
@@ -224,6 +225,17 @@ def _refuse_unimplemented(cfg: Config, mpu: Any) -> None:
             f"not implemented yet in shardwise: {', '.join(todo)}. Remove or disable these "
             "keys; see docs/config.md for the status of each feature",
             key=todo[0].split("=")[0],
+        )
+
+
+def _refuse_conflicts(cfg: Config) -> None:
+    if cfg.activation_checkpointing.partition_activations and cfg.tensor_parallel.sequence_parallel:
+        raise ConfigError(
+            "activation_checkpointing.partition_activations splits a block input that every "
+            "tensor-parallel rank holds whole; with tensor_parallel.sequence_parallel each rank "
+            "already holds only its 1/N of the sequence, so there is nothing to split. Set "
+            "partition_activations to false (sequence parallelism saves that memory already)",
+            key="activation_checkpointing.partition_activations",
         )
 
 
@@ -251,11 +263,16 @@ def _unbuilt_options(cfg: Config) -> list[str]:
     return todo
 
 
-def _apply_activation_checkpointing(cfg: Config, model: nn.Module) -> None:
+def _apply_activation_checkpointing(cfg: Config, model: nn.Module, mesh: ProcessMesh) -> None:
     from shardwise.parallel.activation import apply_activation_checkpointing
 
-    layers = cfg.activation_checkpointing.checkpoint_layers
-    apply_activation_checkpointing(model, layers, key="activation_checkpointing.checkpoint_layers")
+    block = cfg.activation_checkpointing
+    # partition_activations with one TP rank: nothing to split over (DeepSpeed: the same).
+    group = mesh.tp_group if block.partition_activations and mesh.topology.tp > 1 else None
+    key = "activation_checkpointing.checkpoint_layers"
+    apply_activation_checkpointing(model, block.checkpoint_layers, key=key, partition_group=group)
+    if hasattr(model, "activation_partition"):  # a PipelineModule's activation_checkpoint_interval
+        model.activation_partition.group = group
 
 
 def _log_start(cfg: Config, mesh: ProcessMesh, batch: Any) -> None:

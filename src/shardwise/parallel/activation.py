@@ -11,6 +11,9 @@ of X bytes: without checkpointing forward keeps L*A; with every block checkpoint
 L*X, plus the A of one block while that block is recomputed in backward. For the example GPT
 block, A is about 20 times X (tests/test_activation_checkpointing.py measures it).
 
+With ``partition_group`` (``partition_activations``), each tensor-parallel rank keeps 1/N of a
+chosen module's inputs instead of all of it (``shardwise.parallel.partitioned_checkpoint``).
+
 Applied after tensor parallelism (so a block recomputes its sharded layers and their
 collectives) and before the precision cast and ZeRO-3 (whose hooks then fire inside the
 recompute, gathering parameters as in the first forward).
@@ -24,16 +27,18 @@ from typing import Any
 
 from torch import nn
 
-from shardwise.checkpointing import checkpoint
+from shardwise.checkpointing import run_checkpointed
 from shardwise.config import ConfigError
 
 _INNER = "_shardwise_checkpointed_forward"  # the original forward, kept on the instance
+_GROUP = "_shardwise_checkpoint_group"  # partition_activations' group (or None), on the instance
 
 
 def apply_activation_checkpointing(
     model: nn.Module,
     checkpoint_layers: str | list[str | int] | None,
     key: str = "checkpoint_layers",
+    partition_group: Any = None,
 ) -> list[str]:
     """Checkpoint the modules ``checkpoint_layers`` chooses; returns their names, in model order.
 
@@ -43,6 +48,9 @@ def apply_activation_checkpointing(
     matches nothing, an index out of range, or a module chosen inside another chosen one raises
     ConfigError naming ``key`` (``initialize`` passes the config key). Applying twice is a no-op
     for modules already checkpointed.
+
+    ``partition_group``: a tensor-parallel group over which the chosen modules' inputs are
+    replicated; each rank then keeps 1/N of them (``partition_activations``).
     """
     names = resolve_checkpoint_layers(model, checkpoint_layers, key)
     modules = dict(model.named_modules())
@@ -51,6 +59,7 @@ def apply_activation_checkpointing(
         if _INNER not in module.__dict__:
             # Bound methods: deepcopy(model) rebinds both to the copy, as it should.
             module.__dict__[_INNER] = module.forward
+            module.__dict__[_GROUP] = GroupRef(partition_group)
             module.forward = types.MethodType(_checkpointed_forward, module)
     return names
 
@@ -61,7 +70,17 @@ def is_checkpointed(module: nn.Module) -> bool:
 
 
 def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    return checkpoint(self.__dict__[_INNER], *args, **kwargs)
+    return run_checkpointed(self.__dict__[_INNER], args, kwargs, self.__dict__[_GROUP].group)
+
+
+class GroupRef:
+    """A process group held by a module: ``deepcopy(model)`` shares it (groups are not copied)."""
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+
+    def __deepcopy__(self, memo: dict) -> GroupRef:
+        return self
 
 
 def resolve_checkpoint_layers(

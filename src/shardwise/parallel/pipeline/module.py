@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from shardwise import comm
+from shardwise.parallel.activation import GroupRef
 from shardwise.parallel.pipeline import partition as part
 from shardwise.parallel.pipeline.specs import (
     LayerSpec,
@@ -92,6 +93,8 @@ class PipelineModule(nn.Module):
         self.partition_method = partition_method
         self.activation_checkpoint_interval = activation_checkpoint_interval
         self.activation_checkpoint_func = activation_checkpoint_func
+        # partition_activations' tensor-parallel group, set by initialize (None: inputs kept whole)
+        self.activation_partition = GroupRef(None)
         self.checkpointable_layers = checkpointable_layers
         self.dynamic_shape = dynamic_shape
         self.class_names = [class_name(x) for x in specs]
@@ -290,10 +293,10 @@ class PipelineModule(nn.Module):
             return _run(chunk, a if packed else a[0])
 
         func = self.activation_checkpoint_func
-        if func is None:
-            from torch.utils.checkpoint import checkpoint
+        if func is None:  # shardwise's: replays the TP trackers' streams, partitions if asked
+            from shardwise.checkpointing import run_checkpointed
 
-            func = functools.partial(checkpoint, use_reentrant=False)
+            return run_checkpointed(run, args, {}, self.activation_partition.group)
         return func(run, *args)
 
 
