@@ -125,10 +125,6 @@ def test_backward_needs_a_scalar():
             {"tensor_parallel": {"size": 2}, "zero_optimization": {"stage": 3}},
             "zero_optimization.stage",
         ),
-        (
-            {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}},
-            "zero_optimization.offload_param",
-        ),
         ({"communication_data_type": "fp16"}, "communication_data_type"),
         (
             {"activation_checkpointing": {"cpu_checkpointing": True}},

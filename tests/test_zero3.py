@@ -21,6 +21,7 @@ Tolerances (the same as stages 1-2, tests/test_zero.py, for the same reasons).
 """
 
 import pytest
+import torch
 import torch.nn.functional as F
 from equivalence import assert_layout_matches, engine_run, reference_run
 from harness import run_distributed
@@ -30,6 +31,7 @@ import shardwise
 from shardwise import comm
 
 CLIP = 0.05
+CPU = {"device": "cpu"}
 
 # (name, model, dp, gas, dtype, optimizer, extra zero_optimization keys)
 LAYOUTS = [
@@ -67,6 +69,17 @@ LAYOUTS = [
     ("z3-dp2-gas3-uneven-bf16", "uneven", 2, 3, "bf16", "sgd", {}),
     # a module called twice per forward and a weight tied across two modules
     ("z3-dp4-gas3-tied", "tied", 4, 3, "fp32", "sgd", {}),
+    # shards kept on the offload device between uses, gathered to the compute device
+    ("z3-dp2-gas3-offload-param", "tiny", 2, 3, "fp32", "adamw", {"offload_param": CPU}),
+    (
+        "z3-dp4-bf16-offload-param-and-optimizer",
+        "tiny",
+        4,
+        1,
+        "bf16",
+        "sgd",
+        {"offload_param": CPU, "offload_optimizer": CPU, "stage3_param_persistence_threshold": 40},
+    ),
 ]
 
 
@@ -100,6 +113,25 @@ def test_layout_trains_like_one_process(name, model, dp, gas, dtype, opt_name, z
     assert_layout_matches(results, want, name, opt_name, dtype, CLIP)
     for rank, got in enumerate(results):
         assert got["memory"]["comm_buffers"] == 0, f"{name} rank {rank}: gathered buffers left"
+
+
+def test_offload_param_keeps_each_shard_on_the_offload_device_and_nothing_whole():
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "zero_optimization": zero3(offload_param={"device": "cpu", "pin_memory": True}),
+    }
+    engine, *_ = shardwise.initialize(model=make_model(), config=config)
+    x, y = make_data(2)
+    engine.backward(F.mse_loss(engine(x), y))
+    engine.step()
+    compute = next(iter(engine.strategy.units)).compute_device
+    for i, u in enumerate(engine.strategy.units):
+        tag = f"unit {i}"
+        assert u.shard.device == torch.device("cpu"), f"{tag}: shard on {u.shard.device}"
+        assert u.compute_device == compute, f"{tag}: computes on {u.compute_device}"
+        assert u.full is None and all(p.numel() == 0 for p in u.params), f"{tag}: left whole"
+        assert u.grad_shard.device == compute, f"{tag}: gradient shard off the compute device"
 
 
 # ----------------------------------------------------------------------------- memory

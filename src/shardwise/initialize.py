@@ -212,8 +212,6 @@ def _refuse_unimplemented(cfg: Config, mpu: Any) -> None:
     todo = []
     if cfg.zero_optimization.stage > 3:
         todo.append(f"zero_optimization.stage={cfg.zero_optimization.stage}")
-    if cfg.zero_optimization.offload_param is not None:
-        todo.append("zero_optimization.offload_param")
     if cfg.tensor_parallel.size > 1 and cfg.zero_optimization.stage == 3:
         todo.append("zero_optimization.stage=3 with tensor_parallel.size > 1 (use stage 1 or 2)")
     todo += _unbuilt_options(cfg)

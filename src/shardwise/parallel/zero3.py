@@ -25,6 +25,12 @@ gradient cannot wait: its parameters are released) and accumulate in the gradien
 Norm for clipping: every rank's reduced shards, summed over the group, plus the persistent
 gradients once (rank 0 adds them).
 
+``offload_param`` keeps each rank's shards on the offload device (host memory) between uses:
+a gather first copies the shard to the compute device, where the gathered flat buffer, the
+gradients and the gradient shard live; the optimizer step reads the gradient shard on the
+master's device and writes the new values back into the offloaded shard. With
+``offload_optimizer`` too, master and states are in host memory and the step runs there.
+
 Why units are per module (DeepSpeed's choice) rather than per block (FSDP's): the hooks need
 no wrapping policy, a tied or reused parameter belongs to one unit that every module using it
 gathers, and the live memory is one module plus the prefetch window; prefetch hides the
@@ -62,6 +68,8 @@ class Zero3Strategy:
         optimizer: torch.optim.Optimizer,
         group: Any = None,
         offload_device: torch.device | None = None,
+        param_offload_device: torch.device | None = None,
+        pin_memory: bool = False,
         persistence_threshold: int = 0,
         model_persistence_threshold: int = 2**62,
         prefetch_elements: int = 50_000_000,
@@ -72,6 +80,7 @@ class Zero3Strategy:
         self.world = comm.get_world_size(group)
         self.rank = comm.get_rank(group)
         self.offload_device = offload_device
+        self.param_offload_device, self.pin_memory = param_offload_device, pin_memory
         self.norm_group = group if self.world > 1 else clip.LOCAL
         self.live = LiveCount()
         self.units: list[Unit] = []
@@ -98,11 +107,14 @@ class Zero3Strategy:
         offload_device: torch.device | None = None,
     ) -> Zero3Strategy:
         """From the ``zero_optimization`` block (config.zero.ZeroConfig)."""
+        param = zero.offload_param
         return cls(
             module,
             optimizer,
             group=group,
             offload_device=offload_device,
+            param_offload_device=torch.device(param.device) if param is not None else None,
+            pin_memory=param is not None and param.pin_memory,
             persistence_threshold=zero.stage3_param_persistence_threshold,
             model_persistence_threshold=zero.stage3_model_persistence_threshold,
             prefetch_elements=zero.stage3_prefetch_bucket_size,
@@ -150,16 +162,26 @@ class Zero3Strategy:
         flat = torch.zeros(layout.padded, dtype=params[0].dtype, device=params[0].device)
         for i, p in enumerate(params):
             layout.view(flat, i).copy_(full_value(p))
-        shard = flat if persistent else layout.shard(flat, self.rank).clone()
-        u = Unit(layout, shard, persistent, self.group, self.rank, self.live)
+        shard = flat if persistent else self._keep(layout.shard(flat, self.rank))
+        u = Unit(layout, shard, persistent, self.group, self.rank, self.live, device=flat.device)
         for i, p in enumerate(params):
             for name in ("ds_tensor", "ds_group"):
                 if hasattr(p, name):
                     delattr(p, name)
             p.ds_shape, p.ds_numel, p._shardwise_unit = layout.shapes[i], _numel(p), u
-            p.data = layout.view(flat, i) if persistent else shard.new_empty(0)
+            p.data = layout.view(flat, i) if persistent else flat.new_empty(0)
         self.units.append(u)
         return u
+
+    def _keep(self, shard: torch.Tensor) -> torch.Tensor:
+        """A copy of this rank's shard where it lives between uses: on the compute device, or
+        in host memory under offload_param (pinned if asked and an accelerator can use it)."""
+        if self.param_offload_device is None:
+            return shard.clone()
+        kept = shard.to(self.param_offload_device, copy=True)
+        if self.pin_memory and shard.device.type != "cpu":
+            kept = kept.pin_memory()
+        return kept
 
     def _master(self, shard: torch.Tensor) -> nn.Parameter:
         if shard.dtype == torch.float32 and self.offload_device is None:
@@ -210,8 +232,8 @@ class Zero3Strategy:
                 u.grad_shard = None
             else:
                 # The shard persists (the ZeRO paper counts it: 2 Psi / N in 16 bits).
-                if u.grad_shard is None:
-                    u.grad_shard = torch.zeros_like(u.shard)
+                if u.grad_shard is None:  # beside the gradients: on the compute device
+                    u.grad_shard = torch.zeros_like(u.shard, device=u.compute_device)
                 u.grad_shard.zero_()
 
     # ------------------------------------------------------------------ state

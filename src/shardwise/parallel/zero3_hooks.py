@@ -103,6 +103,13 @@ class Unit:
     send: torch.Tensor | None = None  # the flat gradient of a reduce-scatter in flight
     out: torch.Tensor | None = None
     rs_work: Any = None
+    # Where gathered parameters and gradients live; None: the shard's device. Differs from
+    # the shard's under offload_param (shard in host memory, compute on the accelerator).
+    device: torch.device | None = None
+
+    @property
+    def compute_device(self) -> torch.device:
+        return self.device if self.device is not None else self.shard.device
 
     @property
     def params(self) -> list[nn.Parameter]:
@@ -117,11 +124,11 @@ class Unit:
         if self.persistent or self.full is not None:
             return
         self.full = torch.empty(
-            self.layout.padded, dtype=self.shard.dtype, device=self.shard.device
+            self.layout.padded, dtype=self.shard.dtype, device=self.compute_device
         )
-        self.work = comm.all_gather_into_tensor(
-            self.full, self.shard, group=self.group, async_op=True
-        )
+        # Offloaded: copy the shard up first (the collective runs on the compute device).
+        shard = self.shard.to(self.compute_device, non_blocking=True)
+        self.work = comm.all_gather_into_tensor(self.full, shard, group=self.group, async_op=True)
         self.live.elements += self.layout.padded
 
     def materialize(self) -> None:
@@ -141,13 +148,13 @@ class Unit:
             self.work.wait()
             self.work = None
         for p in self.params:
-            p.data = self.shard.new_empty(0)
+            p.data = self.full.new_empty(0)
         self.full = None
         self.live.elements -= self.layout.padded
 
     def launch_reduce(self) -> None:
         """Flatten the gradients (missing ones as zero), free them, reduce-scatter async."""
-        send = torch.zeros(self.layout.padded, dtype=self.shard.dtype, device=self.shard.device)
+        send = torch.zeros(self.layout.padded, dtype=self.shard.dtype, device=self.compute_device)
         for i, p in enumerate(self.params):
             if p.grad is not None:
                 self.layout.view(send, i).copy_(p.grad)
