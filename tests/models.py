@@ -1,7 +1,24 @@
-"""Small deterministic models and data for the equivalence tests."""
+"""Small deterministic models and data for the equivalence tests, and the examples' modules."""
+
+import importlib.util
+import sys
+from pathlib import Path
 
 import torch
 from torch import nn
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def example_module(example: str, name: str):
+    """``examples/<example>/<name>.py`` as a module, loaded once under a unique name (several
+    examples have a model.py / data.py; dataclasses look their module up in sys.modules)."""
+    key = f"example_{example}_{name}"
+    if key not in sys.modules:
+        spec = importlib.util.spec_from_file_location(key, EXAMPLES / example / f"{name}.py")
+        sys.modules[key] = mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    return sys.modules[key]
 
 
 class TinyMLP(nn.Module):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -13,17 +12,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from models import example_module
 
 GPT_DIR = Path(__file__).resolve().parents[1] / "examples" / "gpt"
 
 
 def _load(name: str):
-    # Unique module names: other examples may also have a model.py / data.py.
-    spec = importlib.util.spec_from_file_location(f"example_gpt_{name}", GPT_DIR / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(mod)
-    return mod
+    return example_module("gpt", name)
 
 
 M = _load("model")

@@ -20,13 +20,11 @@ errors a bad plan gives.
 from __future__ import annotations
 
 import copy
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from harness import run_distributed
+from models import example_module
 from torch import nn
 
 from shardwise import comm
@@ -36,16 +34,10 @@ from shardwise.parallel.placement import get_placement
 
 ATOL = 2e-6
 B, T, V = 2, 8, 13  # V divisible by neither 2 nor 4: the vocabulary padding is exercised
-GPT_FILE = Path(__file__).resolve().parents[1] / "examples" / "gpt" / "model.py"
 
 
 def _gpt():
-    name = "example_gpt_model_parallelize"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, GPT_FILE)
-        sys.modules[name] = mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-    return sys.modules[name]
+    return example_module("gpt", "model")
 
 
 def make_gpt(**kw):

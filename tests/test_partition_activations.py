@@ -13,13 +13,10 @@ through the engine (TP2, TP4, DP2 x TP2, ZeRO-1/2) is in test_tp_engine.py.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from harness import run_distributed
+from models import example_module
 
 import shardwise
 from shardwise import comm
@@ -28,17 +25,11 @@ from shardwise.parallel.activation import apply_activation_checkpointing
 from shardwise.parallel.parallelize import parallelize
 
 B, T, C, LAYERS = 2, 8, 16, 3
-GPT_FILE = Path(__file__).resolve().parents[1] / "examples" / "gpt" / "model.py"
 MODES = ("no checkpointing", "checkpointing", "partitioned")
 
 
 def _gpt():
-    name = "example_gpt_model_partition"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, GPT_FILE)
-        sys.modules[name] = mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-    return sys.modules[name]
+    return example_module("gpt", "model")
 
 
 def tp_gpt(mode: str, dropout: float = 0.1):

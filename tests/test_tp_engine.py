@@ -17,29 +17,18 @@ wrong layout (a missing all-reduce, a norm weight counted twice) is off by 1e-2 
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from harness import run_distributed
-from models import rank_slice
+from models import example_module, rank_slice
 
 import shardwise
 
 STEPS, MB, T, LR, CLIP = 4, 2, 8, 0.05, 0.3
-GPT_FILE = Path(__file__).resolve().parents[1] / "examples" / "gpt" / "model.py"
 
 
 def _gpt_module():
-    name = "example_gpt_model_tp"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, GPT_FILE)
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
-    return sys.modules[name]
+    return example_module("gpt", "model")
 
 
 def make_gpt():
