@@ -31,6 +31,7 @@ from shardwise.checkpoint.storage import (
     CheckpointError,
     CheckpointReader,
     latest_tag,
+    resolve,
     save_pieces,
 )
 from shardwise.launch.cli import main as cli_main
@@ -273,6 +274,31 @@ def test_killed_save_leaves_the_previous_checkpoint(world, phase, tmp_path):
     with CheckpointReader(str(save_dir / "step1")) as r:
         r.verify_all()
         assert r.meta == {"step": 1} and r.read(r.pieces("model/b")[0])[3] == 3.0
+
+
+def test_a_save_killed_while_overwriting_its_tag_loses_nothing(tmp_path):
+    results = _run_kill_script(tmp_path, 1, "overwrite")
+    assert results[0][0] == 17, f"the rank did not die between the renames: {results}"
+    save_dir = tmp_path / "ckpts"
+    assert not (save_dir / "step1").exists(), "the kill came too late: nothing to recover"
+    assert [n for n in os.listdir(save_dir) if n.startswith(".step1.old-")], sorted(
+        os.listdir(save_dir)
+    )
+    # Loading the tag (here through ``latest``) puts the previous step1 back, whole.
+    with CheckpointReader(resolve(str(save_dir))) as r:
+        r.verify_all()
+        assert r.meta == {"step": 1}, "not the checkpoint that was complete"
+    assert sorted(n for n in os.listdir(save_dir) if not n.startswith(".")) == ["latest", "step1"]
+
+
+def test_the_next_save_restores_a_tag_an_interrupted_overwrite_moved_aside(tmp_path):
+    w = [Piece("model/w", (3,), ((0, 3),), None, torch.ones(3))]
+    save_pieces(str(tmp_path), "a", w, {}, {"step": 1})
+    os.rename(tmp_path / "a", tmp_path / ".a.old-123")  # as a kill between the renames leaves it
+    save_pieces(str(tmp_path), "b", w, {}, {"step": 2})
+    assert sorted(os.listdir(tmp_path)) == ["a", "b", "latest"], "the old 'a' was deleted"
+    with CheckpointReader(str(tmp_path / "a")) as r:
+        assert r.meta == {"step": 1}
 
 
 def _save_with_a_bad_rank(save_dir: str) -> str:

@@ -5,6 +5,8 @@
 PHASE ``write``: the last rank exits (code 17, no cleanup, like a SIGKILL) after it wrote part
 of its step2 file, while the other ranks wait for it. PHASE ``publish``: rank 0 exits when it
 is about to rename the finished step2 directory into place (everything written and synced).
+PHASE ``overwrite``: the second save writes ``step1`` again; rank 0 exits between moving the
+old ``step1`` aside and renaming the new one into place.
 """
 
 import datetime
@@ -58,7 +60,11 @@ def main() -> None:
         die_after_first_tensor()
     if phase == "publish" and rank == 0:
         os.rename = lambda *args: os._exit(17)
-    storage.save_pieces(save_dir, "step2", pieces(rank, world, 2), {"rank": rank}, {"step": 2})
+    if phase == "overwrite" and rank == 0:
+        rename = os.rename
+        os.rename = lambda a, b: rename(a, b) if ".old-" in b else os._exit(17)
+    tag = "step1" if phase == "overwrite" else "step2"
+    storage.save_pieces(save_dir, tag, pieces(rank, world, 2), {"rank": rank}, {"step": 2})
 
 
 if __name__ == "__main__":

@@ -134,6 +134,7 @@ def load_checkpoint(
                 load_dir,
             )
             return None, None
+    storage.recover(load_dir, str(tag))  # a save killed while overwriting this tag
     path = os.path.join(load_dir, str(tag))
     reader = storage.CheckpointReader(path)
     layout = _layout(engine)

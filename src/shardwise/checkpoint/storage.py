@@ -14,7 +14,9 @@ A save, collective over ``group``:
      ``latest`` through a temporary file; then rotation (``keep_last``);
   4. rank 0 broadcasts the outcome, so every rank returns (or raises) together.
 A process killed at any point before the rename leaves only a hidden directory: the previous
-checkpoint and ``latest`` are untouched. The filesystem must be shared by all ranks.
+checkpoint and ``latest`` are untouched. Killed between the two renames of an overwrite, it
+leaves ``<tag>`` missing and the previous one at ``.<tag>.old-<nonce>``: loading that tag, or
+the next save, renames it back (``recover``). The filesystem must be shared by all ranks.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ LATEST = "latest"
 RANK_STATE_KEY = "shardwise.rank_state"
 logger = logging.getLogger("shardwise")
 _TAG_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+=-]*")
+_OLD_RE = re.compile(r"\.(.+)\.old-\d+")  # a replaced <tag>, kept until its successor is in
 
 
 def save_pieces(
@@ -197,12 +200,41 @@ def _publish(
 
 def _remove_leftovers(save_dir: str) -> None:
     """Delete hidden directories that saves killed midway left behind (saves into one
-    directory are sequential: a job's next save finds no other save running)."""
+    directory are sequential: a job's next save finds no other save running). A previous
+    ``<tag>`` whose replacement never arrived is renamed back instead (``recover``)."""
     for name in os.listdir(save_dir):
+        old = _OLD_RE.fullmatch(name)
+        if old and recover(save_dir, old.group(1)):
+            continue
         if name.startswith(".") and re.search(r"\.(tmp|old|deleting)-\d+$", name):
             path = os.path.join(save_dir, name)
             if os.path.isdir(path):
                 shutil.rmtree(path, ignore_errors=True)
+
+
+def recover(save_dir: str, tag: str) -> bool:
+    """Put back ``<tag>`` if a save that overwrote it was killed between its two renames
+    (``<tag>`` gone, the complete previous one still at ``.<tag>.old-<nonce>``); True if
+    ``<tag>`` exists afterwards. Safe to call from every rank at once."""
+    final = os.path.join(save_dir, tag)
+    if os.path.exists(final) or not os.path.isdir(save_dir):
+        return os.path.exists(final)
+    for name in sorted(os.listdir(save_dir)):
+        old = _OLD_RE.fullmatch(name)
+        if (
+            old
+            and old.group(1) == tag
+            and os.path.isfile(os.path.join(save_dir, name, mf.MANIFEST))
+        ):
+            try:
+                os.rename(os.path.join(save_dir, name), final)
+                logger.warning(
+                    "%s: a save replacing it was interrupted; restored the previous %s", final, tag
+                )
+            except OSError:  # another rank put it back first
+                pass
+            break
+    return os.path.exists(final)
 
 
 def rotate(save_dir: str, keep_last: int, keep: str | None = None) -> list[str]:
@@ -249,6 +281,7 @@ def resolve(path: str, tag: str | None = None) -> str:
     itself if it holds a manifest, else the tag ``path/latest`` names."""
     if tag is not None:
         check_tag(tag)
+        recover(path, tag)
         return os.path.join(path, tag)
     if os.path.isfile(os.path.join(path, mf.MANIFEST)):
         return path
@@ -258,6 +291,7 @@ def resolve(path: str, tag: str | None = None) -> str:
             f"{path}: neither a checkpoint (no {mf.MANIFEST}) nor a save directory with a "
             f"'{LATEST}' file; pass a tag"
         )
+    recover(path, found)
     return os.path.join(path, found)
 
 
