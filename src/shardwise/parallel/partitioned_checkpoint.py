@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-from shardwise import comm
 from shardwise.parallel import random as tp_random
+from shardwise.parallel.tensor_comm import flat_chunk, unflat_gather
 
 
 def partitioned_checkpoint(
@@ -57,7 +57,7 @@ class _PartitionedCheckpoint(torch.autograd.Function):
             (a.shape, a.requires_grad) if isinstance(a, torch.Tensor) else ("value", a)
             for a in args
         ]
-        ctx.save_for_backward(*(_my_chunk(a, group) for a in args if isinstance(a, torch.Tensor)))
+        ctx.save_for_backward(*(flat_chunk(a, group) for a in args if isinstance(a, torch.Tensor)))
         return outputs
 
     @staticmethod
@@ -69,7 +69,7 @@ class _PartitionedCheckpoint(torch.autograd.Function):
                 inputs.append(kind[1])
                 continue
             shape, requires_grad = kind
-            full = _gather_chunks(next(chunks), shape, ctx.group)
+            full = unflat_gather(next(chunks), shape, ctx.group)
             inputs.append(full.detach().requires_grad_(requires_grad))
         with _replayed(ctx.rng), torch.enable_grad():
             outputs = ctx.function(*inputs)
@@ -88,26 +88,6 @@ class _PartitionedCheckpoint(torch.autograd.Function):
 def needs_plain_checkpoint(args: tuple) -> bool:
     """True when no tensor input requires grad (see the module doc: use the plain path)."""
     return not any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
-
-
-def _my_chunk(x: torch.Tensor, group: Any) -> torch.Tensor:
-    """Chunk ``rank`` of ``x`` flattened and zero-padded to N equal chunks, a copy: the full
-    input's storage must not stay alive through a view."""
-    n, rank = comm.get_world_size(group), comm.get_rank(group)
-    size = -(-x.numel() // n)
-    flat = x.detach().reshape(-1)
-    piece = flat[rank * size : (rank + 1) * size]
-    out = torch.zeros(size, dtype=x.dtype, device=x.device)
-    out[: piece.numel()] = piece
-    return out
-
-
-def _gather_chunks(chunk: torch.Tensor, shape: torch.Size, group: Any) -> torch.Tensor:
-    """The full input back from every rank's chunk: all-gather, drop the padding, reshape."""
-    n = comm.get_world_size(group)
-    full = torch.empty(n * chunk.numel(), dtype=chunk.dtype, device=chunk.device)
-    comm.all_gather_into_tensor(full, chunk, group=group)
-    return full[: shape.numel()].view(shape)
 
 
 def _rng_states(args: tuple) -> dict:

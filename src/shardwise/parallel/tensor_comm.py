@@ -206,3 +206,24 @@ def sum_grad_over_tp(param: torch.Tensor, group: Any) -> None:
         return
     param.register_hook(lambda grad: _all_reduce(grad, group))
     param._shardwise_tp_grad_sum = True
+
+
+def flat_chunk(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """Chunk ``rank`` of ``x`` flattened and zero-padded to N equal chunks of ceil(numel / N)
+    elements: a copy (a view would keep the whole storage alive). For a tensor every rank of
+    ``group`` holds whole, so that each keeps or sends only its 1/N."""
+    n, rank = comm.get_world_size(group), comm.get_rank(group)
+    size = -(-x.numel() // n)
+    piece = x.detach().reshape(-1)[rank * size : (rank + 1) * size]
+    out = torch.zeros(size, dtype=x.dtype, device=x.device)
+    out[: piece.numel()] = piece
+    return out
+
+
+def unflat_gather(chunk: torch.Tensor, shape: Any, group: Any) -> torch.Tensor:
+    """The whole tensor of ``shape`` back from every rank's ``flat_chunk``: one all-gather,
+    the padding dropped. Exact: an all-gather copies bytes."""
+    n = comm.get_world_size(group)
+    full = torch.empty(n * chunk.numel(), dtype=chunk.dtype, device=chunk.device)
+    comm.all_gather_into_tensor(full, chunk, group=group)
+    return full[: torch.Size(shape).numel()].view(shape)

@@ -4,7 +4,7 @@ What crosses a stage boundary is a tensor or a tuple of tensors. The receiver mu
 before it receives, so the first activation message of every batch (or every message, with
 ``dynamic_shape``) is preceded by its description, two small int64 messages:
 
-    [length]  then  [is_tuple, count, (dtype code, requires_grad, ndim, *shape) per tensor]
+    [length]  then  [partitioned, is_tuple, count, (dtype, requires_grad, ndim, *shape) per tensor]
 
 Later micro-batches of the batch reuse it (the sender checks that they match). Gradients need
 no description: the gradient of a tensor has its shape and dtype, and the sender of the
@@ -17,15 +17,28 @@ with that, the schedules of schedule.py cannot deadlock (``schedule.simulate`` c
 Ranks are global; messages use the default process group. Each message is tagged with the
 virtual stage it goes to (activations 2w, gradients 2w + 1), so that with the interleaved
 schedule, where two ranks exchange messages for several chunks, each lands where it belongs.
+
+Partitioned messages (DeepSpeed's ``pipe_partitioned`` / ``grad_partitioned``, on by default):
+with tensor parallelism (no sequence parallelism), what crosses a boundary is the same on the
+N tensor-parallel ranks of a stage, and each of them would send it whole to its peer. Instead
+TP rank t sends chunk t of the flattened tensor (ceil(numel / N) elements, ``flat_chunk``) and
+the receiving stage's TP ranks all-gather the chunks (``unflat_gather``): the p2p bytes drop
+N-fold, paid by one all-gather inside the TP group (on GPUs, the fast intra-node links).
+Tensors with fewer than N elements go whole. The first message of a link checks, once, that
+the TP ranks really hold the same tensors (a stage ending in a split layer would not); if not,
+the link warns, naming the key, and sends whole tensors. The description carries the choice
+for activations; for gradients one small flag message precedes the link's first gradients.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
 
 from shardwise import comm
+from shardwise.parallel.tensor_comm import flat_chunk, unflat_gather
 
 _DTYPES = [
     torch.float32,
@@ -40,6 +53,7 @@ _DTYPES = [
     torch.bool,
 ]
 _CODE = {d: i for i, d in enumerate(_DTYPES)}
+logger = logging.getLogger("shardwise")
 
 
 class PipeShapeError(RuntimeError):
@@ -72,9 +86,22 @@ class StageLink:
     neighbours ``prev`` / ``next`` (global ranks, or None at the ends of the pipeline)."""
 
     def __init__(
-        self, prev: int | None, next: int | None, dynamic_shape: bool = False, virtual: int = 0
+        self,
+        prev: int | None,
+        next: int | None,
+        dynamic_shape: bool = False,
+        virtual: int = 0,
+        act_group: Any = None,
+        grad_group: Any = None,
     ) -> None:
+        """``act_group`` / ``grad_group``: the tensor-parallel group over which activations /
+        gradients are sent partitioned (None: whole)."""
         self.prev, self.next = prev, next
+        self.act_group, self.grad_group = act_group, grad_group
+        # Decided on the first message (None: not yet): partitioned, or whole after all.
+        self._act_split: bool | None = None
+        self._grad_split: bool | None = None  # the gradients this link sends
+        self._grad_split_in: bool | None = None  # the gradients it receives
         self.act_in, self.act_out = 2 * virtual, 2 * (virtual + 1)
         self.grad_in, self.grad_out = 2 * virtual + 1, 2 * (virtual - 1) + 1
         self.dynamic_shape = dynamic_shape
@@ -93,7 +120,9 @@ class StageLink:
 
     def send_activation(self, x: Any) -> None:
         tensors = as_tuple(x, "a stage's output")
-        meta = _describe(x, tensors)
+        if self._act_split is None:
+            self._act_split = _decide(tensors, self.act_group, "pipe_partitioned", self.next)
+        meta = [int(self._act_split), *_describe(x, tensors)]
         if self.dynamic_shape or self._sent_meta is None:
             self._isend(torch.tensor([len(meta)], dtype=torch.int64), self.next, self.act_out)
             self._isend(torch.tensor(meta, dtype=torch.int64), self.next, self.act_out)
@@ -103,8 +132,9 @@ class StageLink:
                 f"the activation sent to rank {self.next} changed within a batch (description "
                 f"{self._sent_meta} -> {meta}): pass dynamic_shape=True to PipelineModule"
             )
+        group = self.act_group if self._act_split else None
         for t in tensors:
-            self._isend(t, self.next, self.act_out)
+            self._isend(_outgoing(t, group), self.next, self.act_out)
 
     def recv_activation(self, requires_grad: bool) -> Any:
         """The previous stage's output; floating tensors require grad when training."""
@@ -114,14 +144,14 @@ class StageLink:
             meta = torch.zeros(int(length.item()), dtype=torch.int64)
             comm.recv(meta, self.prev, tag=self.act_in)
             self._recv_meta = meta.tolist()
-        is_tuple, count, *rest = self._recv_meta
+        split, is_tuple, count, *rest = self._recv_meta
+        group = self.act_group if split else None
         tensors, at = [], 0
         for _ in range(count):
             code, grad, ndim = rest[at : at + 3]
             shape = rest[at + 3 : at + 3 + ndim]
             at += 3 + ndim
-            t = torch.empty(shape, dtype=_DTYPES[code])
-            comm.recv(t, self.prev, tag=self.act_in)
+            t = self._recv(shape, _DTYPES[code], self.prev, self.act_in, group)
             if requires_grad and t.is_floating_point() and grad:
                 t.requires_grad_()
             tensors.append(t)
@@ -129,22 +159,77 @@ class StageLink:
 
     def send_grads(self, inputs: Any) -> None:
         """The gradients of the received tensors that require grad (zeros where none)."""
-        for t in as_tuple(inputs, "a received activation"):
-            if t.requires_grad:
-                grad = t.grad if t.grad is not None else torch.zeros_like(t)
-                self._isend(grad, self.prev, self.grad_out)
+        grads = tuple(
+            t.grad if t.grad is not None else torch.zeros_like(t)
+            for t in as_tuple(inputs, "a received activation")
+            if t.requires_grad
+        )
+        if self._grad_split is None and self.grad_group is not None:
+            self._grad_split = _decide(grads, self.grad_group, "grad_partitioned", self.prev)
+            flag = torch.tensor([int(self._grad_split)], dtype=torch.int64)
+            self._isend(flag, self.prev, self.grad_out)  # once: the receiver cannot tell
+        group = self.grad_group if self._grad_split else None
+        for grad in grads:
+            self._isend(_outgoing(grad, group), self.prev, self.grad_out)
 
     def recv_grads(self, outputs: Any) -> list[torch.Tensor]:
         """Gradients for the tensors of ``outputs`` that require grad (as sent), in order."""
+        if self._grad_split_in is None and self.grad_group is not None:
+            flag = torch.zeros(1, dtype=torch.int64)
+            comm.recv(flag, self.next, tag=self.grad_in)
+            self._grad_split_in = bool(flag.item())
+        group = self.grad_group if self._grad_split_in else None
         grads = []
         for t in as_tuple(outputs, "a stage's output"):
             if t.requires_grad:
-                g = torch.empty_like(t, memory_format=torch.contiguous_format)
-                comm.recv(g, self.next, tag=self.grad_in)
-                grads.append(g)
+                grads.append(self._recv(t.shape, t.dtype, self.next, self.grad_in, group))
         return grads
+
+    def _recv(self, shape: Any, dtype: torch.dtype, src: int, tag: int, group: Any) -> torch.Tensor:
+        """A tensor of ``shape`` from ``src``: whole, or this rank's chunk then all-gathered."""
+        if not _split(torch.Size(shape).numel(), group):
+            t = torch.empty(shape, dtype=dtype)
+            comm.recv(t, src, tag=tag)
+            return t
+        chunk = torch.empty(
+            -(-torch.Size(shape).numel() // comm.get_world_size(group)), dtype=dtype
+        )
+        comm.recv(chunk, src, tag=tag)
+        return unflat_gather(chunk, shape, group)
 
     def wait_sends(self) -> None:
         for work, _ in self._pending:
             work.wait()
         self._pending.clear()
+
+
+def _split(numel: int, group: Any) -> bool:
+    """Whether a tensor of ``numel`` elements travels partitioned over ``group``."""
+    return group is not None and numel >= comm.get_world_size(group) > 1
+
+
+def _outgoing(t: torch.Tensor, group: Any) -> torch.Tensor:
+    return flat_chunk(t, group) if _split(t.numel(), group) else t
+
+
+def _decide(tensors: tuple[torch.Tensor, ...], group: Any, key: str, peer: int | None) -> bool:
+    """Whether this link sends in 1/N chunks over ``group``: only if every rank of it holds
+    the same ``tensors`` (a collective over ``group``, compared through a checksum per tensor:
+    its sum and sum of squares in float64). Otherwise a warning, and whole tensors."""
+    if group is None or comm.get_world_size(group) == 1:
+        return False
+    sums = torch.tensor(
+        [v for t in tensors for v in (t.double().sum().item(), t.double().square().sum().item())],
+        dtype=torch.float64,
+    )
+    seen = torch.empty(comm.get_world_size(group) * sums.numel(), dtype=torch.float64)
+    comm.all_gather_into_tensor(seen, sums, group=group)
+    same = torch.equal(seen.view(-1, sums.numel()), sums.expand(seen.numel() // sums.numel(), -1))
+    if not same and comm.get_rank(group) == 0:
+        logger.warning(
+            "pipeline.%s: what this stage sends to rank %s differs across its tensor-parallel "
+            "ranks (does its last layer leave it split?): sent whole, not in 1/N chunks",
+            key,
+            peer,
+        )
+    return same

@@ -46,7 +46,9 @@ class PipelineRunner:
         schedule: str = "1f1b",
         compute_dtype: torch.dtype = torch.float32,
         loss_fn: Any = None,
+        partitioned: tuple[bool, bool] = (False, False),
     ) -> None:
+        """``partitioned``: (activations, gradients) sent in 1/TP chunks (p2p.py)."""
         if module.chunks > 1 and schedule != "interleaved":
             raise ValueError(
                 f'pipeline.schedule="{schedule}" runs one chunk per stage, but the '
@@ -60,6 +62,8 @@ class PipelineRunner:
         self.peers = mesh.axis_ranks("pp")
         s = self.stage_id
         self.chunks = module.chunks
+        tp = mesh.tp_group if mesh.topology.tp > 1 else None
+        self.split_groups = tuple(tp if on else None for on in partitioned)
         self.stage_group, self.stage_root = _stage_group(mesh)
         self.tied = TiedWeights(module, mesh)
         self.executor = StageExecutor(
@@ -79,7 +83,7 @@ class PipelineRunner:
         w, last = self.module.virtual_stage(chunk), self.stages * self.chunks - 1
         prev = self.peers[(w - 1) % self.stages] if w > 0 else None
         nxt = self.peers[(w + 1) % self.stages] if w < last else None
-        return StageLink(prev, nxt, self.module.dynamic_shape, virtual=w)
+        return StageLink(prev, nxt, self.module.dynamic_shape, w, *self.split_groups)
 
     def broadcast_stage(self) -> None:
         """Every rank of this stage (its data x tensor ranks) takes the stage's first rank's

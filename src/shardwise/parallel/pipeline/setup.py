@@ -128,7 +128,10 @@ def bind_pipeline(
         )
     if pp == 1:
         return None
-    return PipelineRunner(model, mesh, cfg.pipeline.schedule, dtype, loss_fn)
+    # Sequence parallelism leaves boundary activations split along the sequence: sent whole.
+    sp = cfg.tensor_parallel.sequence_parallel
+    split = (cfg.pipeline.pipe_partitioned and not sp, cfg.pipeline.grad_partitioned and not sp)
+    return PipelineRunner(model, mesh, cfg.pipeline.schedule, dtype, loss_fn, split)
 
 
 def stage_plan(model: nn.Module, plan: dict[str, str], mesh: Any) -> dict[str, str]:
