@@ -2,6 +2,7 @@
 DeepSpeed's ``tag_validation`` (ranks passing different tags). Parsing of the block's other
 keys is in test_config.py."""
 
+import json
 import logging
 import os
 
@@ -61,3 +62,24 @@ def test_tag_validation_when_ranks_pass_different_tags(mode, tmp_path):
         assert bool(r["warned"]) == warns, f"{tag}: warnings {r['warned']}"
     left = sorted(os.listdir(tmp_path))
     assert left == ([] if mode == "Fail" else ["latest", "t0"]), f"tag_validation={mode}: {left}"
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_verify_decides_whether_a_flipped_byte_is_caught(verify, tmp_path):
+    engine = engine_for(config(), 0.0, seed=0)
+    engine.train_batch()
+    save(engine, str(tmp_path))
+    rank_file = tmp_path / "global_step1" / "rank_00000.safetensors"
+    raw = bytearray(rank_file.read_bytes())
+    n = int.from_bytes(raw[:8], "little")  # safetensors: header length, JSON header, data
+    header = json.loads(raw[8 : 8 + n])
+    key = next(k for k in header if k.startswith("model/"))
+    raw[8 + n + header[key]["data_offsets"][0]] ^= 0x01  # a weight's byte: only a checksum sees it
+    rank_file.write_bytes(bytes(raw))
+    fresh = engine_for(config(checkpoint={"verify": verify}), 0.0, seed=99)
+    if verify:
+        with pytest.raises(CheckpointError, match="rank_00000.safetensors"):
+            load(fresh, str(tmp_path))
+    else:  # the documented trade-off: sizes and headers only
+        path, _ = load(fresh, str(tmp_path))
+        assert path.endswith("global_step1"), "verify=false must still load"

@@ -136,7 +136,7 @@ def load_checkpoint(
             return None, None
     storage.recover(load_dir, str(tag))  # a save killed while overwriting this tag
     path = os.path.join(load_dir, str(tag))
-    reader = storage.CheckpointReader(path)
+    reader = storage.CheckpointReader(path, verify=engine.config.checkpoint.verify)
     layout = _layout(engine)
     _load_model(engine, reader, layout, load_module_strict)
     shared = reader.rank_state(0)

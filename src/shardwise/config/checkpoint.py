@@ -43,7 +43,8 @@ class CheckpointConfig:
 
     ``keep_last``: after each save, delete all but the ``keep_last`` newest complete checkpoints
     of the save directory (never the one just written nor the one ``latest`` names); null keeps
-    everything, as DeepSpeed does.
+    everything, as DeepSpeed does. ``verify``: ``load_checkpoint`` checks the CRC-32 of every
+    chunk it reads (false: sizes and headers only, about twice as fast from the page cache).
     """
 
     EXAMPLE: ClassVar[str] = '{"keep_last": 3}'
@@ -52,6 +53,7 @@ class CheckpointConfig:
     }
 
     keep_last: int | None = spec(None, ge=1)
+    verify: bool = True
     tag_validation: str = "Warn"
     load_universal: bool = False
     use_node_local_storage: bool = False
