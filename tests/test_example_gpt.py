@@ -260,6 +260,9 @@ LAYOUTS = [
     ("pp2", 2, ("--pp", "2", "--micro-batch", "2", "--grad-accum", "4")),
     ("dp2-pp2-tp2", 8, ("--dp", "2", "--pp", "2", "--tp", "2", "--micro-batch", "2",
                         "--grad-accum", "2")),
+    # The second stage receives the sequence already split (sequence parallelism).
+    ("pp2-tp2-sp", 4, ("--pp", "2", "--tp", "2", "--sp", "--micro-batch", "2",
+                       "--grad-accum", "4")),
 ]  # fmt: skip
 
 

@@ -62,6 +62,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dp", type=int, default=0, help="data-parallel size (0: what remains)")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    p.add_argument(
+        "--sp", action="store_true", help="sequence parallelism between the TP regions (--tp > 1)"
+    )
     p.add_argument("--config", default=None, help="JSON file merged over the built config")
     p.add_argument("--sample-chars", type=int, default=300, help="length of the final sample")
     args = p.parse_args(argv)
@@ -100,7 +103,7 @@ def build_config(args: argparse.Namespace) -> dict:
     if args.pp > 1:
         cfg["pipeline"] = {"stages": args.pp}
     if args.tp > 1:
-        cfg["tensor_parallel"] = {"size": args.tp}
+        cfg["tensor_parallel"] = {"size": args.tp, "sequence_parallel": args.sp}
         if args.pp > 1:  # GPT.tp_plan, named as the PipelineModule names the layers
             cfg["tensor_parallel"]["plan"] = pipeline_tp_plan(args.n_layer)
     if args.config:

@@ -181,7 +181,10 @@ def _apply_tensor_parallel(
         plan = stage_plan(model, plan, mesh)
         if not plan:  # this stage has no split layer: every TP rank runs it whole
             return
-    parallelize(model, plan, mesh, sequence_parallel=cfg.tensor_parallel.sequence_parallel)
+    # With sequence parallelism, stages after the first receive the sequence already split.
+    first = runner is None or runner.stage_id == 0
+    sp = cfg.tensor_parallel.sequence_parallel
+    parallelize(model, plan, mesh, sequence_parallel=sp, split_entry=first)
     if not isinstance(optimizer, torch.optim.Optimizer):
         return
     now = {id(p) for p in model.parameters()}

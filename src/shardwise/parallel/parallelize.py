@@ -293,11 +293,14 @@ def parallelize(
     sequence_parallel: bool = False,
     seq_dim: int = 1,
     rng_tracker: tp_random.RNGStatesTracker | None = None,
+    split_entry: bool = True,
 ) -> nn.Module:
     """Split ``model``'s layers over the tensor-parallel group, in place, and return it.
 
     ``mesh_or_group``: a ProcessMesh (its ``tp_group``) or a process group. Every TP rank must
     call this with the same, identically initialized model. See the module doc for styles.
+    ``split_entry=False``: with sequence parallelism, the model's input arrives already split
+    along the sequence (a pipeline stage after the first), so no module splits it.
     """
     group, rank = _tp_of(mesh_or_group)
     tp = comm.get_world_size(group)
@@ -316,6 +319,7 @@ def parallelize(
     tp_random.ensure_tp_stream(rank, tracker)
     ctx = _Context(group, tp, sequence_parallel, seq_dim, tracker)
     entry = next((n for n, s in matches.items() if s == "sequence_parallel"), None)
+    entry = entry if split_entry else None
     for name, style in matches.items():
         _apply(model, name, style, ctx, entry=name == entry)
     _check_ties(model, ctx)
