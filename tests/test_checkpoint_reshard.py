@@ -38,6 +38,7 @@ from shardwise.parallel.zero import ZeroStrategy
 BF16 = {"enabled": True}
 Z3 = {"stage": 3, "stage3_param_persistence_threshold": 40}  # biases whole, weights sharded
 TP2 = {"size": 2, "plan": MLP_PLAN}
+CPU = {"device": "cpu"}
 PIPE_TP2, PP2 = {"size": 2, "plan": PIPE_PLAN}, {"stages": 2}
 LAYOUTS = {  # name: (world size, config keys[, model]); the global batch is 8 in each
     "single": (1, {}),
@@ -47,6 +48,10 @@ LAYOUTS = {  # name: (world size, config keys[, model]); the global batch is 8 i
     "zero2-dp4": (4, {"zero_optimization": {"stage": 2}}),
     "zero3-dp2": (2, {"zero_optimization": Z3}),
     "zero3-dp4": (4, {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}),
+    "zero3-offload-dp2": (
+        2,
+        {"zero_optimization": {**Z3, "offload_param": CPU, "offload_optimizer": CPU}},
+    ),
     "bf16-single": (1, {"bf16": BF16}),
     "bf16-zero2-dp2": (2, {"bf16": BF16, "zero_optimization": {"stage": 2}}),
     "bf16-zero3-dp2": (2, {"bf16": BF16, "zero_optimization": Z3}),
@@ -73,6 +78,7 @@ PAIRS = [  # (saved under, loaded under)
     ("dp2", "zero3-dp2"),
     ("zero2-dp4", "dp2"),
     ("zero3-dp2", "zero1-dp2"),
+    ("zero3-offload-dp2", "zero2-dp4"),
     ("bf16-zero2-dp2", "bf16-zero3-dp2"),
     ("bf16-zero3-dp2", "bf16-single"),
     ("tp2", "single"),

@@ -22,12 +22,18 @@ FP16 = {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 2, "hyst
 Z3 = {"stage": 3, "stage3_param_persistence_threshold": 40}  # biases whole, weights sharded
 
 TP2 = {"size": 2, "plan": MLP_PLAN}
+CPU = {"device": "cpu"}
 RESUME = {  # name: (world size, config keys[, model]: checkpointing.MODELS, "mlp" if not given)
     "single": (1, {}),
     "dp2": (2, {}),
     "zero1-dp2": (2, {"zero_optimization": {"stage": 1}}),
     "zero2-dp2": (2, {"zero_optimization": {"stage": 2}}),
     "zero3-dp2": (2, {"zero_optimization": Z3}),
+    # shards in host memory between uses, master and Adam states there too
+    "zero3-offload-dp2": (
+        2,
+        {"zero_optimization": {**Z3, "offload_param": CPU, "offload_optimizer": CPU}},
+    ),
     "bf16-dp2": (2, {"bf16": {"enabled": True}}),  # ZeRO-0: replicated fp32 masters
     "bf16-zero2-dp2": (2, {"bf16": {"enabled": True}, "zero_optimization": {"stage": 2}}),
     "fp16-dp2": (2, {"fp16": FP16}),
