@@ -59,6 +59,10 @@ ROWS = [
     ("tp2-pp2-1f1b-m2", "blocks", 1, 2, "1f1b", 2, {"tp": 2}),
     ("tp2-pp2-gpipe-zero1-m3", "blocks", 1, 2, "gpipe", 3, {"tp": 2, "zero": 1}),
     ("dp2-pp2-tp2-zero1-m2", "blocks", 2, 2, "1f1b", 2, {"tp": 2, "zero": 1}),  # 8 processes
+    # A tied embedding (replicated over TP) on the first and last stage, and a plan naming the
+    # stage's own layers ("1", "3"): their replacement must be what the stage runs (it once
+    # kept running the unsplit layers, and the split ones, in the optimizer, never trained).
+    ("tp2-pp2-tied-m2", "lm", 1, 2, "1f1b", 2, {"tp": 2, "plan": {"1": "colwise", "3": "rowwise"}}),
     # Checkpointed stage layers whose kept inputs are split over the TP pair.
     ("tp2-pp2-ckpt-partitioned-m2", "blocks", 1, 2, "1f1b", 2, {"tp": 2, "partition": True}),
 ]
@@ -67,6 +71,7 @@ ROWS = [
 def _train(model, pp, schedule, gas, options) -> dict:
     options = dict(options)
     zero, bf16, tp = options.pop("zero", 0), options.pop("bf16", False), options.pop("tp", 1)
+    plan = options.pop("plan", BLOCKS_PLAN)
     partition = options.pop("partition", False)
     if partition:
         options["activation_checkpoint_interval"] = 1
@@ -79,7 +84,7 @@ def _train(model, pp, schedule, gas, options) -> dict:
         # Small buckets: several per stage, parameters straddling ZeRO shard boundaries.
         "zero_optimization": {"stage": zero, "reduce_bucket_size": 300},
         "bf16": {"enabled": bf16},
-        "tensor_parallel": {"size": tp, "plan": BLOCKS_PLAN if tp > 1 else None},
+        "tensor_parallel": {"size": tp, "plan": plan if tp > 1 else None},
         "activation_checkpointing": {"partition_activations": partition},
     }
     module = pipeline_module(model, pp, **options)

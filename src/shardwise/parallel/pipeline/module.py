@@ -146,6 +146,7 @@ class PipelineModule(nn.Module):
         self.tied_weight_attrs: dict[str, list[str]] = {}
         self.tied_stages = self._tied_stages()
         self._funcs: list[tuple[int, Callable, int]] = []  # (layer index, callable, chunk)
+        self._tied_layers: dict[int, tuple[str, Callable | None]] = {}  # idx -> (key, forward_fn)
         for idx, spec in enumerate(self._specs):
             chunk = self._chunk_of(idx)
             if isinstance(spec, TiedLayerSpec):
@@ -224,9 +225,8 @@ class PipelineModule(nn.Module):
                 if here:
                     self.tied_modules[key] = module
         if chunk is not None:
-            module = self.tied_modules[key]
-            fn = functools.partial(spec.forward_fn, module) if spec.forward_fn else module
-            self._funcs.append((idx, fn, chunk))
+            self._tied_layers[idx] = (key, spec.forward_fn)
+            self._funcs.append((idx, self.tied_modules[key], chunk))
 
     def _tied_stages(self) -> dict[str, list[int]]:
         """For every tied key, the stages holding a layer that uses it (the same on all ranks)."""
@@ -271,13 +271,24 @@ class PipelineModule(nn.Module):
             )
         x = inputs[0] if len(inputs) == 1 else inputs
         interval = self.activation_checkpoint_interval
-        funcs = [fn for _, fn, c in self._funcs if chunk is None or c == chunk]
+        funcs = [self._current(i, fn) for i, fn, c in self._funcs if chunk is None or c == chunk]
         if interval <= 0 or not (self.training and torch.is_grad_enabled()):
             return _run(funcs, x)
         for start in range(0, len(funcs), interval):
             run = funcs[start : start + interval]
             x = self._checkpointed(run, x) if self._checkpointable(run) else _run(run, x)
         return x
+
+    def _current(self, idx: int, fn: Callable) -> Callable:
+        """Layer ``idx`` as the module tree holds it now: tensor parallelism (or any user)
+        may have replaced a layer module in place since the stage was built."""
+        if idx in self._tied_layers:
+            key, forward_fn = self._tied_layers[idx]
+            module = self.tied_modules[key]
+            return functools.partial(forward_fn, module) if forward_fn else module
+        if isinstance(fn, nn.Module):
+            return self._modules.get(str(idx), fn)
+        return fn
 
     def _checkpointable(self, chunk: list[Callable]) -> bool:
         if self.checkpointable_layers is not None:

@@ -35,13 +35,10 @@ class TiedWeights:
 
     def __init__(self, module: Any, mesh: Any) -> None:
         topo = mesh.topology
-        self.params = module.tied_parameters()  # key -> [(name, param)] on this stage
+        self.module = module
         self.groups: dict[str, tuple[Any, int]] = {}  # key -> (group, rank of its first stage)
-        self.counted_elsewhere: set[int] = set()
         for key in sorted(module.tied_stages):
             stages = module.tied_stages[key]
-            if key in self.params and stages[0] != module.stage_id:
-                self.counted_elsewhere.update(id(p) for _, p in self.params[key])
             if len(stages) < 2:
                 continue
             for d in range(topo.dp):
@@ -50,6 +47,23 @@ class TiedWeights:
                     group = dist.new_group(ranks)
                     if mesh.rank in ranks:
                         self.groups[key] = (group, ranks[0])
+
+    @property
+    def params(self) -> dict[str, list[tuple[str, torch.nn.Parameter]]]:
+        """key -> [(name, parameter)] on this stage, read from the module each time: tensor
+        parallelism replaces the tied module (and its parameters) after this object exists."""
+        return self.module.tied_parameters()
+
+    @property
+    def counted_elsewhere(self) -> set[int]:
+        """Ids of this stage's tied parameters that the key's first stage counts in the norm."""
+        first = {key: stages[0] for key, stages in self.module.tied_stages.items()}
+        return {
+            id(p)
+            for key, pairs in self.params.items()
+            if first[key] != self.module.stage_id
+            for _, p in pairs
+        }
 
     def all_params(self) -> list[torch.nn.Parameter]:
         """Every tied parameter of this stage, in key order (the same order on every stage)."""
