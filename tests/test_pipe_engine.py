@@ -13,6 +13,7 @@ from harness import run_distributed
 from pipe_models import make_batches, micro_batches, pipeline_module
 
 import shardwise
+from shardwise.pipe import PipelineModule
 
 MB = 4
 SGD = {"type": "SGD", "params": {"lr": 0.1}}
@@ -147,3 +148,24 @@ def test_a_pipeline_checkpoint_loads_into_another_pipeline_layout(tmp_path):
     for k, v in saved["weights"].items():
         assert torch.equal(v, loaded["weights"][k]), k
     assert loaded["next_loss"] == pytest.approx(saved["next_loss"], rel=1e-6)
+
+
+def _loss_after_replacing_the_loss_module() -> list[float]:
+    torch.manual_seed(0)
+    module = PipelineModule(
+        [torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)], num_stages=2, loss_fn=torch.nn.MSELoss()
+    )
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": SGD}
+    engine, *_ = shardwise.initialize(model=module, config=config)
+    x, y = torch.ones(2, 4), torch.zeros(2, 2)
+    out = []
+    for loss_module in (torch.nn.MSELoss(), torch.nn.L1Loss(reduction="sum")):
+        module.loss_fn = loss_module  # as a tensor-parallel plan swaps a loss module in place
+        reads = engine.is_first_stage() or engine.is_last_stage()
+        out.append(float(engine.eval_batch(iter([(x, y)]) if reads else None)))
+    return out
+
+
+def test_the_stage_runs_the_loss_module_the_tree_holds_now():
+    for rank, (mse, l1_sum) in enumerate(run_distributed(_loss_after_replacing_the_loss_module, 2)):
+        assert l1_sum != pytest.approx(mse), f"rank {rank}: the replaced loss module still ran"
