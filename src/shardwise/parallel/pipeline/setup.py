@@ -104,8 +104,9 @@ def engine_loss(model: nn.Module, loss_fn: Any) -> Any:
     """The engine's ``loss_fn``: the one given, else a PipelineModule's (in one stage the
     engine runs it as any model); never another model's ``loss_fn`` attribute (the example
     GPT holds a loss module that its own forward applies)."""
-    if loss_fn is None and isinstance(model, PipelineModule):
-        return model.loss_fn
+    if loss_fn is None and isinstance(model, PipelineModule) and model.loss_fn is not None:
+        # Looked up at each call: a tensor-parallel plan may swap the loss module in place.
+        return lambda out, labels: model.loss_fn(out, labels)
     return loss_fn
 
 
