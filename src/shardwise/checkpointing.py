@@ -90,7 +90,7 @@ def run_checkpointed(
         and not partitioned.needs_plain_checkpoint(args)
     ):
         return partitioned.partitioned_checkpoint(function, partition_group, *args, **kwargs)
-    at_forward = _tracker_states()
+    at_forward = tp_random.all_tracker_states()
     calls = 0
 
     def run(*a: Any, **kw: Any) -> Any:
@@ -98,12 +98,14 @@ def run_checkpointed(
         calls += 1
         if calls == 1 or not at_forward:  # the forward itself, or nothing to replay
             return function(*a, **kw)
-        now = _tracker_states()
-        _set_tracker_states(at_forward)  # the recompute draws what the forward drew
+        now = tp_random.all_tracker_states()
+        tp_random.set_tracker_states(at_forward)  # the recompute draws what the forward drew
         try:
             return function(*a, **kw)
         finally:
-            _set_tracker_states(now)  # and leaves the trackers' streams where backward found them
+            tp_random.set_tracker_states(
+                now
+            )  # and leaves the trackers' streams where backward found them
 
     return torch.utils.checkpoint.checkpoint(
         run, *args, use_reentrant=False, preserve_rng_state=True, **kwargs
@@ -220,13 +222,3 @@ def _tp_rank(mpu: Any) -> int:
         "keeps no global model-parallel state): pass tp_rank=engine.mesh.tp_rank, or call "
         "shardwise.checkpointing.configure(mpu) first"
     )
-
-
-def _tracker_states() -> list[tuple[tp_random.RNGStatesTracker, Any]]:
-    """(tracker, its states) for every live tensor-parallel RNG tracker."""
-    return [(tracker, tracker.get_states()) for tracker in tp_random.all_trackers()]
-
-
-def _set_tracker_states(saved: list[tuple[tp_random.RNGStatesTracker, Any]]) -> None:
-    for tracker, states in saved:
-        tracker.set_states(states)

@@ -100,7 +100,7 @@ def _rng_states(args: tuple) -> dict:
     return {
         "cpu": torch.get_rng_state(),
         "devices": [(d, _device_module(d).get_rng_state(d)) for d in devices],
-        "trackers": [(t, t.get_states()) for t in tp_random.all_trackers()],
+        "trackers": tp_random.all_tracker_states(),
     }
 
 
@@ -114,7 +114,7 @@ class _replayed:
         self.now = {
             "cpu": torch.get_rng_state(),
             "devices": [(d, _device_module(d).get_rng_state(d)) for d, _ in self.states["devices"]],
-            "trackers": [(t, t.get_states()) for t, _ in self.states["trackers"]],
+            "trackers": tp_random.all_tracker_states(),
         }
         _set_rng_states(self.states)
 
@@ -126,8 +126,7 @@ def _set_rng_states(states: dict) -> None:
     torch.set_rng_state(states["cpu"])
     for device, state in states["devices"]:
         _device_module(device).set_rng_state(state, device)
-    for tracker, tracker_states in states["trackers"]:
-        tracker.set_states(tracker_states)
+    tp_random.set_tracker_states(states["trackers"])
 
 
 def _device_module(device: torch.device) -> Any:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -133,6 +134,17 @@ get_cuda_rng_tracker = get_rng_tracker  # the name DeepSpeed and Megatron script
 def all_trackers() -> list[RNGStatesTracker]:
     """Every live tracker (activation checkpointing saves and restores all of them)."""
     return list(_TRACKERS)
+
+
+def all_tracker_states() -> list[tuple[RNGStatesTracker, Any]]:
+    """(tracker, a copy of its states) for every live tracker: what a recompute replays."""
+    return [(tracker, tracker.get_states()) for tracker in all_trackers()]
+
+
+def set_tracker_states(saved: list[tuple[RNGStatesTracker, Any]]) -> None:
+    """Put back states taken by ``all_tracker_states``."""
+    for tracker, states in saved:
+        tracker.set_states(states)
 
 
 def model_parallel_seed(seed: int, tp_rank: int, tracker: RNGStatesTracker | None = None) -> None:

@@ -208,12 +208,16 @@ def sum_grad_over_tp(param: torch.Tensor, group: Any) -> None:
     param._shardwise_tp_grad_sum = True
 
 
+def chunk_numel(numel: int, group: Any) -> int:
+    """Elements of each rank's ``flat_chunk`` of a tensor of ``numel``: ceil(numel / N)."""
+    return -(-numel // comm.get_world_size(group))
+
+
 def flat_chunk(x: torch.Tensor, group: Any) -> torch.Tensor:
     """Chunk ``rank`` of ``x`` flattened and zero-padded to N equal chunks of ceil(numel / N)
     elements: a copy (a view would keep the whole storage alive). For a tensor every rank of
     ``group`` holds whole, so that each keeps or sends only its 1/N."""
-    n, rank = comm.get_world_size(group), comm.get_rank(group)
-    size = -(-x.numel() // n)
+    size, rank = chunk_numel(x.numel(), group), comm.get_rank(group)
     piece = x.detach().reshape(-1)[rank * size : (rank + 1) * size]
     out = torch.zeros(size, dtype=x.dtype, device=x.device)
     out[: piece.numel()] = piece

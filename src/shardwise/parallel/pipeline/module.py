@@ -279,6 +279,11 @@ class PipelineModule(nn.Module):
             x = self._checkpointed(run, x) if self._checkpointable(run) else _run(run, x)
         return x
 
+    def compute_loss(self, outputs: Any, labels: Any) -> Any:
+        """``loss_fn(outputs, labels)`` with the loss_fn the module holds now (a tensor-parallel
+        plan may swap a loss module in place after the stage was built)."""
+        return self.loss_fn(outputs, labels)
+
     def _current(self, idx: int, fn: Callable) -> Callable:
         """Layer ``idx`` as the module tree holds it now: tensor parallelism (or any user)
         may have replaced a layer module in place since the stage was built."""

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from shardwise import comm
-from shardwise.parallel.tensor_comm import flat_chunk, unflat_gather
+from shardwise.parallel.tensor_comm import chunk_numel, flat_chunk, unflat_gather
 
 _DTYPES = [
     torch.float32,
@@ -191,9 +191,7 @@ class StageLink:
             t = torch.empty(shape, dtype=dtype)
             comm.recv(t, src, tag=tag)
             return t
-        chunk = torch.empty(
-            -(-torch.Size(shape).numel() // comm.get_world_size(group)), dtype=dtype
-        )
+        chunk = torch.empty(chunk_numel(torch.Size(shape).numel(), group), dtype=dtype)
         comm.recv(chunk, src, tag=tag)
         return unflat_gather(chunk, shape, group)
 

@@ -71,7 +71,7 @@ class PipelineRunner:
             [self._link(c) for c in range(self.chunks)],
             first=s == 0,
             last=s == self.stages - 1,
-            loss_fn=_stage_loss(module, loss_fn),
+            loss_fn=module.compute_loss if module.loss_fn is not None else loss_fn,
             compute_dtype=compute_dtype,
         )
         if mesh.rank == 0:
@@ -214,11 +214,3 @@ def _stage_group(mesh: Any) -> tuple[Any, int]:
         if s == mesh.pp_rank:
             mine = group
     return mine, root
-
-
-def _stage_loss(module: Any, fallback: Any) -> Any:
-    """The PipelineModule's loss_fn, looked up at each call (a tensor-parallel plan may replace
-    it, a registered submodule, after the stage was built), else ``fallback``."""
-    if module.loss_fn is None:
-        return fallback
-    return lambda out, labels: module.loss_fn(out, labels)

@@ -105,8 +105,7 @@ def engine_loss(model: nn.Module, loss_fn: Any) -> Any:
     engine runs it as any model); never another model's ``loss_fn`` attribute (the example
     GPT holds a loss module that its own forward applies)."""
     if loss_fn is None and isinstance(model, PipelineModule) and model.loss_fn is not None:
-        # Looked up at each call: a tensor-parallel plan may swap the loss module in place.
-        return lambda out, labels: model.loss_fn(out, labels)
+        return model.compute_loss  # reads model.loss_fn at each call
     return loss_fn
 
 
