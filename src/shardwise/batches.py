@@ -9,7 +9,7 @@ by running a schedule.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -34,19 +34,60 @@ def data_or_loader(engine: Any, data_iter: Iterator | None) -> Iterator:
 
 
 def loss_of(engine: Any, batch: Any) -> torch.Tensor:
-    """The loss of one micro-batch: ``loss_fn(module(inputs), labels)`` when a loss function
-    was given (batch = (inputs, labels)), else the module's own output, which must then be
-    the loss (or a tuple/dict whose first value / "loss" is)."""
+    """The loss of one micro-batch.
+
+    With a ``loss_fn`` given to ``initialize``: batch = (inputs, labels) and the loss is
+    ``loss_fn(module(inputs), labels)``. Without one, the module computes its own loss: a
+    mapping (what Hugging Face datasets yield: ``{"input_ids", "labels", ...}``) is passed as
+    keyword arguments, a tuple/list positionally, anything else as the one argument. The loss is
+    the output itself, or its ``loss`` (a Hugging Face ``ModelOutput`` or a dict), or the first
+    value of a tuple/list.
+    """
     if engine.loss_fn is not None:
+        if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+            raise _batch_error(batch, "with a loss_fn, each batch must be (inputs, labels)")
         inputs, labels = batch
-        out = engine(*inputs) if isinstance(inputs, (tuple, list)) else engine(inputs)
-        return engine.loss_fn(out, labels)
-    out = engine(*batch) if isinstance(batch, (tuple, list)) else engine(batch)
-    if isinstance(out, dict):
-        out = out["loss"]
-    elif isinstance(out, (tuple, list)):
-        out = out[0]
-    return out
+        return engine.loss_fn(_call(engine, inputs), labels)
+    return _loss_from(_call(engine, batch), batch)
+
+
+def _call(engine: Any, inputs: Any) -> Any:
+    if isinstance(inputs, Mapping):
+        return engine(**inputs)
+    if isinstance(inputs, (tuple, list)):
+        return engine(*inputs)
+    return engine(inputs)
+
+
+def _loss_from(out: Any, batch: Any) -> torch.Tensor:
+    loss = out
+    if isinstance(out, Mapping) or hasattr(out, "loss"):  # a dict or a HF ModelOutput
+        loss = out.get("loss") if isinstance(out, Mapping) else out.loss
+    elif isinstance(out, (tuple, list)) and out:
+        loss = out[0]
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise _batch_error(
+            batch,
+            f"the model returned {_describe(out)}, not a loss: without a loss_fn the model "
+            "must return the loss (a scalar tensor, a dict / ModelOutput with a 'loss', or a "
+            "tuple whose first value is the loss); pass labels in the batch (e.g. "
+            '{"input_ids": ..., "labels": ...}) or give initialize(loss_fn=...)',
+        )
+    return loss
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
+    if isinstance(value, Mapping):
+        return f"a mapping with keys {sorted(map(str, value))}"
+    return type(value).__name__
+
+
+def _batch_error(batch: Any, why: str) -> Exception:
+    from shardwise.engine import EngineError
+
+    return EngineError(f"train_batch/eval_batch: {why} (got {_describe(batch)})")
 
 
 def _dp_mean(engine: Any, total: torch.Tensor) -> torch.Tensor:

@@ -31,6 +31,7 @@ from typing import Any
 
 from shardwise import comm
 from shardwise.checkpoint import storage
+from shardwise.checkpoint.export import MODEL
 from shardwise.checkpoint.layouts import Layout, layout_of
 from shardwise.checkpoint.optim_state import (
     groups_from_json,
@@ -58,7 +59,7 @@ def _layout(engine: Any) -> Layout:
 
 
 def _frozen(engine: Any) -> set[str]:
-    return {f"model/{n}" for n, p in engine.module.named_parameters() if not p.requires_grad}
+    return {f"{MODEL}{n}" for n, p in engine.module.named_parameters() if not p.requires_grad}
 
 
 def save_checkpoint(
@@ -84,17 +85,33 @@ def save_checkpoint(
         rank_state["lr_scheduler"] = sched.state_dict() if sched is not None else None
         rank_state["client_state"] = dict(client_state or {})
     options = engine.config.checkpoint
+    meta = _meta(engine)
+    meta["aliases"] = tied_aliases(engine.module, {p.name for p in layout.model})
     storage.save_pieces(
         save_dir,
         tag,
         pieces,
         rank_state,
-        _meta(engine),
+        meta,
         save_latest=save_latest,
         keep_last=options.keep_last,
         tag_validation=options.tag_validation,
     )
     return True
+
+
+def tied_aliases(module: Any, saved: set[str]) -> dict[str, str]:
+    """``{alias: name}`` for every parameter reachable under two names (tied weights, such as a
+    language model head sharing the embedding): the checkpoint stores the tensor once, under
+    ``name``, and export writes it under both names, as ``module.state_dict()`` has them."""
+    first: dict[int, str] = {}
+    aliases = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if id(p) not in first:
+            first[id(p)] = name
+        elif f"{MODEL}{first[id(p)]}" in saved and f"{MODEL}{name}" not in saved:
+            aliases[name] = first[id(p)]
+    return aliases
 
 
 def _meta(engine: Any) -> dict[str, Any]:
@@ -209,19 +226,42 @@ def save_16bit_model(
     """Write the consolidated model state dict (the model's dtype, the user's keys) to
     ``save_dir/save_filename``. Every rank must call it (ZeRO-3 gathers); rank 0 writes.
 
-    The content is always a safetensors file (no pickle), whatever the name: DeepSpeed's
-    default name ``pytorch_model.bin`` is kept for drop-in scripts; read it with
-    ``safetensors.torch.load_file``.
+    The file is what its name promises, as DeepSpeed writes it: a ``torch.save`` state dict
+    for the default ``pytorch_model.bin`` (safe to write; shardwise itself never reads a
+    pickle), a safetensors file for a name ending in ``.safetensors``. Tied weights keep both
+    names (as ``model.state_dict()`` has them; in safetensors as two copies, since a file
+    cannot alias). A Hugging Face model's ``config.json`` is written beside it, so that
+    ``from_pretrained(save_dir)`` loads the result.
     """
-    from safetensors.torch import save_file
-
     state = engine.consolidated_state_dict()
     if exclude_frozen_parameters:
         frozen = {n for n, p in engine.module.named_parameters() if not p.requires_grad}
         state = {k: v for k, v in state.items() if k not in frozen}
     if engine.global_rank == 0:
         os.makedirs(save_dir, exist_ok=True)
-        path = os.path.join(save_dir, save_filename)
-        save_file({k: v.contiguous() for k, v in state.items()}, path, metadata={"format": "pt"})
+        _write_state(state, os.path.join(save_dir, save_filename))
+        hf_config = getattr(engine.module, "config", None)
+        if hasattr(hf_config, "save_pretrained"):
+            hf_config.save_pretrained(save_dir)
     comm.barrier()
     return True
+
+
+def _write_state(state: dict[str, Any], path: str) -> None:
+    """Atomically: a reader never sees half a file."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    if path.endswith(".safetensors"):
+        from safetensors.torch import save_file
+
+        # One storage per name: safetensors refuses tensors that share memory (tied weights).
+        copies, seen = {}, set()
+        for k, v in state.items():
+            ptr = v.untyped_storage().data_ptr()
+            copies[k] = v.clone().contiguous() if ptr in seen else v.contiguous()
+            seen.add(ptr)
+        save_file(copies, tmp, metadata={"format": "pt"})
+    else:
+        import torch
+
+        torch.save(state, tmp)
+    os.replace(tmp, path)
