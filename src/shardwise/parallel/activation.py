@@ -29,6 +29,7 @@ from torch import nn
 
 from shardwise.checkpointing import run_checkpointed
 from shardwise.config import ConfigError
+from shardwise.utils import log_dist
 
 _INNER = "_shardwise_checkpointed_forward"  # the original forward, kept on the instance
 _GROUP = "_shardwise_checkpoint_group"  # partition_activations' group (or None), on the instance
@@ -53,6 +54,8 @@ def apply_activation_checkpointing(
     replicated; each rank then keeps 1/N of them (``partition_activations``).
     """
     names = resolve_checkpoint_layers(model, checkpoint_layers, key)
+    if names or getattr(model, "activation_checkpoint_interval", 0):
+        disable_kv_cache(model)
     modules = dict(model.named_modules())
     for name in names:
         module = modules[name]
@@ -62,6 +65,25 @@ def apply_activation_checkpointing(
             module.__dict__[_GROUP] = GroupRef(partition_group)
             module.forward = types.MethodType(_checkpointed_forward, module)
     return names
+
+
+def disable_kv_cache(model: nn.Module) -> list[str]:
+    """Set ``config.use_cache = False`` on every (Hugging Face) module of ``model`` that has it
+    on, as Hugging Face does when it checkpoints: a recompute would append each block's keys
+    and values to the cache a second time (16 tokens would leave 32 cached positions, and
+    attention then reads the doubled keys). Returns the names of the modules changed."""
+    changed = []
+    for name, module in model.named_modules():
+        config = getattr(module, "config", None)
+        if getattr(config, "use_cache", False) is True:
+            config.use_cache = False
+            changed.append(name or type(module).__name__)
+    if changed:
+        log_dist(
+            f"activation checkpointing: use_cache=True is incompatible, setting use_cache=False "
+            f"on {changed[0]}" + (f" and {len(changed) - 1} more" if len(changed) > 1 else "")
+        )
+    return changed
 
 
 def is_checkpointed(module: nn.Module) -> bool:

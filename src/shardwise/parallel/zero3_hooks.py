@@ -190,6 +190,11 @@ class Unit:
             self.master.data.copy_(self.shard.float())
 
 
+def _in_backward() -> bool:
+    """True while autograd runs a backward on this thread (a checkpoint's recompute)."""
+    return torch._C._current_graph_task_id() != -1
+
+
 class Scheduler:
     """Installs the hooks of the module docstring on ``root`` and runs the schedule."""
 
@@ -231,6 +236,9 @@ class Scheduler:
         self.cursor = 0
 
     def _pre(self, mine: list[Unit], module: nn.Module, args: Any) -> None:
+        if _in_backward():  # an activation-checkpoint recompute: see _recompute
+            self._recompute(mine)
+            return
         for u in mine:
             u.users += 1
             u.start_gather()  # launched before the prefetch: same order on every rank
@@ -243,9 +251,10 @@ class Scheduler:
             u.materialize()
 
     def _post(self, mine: list[Unit], module: nn.Module, args: Any, output: Any) -> None:
-        for u in mine:
-            u.users -= 1
-            u.release()
+        if not _in_backward():  # a recompute neither counted a user nor releases (_recompute)
+            for u in mine:
+                u.users -= 1
+                u.release()
         if torch.is_grad_enabled():
             for t in tree_leaves(output):
                 # A leaf output would keep the hook forever; it has no backward of its own.
@@ -265,6 +274,18 @@ class Scheduler:
         if self.last_use:
             start = min(self.last_use.get(id(u), 0) for u in mine)
             self._prefetch(range(start - 1, -1, -1))
+        for u in mine:
+            u.materialize()
+
+    def _recompute(self, mine: list[Unit]) -> None:
+        """Gather for a forward run inside backward (activation checkpointing's recompute).
+
+        The unit is kept until its gradient is reduced (``_reduce``) or the backward ends
+        (``finish_backward``), not released by the post-hook: torch's non-reentrant checkpoint
+        stops the recompute as soon as the last saved tensor is rebuilt, often inside the
+        block's last Linear, whose post-hook then never runs; and when the recompute does run
+        to the end, the backward that follows still reads the saved weight (a view of the
+        gathered buffer). Counting no user here means no count can be left behind."""
         for u in mine:
             u.materialize()
 
