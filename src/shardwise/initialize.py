@@ -22,6 +22,7 @@ from torch import nn
 from shardwise import comm
 from shardwise.config import Config, ConfigError, parse_config
 from shardwise.engine import Engine
+from shardwise.parallel import remap
 from shardwise.parallel.data import DataParallelReducer, LocalGradients, broadcast_parameters
 from shardwise.parallel.zero import ZeroStrategy
 from shardwise.precision import LossScaler, compute_dtype
@@ -61,6 +62,7 @@ def initialize(
         raise ValueError("shardwise.initialize requires a model: initialize(model=..., config=...)")
     cfg = parse_config(_config_source(args, config, config_params))
     _refuse_unimplemented(cfg, mpu)
+    params = remap.materialize(model_parameters)  # a generator is read once
     from shardwise.launch.env import init_distributed
 
     init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
@@ -73,14 +75,14 @@ def initialize(
     runner = pipe.bind_pipeline(cfg, model, mesh, compute_dtype(cfg), loss_fn)
     loss_fn = pipe.engine_loss(model, loss_fn)
     if mesh.topology.tp > 1:
-        _apply_tensor_parallel(cfg, model, mesh, optimizer, runner)
+        params = _apply_tensor_parallel(cfg, model, mesh, optimizer, runner, params)
     else:
         broadcast_parameters(model, src=mesh.axis_ranks("dp")[0], group=mesh.dp_group)
     if runner is not None:
         runner.tied.broadcast()
     _apply_activation_checkpointing(cfg, model, mesh)  # after TP and PP, before the cast
     model.to(compute_dtype(cfg))
-    opt = _build_optimizer(cfg, model, optimizer, model_parameters)
+    opt = _build_optimizer(cfg, model, optimizer, params)
     isolate = runner.tied.all_params() if runner is not None else []
     strategy = _build_strategy(cfg, model, opt, mesh, isolate)
     strategy.norm_skip = _counted_elsewhere(model, mesh)
@@ -158,15 +160,22 @@ def _build_strategy(
 
 
 def _apply_tensor_parallel(
-    cfg: Config, model: nn.Module, mesh: ProcessMesh, optimizer: Any, runner: Any = None
-) -> None:
+    cfg: Config,
+    model: nn.Module,
+    mesh: ProcessMesh,
+    optimizer: Any,
+    runner: Any = None,
+    model_parameters: list | None = None,
+) -> list | None:
     """Split the model's layers across the tensor-parallel group, from identical weights.
 
     Every rank first takes rank 0's whole weights (the user may not have seeded), so that the
     slices of all ranks come from one model; then the plan rewrites the layers in place.
     With a pipeline, the same within each stage, with the plan's patterns of this stage.
     The split layers get new parameters: an optimizer built beforehand would step the old,
-    unused ones and leave the split layers untrained, so it is refused."""
+    unused ones and leave the split layers untrained, so it is refused; a ``model_parameters``
+    list (or groups) collected before the split is mapped onto the shards (parallel/remap.py),
+    and returned."""
     from shardwise.parallel.parallelize import parallelize, resolve_plan
 
     if runner is None:
@@ -174,19 +183,22 @@ def _apply_tensor_parallel(
     else:
         runner.broadcast_stage()
     before = list(model.parameters())  # alive until the check: their ids stay unique
+    names = remap.snapshot(model)
     plan = resolve_plan(model, cfg.tensor_parallel.plan)
     if runner is not None:
         from shardwise.parallel.pipeline.setup import stage_plan
 
         plan = stage_plan(model, plan, mesh)
         if not plan:  # this stage has no split layer: every TP rank runs it whole
-            return
+            return model_parameters
     # With sequence parallelism, stages after the first receive the sequence already split.
     first = runner is None or runner.stage_id == 0
     sp = cfg.tensor_parallel.sequence_parallel
     parallelize(model, plan, mesh, sequence_parallel=sp, split_entry=first)
+    if model_parameters is not None:
+        model_parameters = remap.remap_parameters(model_parameters, names, model)
     if not isinstance(optimizer, torch.optim.Optimizer):
-        return
+        return model_parameters
     now = {id(p) for p in model.parameters()}
     replaced = {id(p) for p in before if id(p) not in now}
     stale = sum(id(p) in replaced for g in optimizer.param_groups for p in g["params"])
@@ -198,6 +210,7 @@ def _apply_tensor_parallel(
             '"optimizer" config block, so that it is built on the split model',
             key="optimizer",
         )
+    return model_parameters
 
 
 def _counted_elsewhere(model: nn.Module, mesh: ProcessMesh) -> frozenset[int]:

@@ -50,6 +50,7 @@ from torch import nn
 
 from shardwise import comm
 from shardwise.parallel import random as tp_random
+from shardwise.parallel.hf_styles import TRANSLATED, translate_hf_styles
 from shardwise.parallel.placement import get_placement
 from shardwise.parallel.tensor import ColumnParallelLinear, RowParallelLinear, SharedInput
 from shardwise.parallel.tensor_comm import scatter_to_sequence, sum_grad_over_tp
@@ -102,9 +103,13 @@ def match_plan(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
     """module name -> style, in module order; every pattern must match, every style exist."""
     if not plan:
         raise ValueError("the tensor-parallel plan is empty: map module-name patterns to styles")
+    plan = translate_hf_styles(plan, set(STYLES))
     unknown = {p: s for p, s in plan.items() if s not in STYLES}
     if unknown:
-        raise ValueError(f"unknown tensor-parallel styles {unknown}; known: {sorted(STYLES)}")
+        raise ValueError(
+            f"unknown tensor-parallel styles {unknown}; known: {sorted(STYLES)} and Hugging "
+            f"Face's {sorted(TRANSLATED)}"
+        )
     compiled = {p: pattern_regex(p) for p in plan}
     found: dict[str, tuple[str, str]] = {}
     used = set()
@@ -330,21 +335,38 @@ def parallelize(
 
 def resolve_plan(model: nn.Module, config_plan: dict[str, str] | None = None) -> dict[str, str]:
     """The plan to use: the config's, else ``model.tp_plan`` (or ``_tp_plan``), else a
-    Hugging Face ``model.config.base_model_tp_plan`` (prefixed with the base model's name)."""
+    Hugging Face ``model.config.base_model_tp_plan``. Patterns written relative to the base
+    model (``base_model_tp_plan``, and transformers 4.x's ``tp_plan``: "layers.*.mlp.up_proj"
+    in a ``LlamaForCausalLM`` whose layers live under ``model.``) get its prefix."""
     if config_plan is not None:
         return dict(config_plan)
     for attr in ("tp_plan", "_tp_plan"):
         plan = getattr(model, attr, None)
         if isinstance(plan, dict) and plan:
-            return dict(plan)
+            return _prefix_base(model, dict(plan))
     base = getattr(getattr(model, "config", None), "base_model_tp_plan", None)
     if isinstance(base, dict) and base:
-        prefix = getattr(model, "base_model_prefix", "")
-        if prefix and isinstance(getattr(model, prefix, None), nn.Module):
-            return {f"{prefix}.{k}": v for k, v in base.items()}
-        return dict(base)
+        return _prefix_base(model, dict(base))
     raise ValueError(
         f"{type(model).__name__} has no tensor-parallel plan: give one in the config "
         '("tensor_parallel": {"size": N, "plan": {"blocks.*.mlp.fc": "colwise", ...}}) or set '
         "a tp_plan dict (module-name pattern -> style) on the model"
     )
+
+
+def _prefix_base(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
+    """Each pattern that matches no module of ``model`` but does under the base model's prefix
+    (Hugging Face's ``base_model_prefix``, e.g. "model") gets that prefix."""
+    prefix = getattr(model, "base_model_prefix", "")
+    if not prefix or not isinstance(getattr(model, prefix, None), nn.Module):
+        return plan
+    names = [n for n, _ in model.named_modules() if n]
+
+    def matches(pattern: str) -> bool:
+        rx = pattern_regex(pattern)
+        return any(rx.fullmatch(n) for n in names)
+
+    return {
+        (f"{prefix}.{p}" if not matches(p) and matches(f"{prefix}.{p}") else p): s
+        for p, s in plan.items()
+    }
