@@ -24,6 +24,7 @@ from shardwise.config import Config, ConfigError, parse_config
 from shardwise.engine import Engine
 from shardwise.parallel import remap
 from shardwise.parallel.data import DataParallelReducer, LocalGradients, broadcast_parameters
+from shardwise.parallel.hf_styles import decoder_sequence_parallel
 from shardwise.parallel.zero import ZeroStrategy
 from shardwise.precision import LossScaler, compute_dtype
 from shardwise.topology import ProcessMesh, Topology
@@ -185,6 +186,8 @@ def _apply_tensor_parallel(
     before = list(model.parameters())  # alive until the check: their ids stay unique
     names = remap.snapshot(model)
     plan = resolve_plan(model, cfg.tensor_parallel.plan)
+    if cfg.tensor_parallel.sequence_parallel:
+        plan = decoder_sequence_parallel(model, plan)
     if runner is not None:
         from shardwise.parallel.pipeline.setup import stage_plan
 

@@ -17,6 +17,8 @@ shardwise has not built, refused with the reason so that the user can give an ex
 
 from __future__ import annotations
 
+from typing import Any
+
 TRANSLATED: dict[str, str | None] = {
     "colwise": "colwise",
     "local_colwise": "colwise",
@@ -73,3 +75,25 @@ def translate_hf_styles(plan: dict[str, str], known: set[str]) -> dict[str, str]
         else:
             out[pattern] = style  # unknown: match_plan names it with the list of known styles
     return out
+
+
+def decoder_sequence_parallel(model: Any, plan: dict[str, str]) -> dict[str, str]:
+    """``plan`` plus the sequence-parallel entries of a Llama-style Hugging Face decoder, when
+    the plan has none: the first layer is the entry (its input, the residual stream, is split
+    along the sequence), the norms between the TP regions see only their positions, and
+    attention gathers the whole sequence on entry (it reshapes by its input's length). Other
+    models are returned unchanged (``parallelize`` then asks for the entries)."""
+    if "sequence_parallel" in plan.values():
+        return plan
+    prefix = getattr(model, "base_model_prefix", "")
+    base = getattr(model, prefix, None) if prefix else None
+    layers = getattr(base, "layers", None)
+    norms = ("input_layernorm", "post_attention_layernorm")
+    if layers is None or not len(layers) or not hasattr(base, "norm"):
+        return plan
+    if not all(hasattr(layer, n) for layer in layers for n in norms):
+        return plan
+    extra = {f"{prefix}.layers.0": "sequence_entry", f"{prefix}.norm": "sequence_parallel"}
+    extra[f"{prefix}.layers.*.self_attn"] = "sequence_gather"  # reads T off its input
+    extra.update({f"{prefix}.layers.*.{n}": "sequence_parallel" for n in norms})
+    return {**plan, **extra}

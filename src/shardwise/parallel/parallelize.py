@@ -15,13 +15,20 @@ exactly one name component ("blocks.*.attn.q" matches "blocks.3.attn.q", not "bl
                        on split activations, e.g. attention probabilities of local heads)
     sequence_parallel  a module between the TP regions (norm, dropout); a no-op unless
                        ``sequence_parallel=True``, see below
+    sequence_entry     the module whose input is split along the sequence (a Hugging Face
+                       decoder's first layer, whose residual must be split too); optional
+    sequence_gather    a module that must see the whole sequence (Hugging Face attention reads
+                       the sequence length off its input): its input is all-gathered on entry
+                       (backward: reduce-scattered) and its column layers use it as it is
 
 Sequence parallelism (``sequence_parallel=True``): between the TP regions every rank holds
 T/n positions of the (B, T, C) activations (dim ``seq_dim``). The plan's "sequence_parallel"
 modules mark that region:
-  * the first of them in module order (the GPT's dropout after the embeddings) is the entry:
-    its input, replicated, is split along the sequence there (backward: all-gather), so the
-    residual stream is split from that point on;
+  * the "sequence_entry" module, else the first of them in module order (the GPT's dropout
+    after the embeddings), is the entry: its input, replicated, is split along the sequence
+    there (backward: all-gather), so the residual stream is split from that point on (a Hugging
+    Face decoder layer reads the residual before its first norm, so there the entry is the
+    first layer; rotary cos/sin stay whole: attention sees the whole sequence);
   * column layers all-gather their input along the sequence (backward reduce-scatter), row
     layers reduce-scatter their output (backward all-gather), the vocab head all-gathers its
     input (the exit: logits cover the whole sequence, split by vocabulary);
@@ -42,7 +49,6 @@ sees local heads). Tied parameters (embedding and head, both "vocab") share the 
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,8 +58,13 @@ from shardwise import comm
 from shardwise.parallel import random as tp_random
 from shardwise.parallel.hf_styles import TRANSLATED, translate_hf_styles
 from shardwise.parallel.placement import get_placement
+from shardwise.parallel.plans import pattern_regex, resolve_plan  # noqa: F401 (re-exported)
 from shardwise.parallel.tensor import ColumnParallelLinear, RowParallelLinear, SharedInput
-from shardwise.parallel.tensor_comm import scatter_to_sequence, sum_grad_over_tp
+from shardwise.parallel.tensor_comm import (
+    gather_from_sequence,
+    scatter_to_sequence,
+    sum_grad_over_tp,
+)
 from shardwise.parallel.vocab import VocabParallelCrossEntropyLoss, VocabParallelEmbedding
 
 STYLES = {
@@ -64,6 +75,8 @@ STYLES = {
     "loss_parallel": (nn.CrossEntropyLoss,),
     "split_dropout": (nn.Module,),
     "sequence_parallel": (nn.Module,),
+    "sequence_entry": (nn.Module,),
+    "sequence_gather": (nn.Module,),
 }
 HEAD_ATTRS = (
     "n_head",
@@ -92,11 +105,6 @@ def _tp_of(mesh_or_group: Any) -> tuple[Any, int]:
     if hasattr(mesh_or_group, "tp_group") and hasattr(mesh_or_group, "tp_rank"):
         return mesh_or_group.tp_group, mesh_or_group.tp_rank
     return mesh_or_group, comm.get_rank(mesh_or_group)
-
-
-def pattern_regex(pattern: str) -> re.Pattern:
-    """A plan pattern as a regex: ``*`` is exactly one name component."""
-    return re.compile(re.escape(pattern).replace(r"\*", r"[^.]+"))
 
 
 def match_plan(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
@@ -243,6 +251,24 @@ def _split_sequence_on_entry(module: nn.Module, ctx: _Context) -> None:
     module.register_forward_pre_hook(split)
 
 
+def _gather_sequence_on_entry(module: nn.Module, ctx: _Context) -> None:
+    """All-gather the hidden states (first argument, or ``hidden_states=``) along the sequence
+    and mark the result as prepared, so the column layers inside (q, k, v) read it as it is:
+    their partial input gradients are summed once, by this gather's reduce-scatter."""
+    kind = ("sequence", ctx.seq_dim)
+
+    def gather(x: Any) -> Any:
+        full = gather_from_sequence(x, ctx.group, ctx.seq_dim)
+        return ctx.shared.prepare(full, kind, lambda t: t)
+
+    def hook(mod: nn.Module, args: tuple, kwargs: dict) -> tuple:
+        if args:
+            return (gather(args[0]), *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": gather(kwargs["hidden_states"])}
+
+    module.register_forward_pre_hook(hook, with_kwargs=True)
+
+
 def _replacement(module: nn.Module, name: str, style: str, ctx: _Context) -> nn.Module | None:
     """The split module for ``style``, or None when the module is kept (hooks only)."""
     sp = {"sequence_parallel": ctx.sequence_parallel, "seq_dim": ctx.seq_dim, "name": name}
@@ -278,6 +304,10 @@ def _apply(model: nn.Module, name: str, style: str, ctx: _Context, entry: bool) 
         if entry:
             _split_sequence_on_entry(module, ctx)
         _fork_rng(module, ctx.tracker)
+    elif style == "sequence_entry" and ctx.sequence_parallel and entry:
+        _split_sequence_on_entry(module, ctx)
+    elif style == "sequence_gather" and ctx.sequence_parallel:
+        _gather_sequence_on_entry(module, ctx)
 
 
 def _check_ties(model: nn.Module, ctx: _Context) -> None:
@@ -323,7 +353,9 @@ def parallelize(
     tracker = rng_tracker if rng_tracker is not None else tp_random.get_rng_tracker()
     tp_random.ensure_tp_stream(rank, tracker)
     ctx = _Context(group, tp, sequence_parallel, seq_dim, tracker)
+    marked = [n for n, s in matches.items() if s == "sequence_entry"]
     entry = next((n for n, s in matches.items() if s == "sequence_parallel"), None)
+    entry = marked[0] if marked else entry
     entry = entry if split_entry else None
     for name, style in matches.items():
         _apply(model, name, style, ctx, entry=name == entry)
@@ -331,42 +363,3 @@ def parallelize(
     for module, attr in heads:
         setattr(module, attr, getattr(module, attr) // tp)
     return model
-
-
-def resolve_plan(model: nn.Module, config_plan: dict[str, str] | None = None) -> dict[str, str]:
-    """The plan to use: the config's, else ``model.tp_plan`` (or ``_tp_plan``), else a
-    Hugging Face ``model.config.base_model_tp_plan``. Patterns written relative to the base
-    model (``base_model_tp_plan``, and transformers 4.x's ``tp_plan``: "layers.*.mlp.up_proj"
-    in a ``LlamaForCausalLM`` whose layers live under ``model.``) get its prefix."""
-    if config_plan is not None:
-        return dict(config_plan)
-    for attr in ("tp_plan", "_tp_plan"):
-        plan = getattr(model, attr, None)
-        if isinstance(plan, dict) and plan:
-            return _prefix_base(model, dict(plan))
-    base = getattr(getattr(model, "config", None), "base_model_tp_plan", None)
-    if isinstance(base, dict) and base:
-        return _prefix_base(model, dict(base))
-    raise ValueError(
-        f"{type(model).__name__} has no tensor-parallel plan: give one in the config "
-        '("tensor_parallel": {"size": N, "plan": {"blocks.*.mlp.fc": "colwise", ...}}) or set '
-        "a tp_plan dict (module-name pattern -> style) on the model"
-    )
-
-
-def _prefix_base(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
-    """Each pattern that matches no module of ``model`` but does under the base model's prefix
-    (Hugging Face's ``base_model_prefix``, e.g. "model") gets that prefix."""
-    prefix = getattr(model, "base_model_prefix", "")
-    if not prefix or not isinstance(getattr(model, prefix, None), nn.Module):
-        return plan
-    names = [n for n, _ in model.named_modules() if n]
-
-    def matches(pattern: str) -> bool:
-        rx = pattern_regex(pattern)
-        return any(rx.fullmatch(n) for n in names)
-
-    return {
-        (f"{prefix}.{p}" if not matches(p) and matches(f"{prefix}.{p}") else p): s
-        for p, s in plan.items()
-    }

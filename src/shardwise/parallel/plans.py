@@ -1,0 +1,60 @@
+"""Where a tensor-parallel plan comes from, and how its patterns match module names.
+
+A plan maps module-name patterns to styles (parallelize.py). It is the config's
+``tensor_parallel.plan``, else the model's own: ``model.tp_plan`` (transformers 5 gives the whole
+model's patterns; 4.x gave the base model's), else ``config.base_model_tp_plan`` (relative to
+the base model, ``base_model_prefix``).
+"""
+
+from __future__ import annotations
+
+import re
+
+from torch import nn
+
+
+def pattern_regex(pattern: str) -> re.Pattern:
+    """A plan pattern as a regex: ``*`` is exactly one name component."""
+    return re.compile(re.escape(pattern).replace(r"\*", r"[^.]+"))
+
+
+def resolve_plan(model: nn.Module, config_plan: dict[str, str] | None = None) -> dict[str, str]:
+    """The plan to use: the config's, else ``model.tp_plan`` (or ``_tp_plan``), else a
+    Hugging Face ``model.config.base_model_tp_plan``. Patterns written relative to the base
+    model (``base_model_tp_plan``, and transformers 4.x's ``tp_plan``: "layers.*.mlp.up_proj"
+    in a ``LlamaForCausalLM`` whose layers live under ``model.``) get its prefix."""
+    if config_plan is not None:
+        return dict(config_plan)
+    for attr in ("tp_plan", "_tp_plan"):
+        plan = getattr(model, attr, None)
+        if isinstance(plan, dict) and plan:
+            return _prefix_base(model, dict(plan))
+    base = getattr(getattr(model, "config", None), "base_model_tp_plan", None)
+    if isinstance(base, dict) and base:
+        prefix = getattr(model, "base_model_prefix", "")
+        if prefix and isinstance(getattr(model, prefix, None), nn.Module):
+            return {f"{prefix}.{k}": v for k, v in base.items()}
+        return dict(base)
+    raise ValueError(
+        f"{type(model).__name__} has no tensor-parallel plan: give one in the config "
+        '("tensor_parallel": {"size": N, "plan": {"blocks.*.mlp.fc": "colwise", ...}}) or set '
+        "a tp_plan dict (module-name pattern -> style) on the model"
+    )
+
+
+def _prefix_base(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
+    """Each pattern that matches no module of ``model`` but does under the base model's prefix
+    (Hugging Face's ``base_model_prefix``, e.g. "model") gets that prefix."""
+    prefix = getattr(model, "base_model_prefix", "")
+    if not prefix or not isinstance(getattr(model, prefix, None), nn.Module):
+        return plan
+    names = [n for n, _ in model.named_modules() if n]
+
+    def matches(pattern: str) -> bool:
+        rx = pattern_regex(pattern)
+        return any(rx.fullmatch(n) for n in names)
+
+    return {
+        (f"{prefix}.{p}" if not matches(p) and matches(f"{prefix}.{p}") else p): s
+        for p, s in plan.items()
+    }
