@@ -29,12 +29,15 @@ import torch
 pytest.importorskip("transformers", reason="the Hugging Face tables need the dev extra")
 
 from harness import run_distributed  # noqa: E402
-from hf_models import CAUSAL, FAMILIES, make_hf_batches, make_hf_model, take  # noqa: E402
+from hf_models import FAMILIES, make_hf_batches, make_hf_model, take  # noqa: E402
 from models import rank_slice  # noqa: E402
 
 import shardwise  # noqa: E402
 
 STEPS, MB, LR, CLIP = 3, 2, 0.1, 0.5
+# Families whose own tensor-parallel plan runs. GPT-2 publishes no plan and its fused Conv1D
+# q|k|v needs a packed split; BERT publishes none: both are refused (the last test below).
+TP_FAMILIES = ("llama", "mistral", "qwen2")
 ZERO3 = {"stage": 3, "stage3_param_persistence_threshold": 0}
 
 # name: (processes, gradient accumulation, config blocks, families it applies to)
@@ -46,8 +49,8 @@ LAYOUTS = {
     "zero2x2-gas2": (2, 2, {"zero_optimization": {"stage": 2}}, FAMILIES),
     "zero3x2": (2, 1, {"zero_optimization": ZERO3}, FAMILIES),
     "zero3x2-gas2": (2, 2, {"zero_optimization": ZERO3}, FAMILIES),
-    "tp2": (2, 1, {"tensor_parallel": {"size": 2}}, CAUSAL),
-    "dp2xtp2": (4, 1, {"tensor_parallel": {"size": 2}}, CAUSAL),
+    "tp2": (2, 1, {"tensor_parallel": {"size": 2}}, TP_FAMILIES),
+    "dp2xtp2": (4, 1, {"tensor_parallel": {"size": 2}}, TP_FAMILIES),
     "zero2-dp2xtp2": (
         4,
         1,
@@ -148,3 +151,15 @@ def test_hf_model_trains_like_one_process(family: str, layout: str, ckpt: str) -
     want = reference(family, MB * (world // tp) * gas)
     results = run_distributed(run_layout, world, family, layout, ckpt)
     assert_matches(results, want, f"{family} {layout} checkpointing={ckpt}")
+
+
+def build_tp2(family: str) -> None:
+    config = {"train_micro_batch_size_per_gpu": MB, "tensor_parallel": {"size": 2}}
+    config["optimizer"] = {"type": "SGD", "params": {"lr": LR}}
+    shardwise.initialize(model=make_hf_model(family), config=config)
+
+
+@pytest.mark.parametrize("family", sorted(set(FAMILIES) - set(TP_FAMILIES)))
+def test_a_model_without_a_tensor_parallel_plan_is_refused_naming_the_fix(family):
+    with pytest.raises(RuntimeError, match=r"has no tensor-parallel plan: give one in the config"):
+        run_distributed(build_tp2, 2, family)
