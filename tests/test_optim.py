@@ -77,10 +77,11 @@ ERRORS = [
     ("SGD", {"lr": 0.01, "torch_adam": True}, "optimizer.params.torch_adam", "for torch.optim.SGD"),
     (
         "Adam",
-        {"lr": 0.01, "bias_correction": False},
+        {"lr": 0.01, "bias_correction": False, "torch_adam": True},
         "optimizer.params.bias_correction",
-        "false is not supported",
+        "false needs DeepSpeed's own Adam",
     ),
+    ("Adam", {"lr": 0.01, "amsgrad": True}, "optimizer.params.amsgrad", "does not support AMSGrad"),
     ("Adam", {"lr": -0.001}, "optimizer.params.lr", "the learning rate must be > 0, got -0.001"),
     (
         "Adam",

@@ -2,16 +2,19 @@
 
 Type names match case-insensitively, as in DeepSpeed:
 
-- ``Adam``: torch ``AdamW`` (decoupled weight decay), or torch ``Adam`` (L2 weight decay added to
-  the gradient) when ``adam_w_mode`` is false: DeepSpeed's ``adam_w_mode`` defaults to true.
-- ``AdamW``: torch ``AdamW`` whatever ``adam_w_mode`` says (as in DeepSpeed).
+- ``Adam``: DeepSpeed's FusedAdam: decoupled weight decay (``adam_w_mode`` defaults to true),
+  or L2 weight decay added to the gradient when ``adam_w_mode`` is false, with FusedAdam's
+  defaults (``weight_decay`` 0, not torch AdamW's 0.01). Built as torch ``AdamW`` / ``Adam`` (the
+  same update) unless ``bias_correction`` is false, then as ``shardwise.ops.adam.FusedAdam``.
+  ``torch_adam: true`` takes torch's class with torch's own defaults, as DeepSpeed does.
+- ``AdamW``: the same, decoupled whatever ``adam_w_mode`` says (as in DeepSpeed).
 - ``SGD``, ``Adagrad``: the torch classes.
 - Any other name: ``torch.optim.<name>`` if it exists (exact, then any case), else an error.
 - DeepSpeed's own kernels (Lamb, OneBitAdam, OneBitLamb, ZeroOneAdam, Lion, MuAdam, ...) are
   refused with a clear message when the optimizer is built; the config itself parses.
 
-DeepSpeed-only parameters are consumed: ``torch_adam`` (always torch here), ``adam_w_mode``
-(above), ``bias_correction`` (true only: torch's Adam always corrects the bias). Every other
+DeepSpeed-only parameters are consumed: ``torch_adam``, ``adam_w_mode`` and ``bias_correction``
+(above); ``amsgrad`` is refused without ``torch_adam``, as FusedAdam refuses it. Every other
 parameter must be an argument of the torch class. ``"auto"`` values: ``betas``, ``eps`` and
 ``weight_decay`` get the Hugging Face Trainer's defaults (0.9, 0.999), 1e-8 and 0.0; any other
 ``"auto"`` (``lr`` first of all) is an error asking for a value.
@@ -29,6 +32,7 @@ from torch.optim import Optimizer
 from shardwise.config.errors import ConfigError, did_you_mean, fail, join
 from shardwise.config.optim_blocks import OptimizerConfig, check_optimizer_params
 from shardwise.config.schema import AUTO
+from shardwise.ops.adam import FusedAdam
 
 SUPPORTED = {"adam": "AdamW", "adamw": "AdamW", "sgd": "SGD", "adagrad": "Adagrad"}
 NOT_SUPPORTED = {
@@ -42,6 +46,15 @@ NOT_SUPPORTED = {
     "musgd": "DeepSpeed's MuP optimizers (the mup package)",
 }
 AUTO_DEFAULTS: dict[str, Any] = {"betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
+# DeepSpeed's FusedAdam / DeepSpeedCPUAdam constructor defaults (deepspeed/ops/adam).
+FUSED_ADAM_DEFAULTS: dict[str, Any] = {
+    "lr": 1e-3,
+    "betas": (0.9, 0.999),
+    "eps": 1e-8,
+    "weight_decay": 0.0,
+    "bias_correction": True,
+    "adam_w_mode": True,
+}
 _PATH = "optimizer.params"
 
 
@@ -109,22 +122,33 @@ def _resolve_auto(params: dict[str, Any]) -> dict[str, Any]:
 
 
 def _select(name: str, kwargs: dict[str, Any]) -> tuple[type[Optimizer], dict[str, Any]]:
-    """The class, and the kwargs without DeepSpeed's Adam switches."""
+    """The class, and the kwargs without DeepSpeed's Adam switches (DeepSpeed's rules, see
+    ``_configure_basic_optimizer``: "AdamW", or "Adam" with ``adam_w_mode`` (default true), is
+    decoupled; ``torch_adam`` takes torch's class with torch's defaults, else FusedAdam's)."""
     cls = optimizer_class(name)
     if name.lower() not in ("adam", "adamw"):
         return cls, kwargs
     kwargs = dict(kwargs)
-    kwargs.pop("torch_adam", None)
-    adam_w_mode = kwargs.pop("adam_w_mode", True)
-    if kwargs.pop("bias_correction", True) is False:
-        raise fail(
-            join(_PATH, "bias_correction"),
-            "false is not supported: torch's Adam and AdamW always correct the bias of the moment "
-            "estimates. Remove the key (or set it to true)",
-        )
-    if name.lower() == "adam" and adam_w_mode is False:
-        return torch.optim.Adam, kwargs
-    return cls, kwargs
+    torch_adam = kwargs.pop("torch_adam", False)
+    decoupled = name.lower() == "adamw" or kwargs.pop("adam_w_mode", True)
+    kwargs.pop("adam_w_mode", None)
+    bias_correction = kwargs.pop("bias_correction", True)
+    if torch_adam:
+        if bias_correction is False:
+            raise fail(
+                join(_PATH, "bias_correction"),
+                "false needs DeepSpeed's own Adam: torch's Adam and AdamW (torch_adam: true) "
+                "always correct the bias. Remove torch_adam or bias_correction",
+            )
+        return (torch.optim.AdamW if decoupled else torch.optim.Adam), kwargs
+    if kwargs.get("amsgrad"):
+        raise fail(join(_PATH, "amsgrad"), "FusedAdam does not support AMSGrad (as in DeepSpeed)")
+    kwargs.pop("amsgrad", None)
+    kwargs.setdefault("weight_decay", FUSED_ADAM_DEFAULTS["weight_decay"])  # torch's AdamW: 0.01
+    if bias_correction is False:
+        return FusedAdam, {**kwargs, "bias_correction": False, "adam_w_mode": decoupled}
+    # The same update as FusedAdam's (bias corrected), from torch's tested kernels.
+    return (torch.optim.AdamW if decoupled else torch.optim.Adam), kwargs
 
 
 def _check_arguments(cls: type[Optimizer], kwargs: dict[str, Any]) -> None:
