@@ -300,7 +300,8 @@ def test_offload_to_cpu_and_to_none():
 # fmt: off
 DEPRECATED = [  # (zero_optimization, attribute, its type afterwards, warning text)
     ({"stage": 2, "cpu_offload": True}, "offload_optimizer", OffloadConfig, "cpu_offload"),
-    ({"stage": 2, "cpu_offload": False}, "offload_optimizer", type(None), "cpu_offload"),
+    # false must read as "no offload", not as the true case's rewrite (it did, issue 14)
+    ({"stage": 2, "cpu_offload": False}, "offload_optimizer", type(None), r"cpu_offload: false means offload_optimizer: absent \(no offload\)"),
     ({"stage": 3, "cpu_offload_param": True}, "offload_param", OffloadConfig, "cpu_offload_param"),
     ({"stage3_gather_fp16_weights_on_model_save": True}, "stage3_gather_16bit_weights_on_model_save", bool, "stage3_gather_fp16"),
 ]

@@ -145,8 +145,10 @@ def _rename_deprecated(raw: dict[str, Any], notes: Notes) -> dict[str, Any]:
                 raise fail(
                     join("zero_optimization", old), f"expected true or false, got {show(value)}"
                 )
+            # Say what the value means: false must not read as if offload were now on.
+            meaning = '{"device": "cpu"}' if value else "absent (no offload)"
             notes.deprecated.append(
-                f'zero_optimization.{old}: {show(value)} -> {new}: {{"device": "cpu"}}'
+                f"zero_optimization.{old}: {show(value)} means {new}: {meaning}; write that instead"
             )
             if value:
                 raw[new] = {"device": "cpu"}
