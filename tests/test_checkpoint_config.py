@@ -83,3 +83,23 @@ def test_verify_decides_whether_a_flipped_byte_is_caught(verify, tmp_path):
     else:  # the documented trade-off: sizes and headers only
         path, _ = load(fresh, str(tmp_path))
         assert path.endswith("global_step1"), "verify=false must still load"
+
+
+def _save_to_rank_dirs(root: str) -> str | None:
+    """Every rank saves into its own directory, as a script naming it from each rank's clock."""
+    engine = engine_for(config(), 0.0, seed=0)
+    try:
+        save(engine, os.path.join(root, f"run-{engine.global_rank}"))
+    except CheckpointError as e:
+        return str(e)
+    return None
+
+
+def test_ranks_passing_different_save_dirs_fail_the_save_naming_both(tmp_path):
+    errors = run_distributed(_save_to_rank_dirs, 2, str(tmp_path))
+    for rank, error in enumerate(errors):
+        assert error and "different save_dir" in error, f"rank {rank}: {error}"
+        assert "run-0" in error and "run-1" in error, f"rank {rank} names both: {error}"
+    for rank in range(2):
+        left = os.listdir(tmp_path / f"run-{rank}") if (tmp_path / f"run-{rank}").exists() else []
+        assert "latest" not in left, f"rank {rank}'s directory claims a checkpoint: {left}"

@@ -64,7 +64,7 @@ def save_pieces(
     The checkpoint is saved under rank 0's ``tag``; ``tag_validation`` (DeepSpeed's config key)
     says what a rank passing another tag does: "Fail" raises on every rank, "Warn" logs it on
     rank 0, "Ignore" says nothing."""
-    tag = _agreed_tag(tag, tag_validation, group)
+    tag = _agreed_tag(tag, tag_validation, group, save_dir)
     check_tag(tag)
     if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
         raise CheckpointError(f"keep_last={keep_last!r}: give a number of checkpoints >= 1")
@@ -91,13 +91,23 @@ def save_pieces(
     return os.path.join(save_dir, tag)
 
 
-def _agreed_tag(tag: str, mode: str, group: Any) -> str:
-    """Rank 0's tag on every rank, after comparing the others' with it (``mode``)."""
+def _agreed_tag(tag: str, mode: str, group: Any, save_dir: str = "") -> str:
+    """Rank 0's tag on every rank, after comparing the others' with it (``mode``). The save
+    directories must be one: ranks writing to different directories would each publish a part
+    of a checkpoint that no load finds whole, so that fails on every rank, naming both."""
     if mode not in ("Warn", "Ignore", "Fail"):
         raise CheckpointError(f'tag_validation={mode!r}: use "Warn", "Ignore" or "Fail"')
     if comm.get_world_size(group) == 1:
         return tag
-    tags = _all_gather_json(tag, group)
+    pairs = _all_gather_json([tag, os.path.abspath(save_dir)], group)
+    tags, dirs = [t for t, _ in pairs], [d for _, d in pairs]
+    odd = next((r for r, d in enumerate(dirs) if d != dirs[0]), None)
+    if odd is not None:
+        raise CheckpointError(
+            f"ranks passed different save_dir values: rank 0 {dirs[0]!r}, rank {odd} "
+            f"{dirs[odd]!r}; pass one directory on every rank (e.g. build its name on rank 0 "
+            "and broadcast it)"
+        )
     others = {r: t for r, t in enumerate(tags) if t != tags[0]}
     if others and mode != "Ignore":
         what = f"ranks passed different checkpoint tags: rank 0 {tags[0]!r}, " + ", ".join(
