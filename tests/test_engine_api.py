@@ -194,3 +194,24 @@ def test_steps_per_print_logs_progress_on_rank_0(caplog):
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step=")]
     assert [line.split()[0] for line in lines] == ["step=2", "step=4"], lines
     assert "lr=[0.1]" in lines[0] and "grad_norm=" in lines[0], lines[0]
+
+
+def test_step_without_backward_is_skipped_not_counted(caplog):
+    sched = {"type": "WarmupLR", "params": {"warmup_num_steps": 10, "warmup_max_lr": 0.1}}
+    engine, *_ = _engine(scheduler=sched)
+    lr = engine.get_lr()
+    with caplog.at_level("WARNING", logger="shardwise"):
+        engine.step()
+    assert engine.global_steps == 0 and engine.micro_steps == 0, "a step with nothing to apply"
+    assert engine.get_lr() == lr, "the LR schedule moved without an update"
+    assert "no engine.backward(loss)" in caplog.text
+
+
+def test_an_explicit_tag_is_checked_like_latest(tmp_path):
+    engine, *_ = _engine()
+    (tmp_path / "inner").mkdir()
+    engine.save_checkpoint(str(tmp_path / "inner"), tag="t")
+    from shardwise.checkpoint.manifest import CheckpointError
+
+    with pytest.raises(CheckpointError, match="tag '../inner/t'"):
+        engine.load_checkpoint(str(tmp_path / "other"), tag="../inner/t")

@@ -87,6 +87,7 @@ class Engine(nn.Module):
         self._in_no_sync = False
         self._global_grad_norm: float | None = None
         self._step_applied = True
+        self._backwards = 0  # engine.backward calls since the last step()
 
     # ------------------------------------------------------------------ accessors (DeepSpeed's)
     def train_batch_size(self) -> int:
@@ -198,6 +199,7 @@ class Engine(nn.Module):
         self.strategy.before_backward(sync)
         scaled.backward(retain_graph=retain_graph)
         self.strategy.after_backward(sync)
+        self._backwards += 1
         return loss
 
     def step(self, lr_kwargs: dict | None = None) -> None:
@@ -210,8 +212,14 @@ class Engine(nn.Module):
                 "must provide optimizer during init in order to use step: pass optimizer= to "
                 'shardwise.initialize or an "optimizer" block in the config'
             )
-        boundary = self.is_gradient_accumulation_boundary()
-        if boundary:
+        if not self._backwards:
+            # Nothing to apply: counting a step would still move the LR schedule (DeepSpeed does).
+            logger.warning(
+                "engine.step() with no engine.backward(loss) since the last step: skipped"
+            )
+            return
+        self._backwards = 0
+        if self.is_gradient_accumulation_boundary():
             self._take_model_step(lr_kwargs)
         self.micro_steps += 1
         self._boundary_override = None

@@ -151,8 +151,10 @@ def load_checkpoint(
                 load_dir,
             )
             return None, None
-    storage.recover(load_dir, str(tag))  # a save killed while overwriting this tag
-    path = os.path.join(load_dir, str(tag))
+    tag = str(tag)
+    storage.check_tag(tag)  # an explicit tag is checked like latest's: no "../x", no paths
+    storage.recover(load_dir, tag)  # a save killed while overwriting this tag
+    path = os.path.join(load_dir, tag)
     reader = storage.CheckpointReader(path, verify=engine.config.checkpoint.verify)
     layout = _layout(engine)
     _load_model(engine, reader, layout, load_module_strict)
