@@ -169,3 +169,33 @@ def _loss_after_replacing_the_loss_module() -> list[float]:
 def test_the_stage_runs_the_loss_module_the_tree_holds_now():
     for rank, (mse, l1_sum) in enumerate(run_distributed(_loss_after_replacing_the_loss_module, 2)):
         assert l1_sum != pytest.approx(mse), f"rank {rank}: the replaced loss module still ran"
+
+
+def _loss_lines(pp: int) -> list:
+    """The log lines of two steps with steps_per_print 2, pipeline or not, and the losses."""
+    import logging
+
+    config = {"train_micro_batch_size_per_gpu": MB, "optimizer": SGD, "steps_per_print": 2}
+    # One stage: the plain micro-batch loop (DP2); two: the pipeline's schedule.
+    engine, *_ = shardwise.initialize(model=pipeline_module("mlp", pp), config=config)
+    lines: list = []
+    handler = logging.Handler()
+    handler.emit = lambda r: lines.append(r.getMessage())
+    logging.getLogger("shardwise").addHandler(handler)
+    try:
+        batches = micro_batches("mlp", engine, MB, 1, 2)
+        losses = [engine.train_batch(batches).item() for _ in range(2)]
+    finally:
+        logging.getLogger("shardwise").removeHandler(handler)
+    return [[line for line in lines if line.startswith("steps: ")], losses]
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_train_batch_logs_deepspeeds_loss_line_every_steps_per_print(pp):
+    results = run_distributed(_loss_lines, 2, pp)
+    lines, losses = results[0]
+    assert len(lines) == 1 and lines[0].startswith(
+        f"steps: 2 loss: {losses[1]:0.4f} iter time (s): "
+    ), (pp, lines)
+    assert "samples/sec: " in lines[0], (pp, lines)
+    assert results[1][0] == [], f"pp={pp}: only rank 0 logs"

@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -286,8 +287,18 @@ class Engine(nn.Module):
     def train_batch(self, data_iter: Iterator | None = None) -> torch.Tensor:
         """One optimizer step over GAS micro-batches from ``data_iter``; the mean loss,
         averaged over the data-parallel group (the same value on every rank). Run by the
-        batch strategy: batches.MicroBatchLoop, or the pipeline's schedule."""
-        return self.batches.train_batch(self, data_iter)
+        batch strategy: batches.MicroBatchLoop, or the pipeline's schedule. Every
+        ``steps_per_print`` steps rank 0 logs DeepSpeed's line: steps, loss, time, samples/s."""
+        start = time.perf_counter()
+        loss = self.batches.train_batch(self, data_iter)
+        every = self.steps_per_print()
+        if self.mesh.rank == 0 and every and self.global_steps % every == 0:
+            took = time.perf_counter() - start
+            logger.info(
+                f"steps: {self.global_steps} loss: {loss.item():0.4f} iter time (s): "
+                f"{took:0.3f} samples/sec: {self.train_batch_size() / took:0.3f}"
+            )
+        return loss
 
     def eval_batch(self, data_iter: Iterator | None, **kwargs: Any) -> Any:
         """The mean loss of GAS micro-batches without training, averaged over data ranks.
