@@ -1,10 +1,12 @@
 """shardwise: train a PyTorch model on many processes as simply as on one.
 
 The public surface follows DeepSpeed's, so that ``import shardwise as deepspeed`` runs common
-DeepSpeed scripts: ``initialize``, ``init_distributed``, ``add_config_arguments``, ``comm``.
+DeepSpeed scripts: ``initialize``, ``init_distributed``, ``add_config_arguments``, ``comm``, and
+the deeper paths scripts import (``accelerator``, ``runtime.*``, ``ops.adam``, ``utils``, ``zero``,
+``pipe``; docs/deepspeed-compat.md).
 """
 
-from shardwise import checkpointing, comm, pipe, zero
+from shardwise import accelerator, checkpointing, comm, ops, pipe, runtime, utils, zero
 from shardwise.config import ConfigError
 from shardwise.engine import Engine, EngineError
 from shardwise.initialize import add_config_arguments, initialize
@@ -30,13 +32,17 @@ __all__ = [
     "ProcessMesh",
     "Topology",
     "__version__",
+    "accelerator",
     "add_config_arguments",
     "checkpointing",
     "comm",
     "init_distributed",
     "initialize",
     "new_subgroup",
+    "ops",
     "pipe",
+    "runtime",
     "spawn",
+    "utils",
     "zero",
 ]

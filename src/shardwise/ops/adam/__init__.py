@@ -72,10 +72,11 @@ class FusedAdam(torch.optim.Optimizer):
         lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
         state = self.state[p]
         if not state:
-            state["step"] = 0
+            state["step"] = torch.tensor(0.0)  # a CPU tensor, as torch's Adam keeps it
             state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         state["step"] += 1
+        t = int(state["step"])
         m, v, g = state["exp_avg"], state["exp_avg_sq"], p.grad
         if wd and not group["adam_w_mode"]:
             g = g.add(p, alpha=wd)  # L2: the decay is part of the gradient
@@ -83,7 +84,7 @@ class FusedAdam(torch.optim.Optimizer):
         v.mul_(b2).addcmul_(g, g, value=1 - b2)
         c1, c2 = 1.0, 1.0
         if group["bias_correction"]:
-            c1, c2 = 1 - b1 ** state["step"], 1 - b2 ** state["step"]
+            c1, c2 = 1 - b1**t, 1 - b2**t
         denom = (v / c2).sqrt_().add_(eps)
         if wd and group["adam_w_mode"]:
             p.mul_(1 - lr * wd)  # decoupled: lr * wd * p, from p before this step's update

@@ -1,0 +1,5 @@
+"""``deepspeed.runtime.dataloader``."""
+
+from shardwise.data import RepeatingLoader
+
+__all__ = ["RepeatingLoader"]
