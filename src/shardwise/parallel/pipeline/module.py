@@ -22,6 +22,9 @@ other stages' layers are skipped.
 
 State-dict names are the layer index (``"3.weight"``) and ``"tied_modules.<key>.<name>"``, the
 names of a ``num_stages=1`` PipelineModule (and of an ``nn.Sequential`` of the same layers).
+With ``layer_names`` (one dotted name per layer, e.g. ``"model.layers.2"``) each layer sits
+under its name instead, so that a pipeline cut from an existing model keeps that model's
+state-dict keys (``shardwise.integrations.huggingface.causal_lm_pipeline``).
 """
 
 from __future__ import annotations
@@ -69,11 +72,13 @@ class PipelineModule(nn.Module):
         checkpointable_layers: Sequence[str] | None = None,
         dynamic_shape: bool = False,
         chunks: int | None = None,
+        layer_names: Sequence[str] | None = None,
     ) -> None:
         super().__init__()
         specs = list(layers.children()) if isinstance(layers, nn.Sequential) else list(layers)
         if not specs:
             raise ValueError("PipelineModule(layers=...) needs at least one layer")
+        self._layer_names = _check_names(layer_names, len(specs))
         for i, layer in enumerate(specs):
             if not (isinstance(layer, (LayerSpec, nn.Module)) or callable(layer)):
                 raise TypeError(
@@ -155,11 +160,11 @@ class PipelineModule(nn.Module):
                 if chunk is not None or not self.seed_layers:
                     module = self._make(idx, spec)  # built and dropped when not own: RNG replay
                     if chunk is not None:
-                        self.add_module(str(idx), module)
+                        self._register(idx, module)
                         self._funcs.append((idx, module, chunk))
             elif chunk is not None:
                 if isinstance(spec, nn.Module):
-                    self.add_module(str(idx), spec)
+                    self._register(idx, spec)
                 self._funcs.append((idx, spec, chunk))
         # Other stages' modules are dropped here; the list keeps names and specs only.
         self._specs = [
@@ -292,8 +297,25 @@ class PipelineModule(nn.Module):
             module = self.tied_modules[key]
             return functools.partial(forward_fn, module) if forward_fn else module
         if isinstance(fn, nn.Module):
-            return self._modules.get(str(idx), fn)
+            try:
+                return self.get_submodule(self._name_of(idx))
+            except AttributeError:
+                return fn
         return fn
+
+    def _name_of(self, idx: int) -> str:
+        return self._layer_names[idx] if self._layer_names else str(idx)
+
+    def _register(self, idx: int, module: nn.Module) -> None:
+        """Layer ``idx`` under its name: the index, or ``layer_names[idx]`` (dotted names get
+        empty parent modules, so the stage's state-dict keys are the original model's)."""
+        *parents, leaf = self._name_of(idx).split(".")
+        owner: nn.Module = self
+        for child in parents:
+            if not hasattr(owner, child):
+                owner.add_module(child, nn.Module())
+            owner = getattr(owner, child)
+        owner.add_module(leaf, module)
 
     def _checkpointable(self, chunk: list[Callable]) -> bool:
         if self.checkpointable_layers is not None:
@@ -314,6 +336,20 @@ class PipelineModule(nn.Module):
 
             return run_checkpointed(run, args, {}, self.activation_partition.group)
         return func(run, *args)
+
+
+def _check_names(names: Sequence[str] | None, n: int) -> list[str] | None:
+    """``layer_names``: one distinct dotted module name per layer (or None: the indices)."""
+    if names is None:
+        return None
+    names = list(names)
+    if len(names) != n or len(set(names)) != n:
+        raise ValueError(f"layer_names: give {n} distinct names, one per layer; got {names}")
+    prefixes = {".".join(x.split(".")[:k]) for x in names for k in range(1, x.count(".") + 1)}
+    clash = sorted(prefixes & set(names))
+    if clash:
+        raise ValueError(f"layer_names: {clash} name a layer and the parent of another")
+    return names
 
 
 def _run(funcs: list[Callable], x: Any) -> Any:

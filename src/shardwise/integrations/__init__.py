@@ -1,0 +1,1 @@
+"""Adapters for models from other libraries (Hugging Face ``transformers``)."""
