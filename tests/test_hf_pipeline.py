@@ -30,9 +30,12 @@ LAYOUTS = {  # name: (processes, pipeline stages, schedule)
     "pp2-gpipe": (2, 2, "gpipe"),
     "dp2xpp2": (4, 2, "1f1b"),
 }
+# Activation checkpointing: Hugging Face's (gradient_checkpointing_enable) or the pipeline's
+# own (activation_checkpoint_interval); neither may change a number.
+CHECKPOINTING = ("none", "hf", "ours")
 
 
-def run_pipeline(family: str, layout: str) -> dict:
+def run_pipeline(family: str, layout: str, ckpt: str = "none") -> dict:
     _, stages, schedule = LAYOUTS[layout]
     config = {
         "train_micro_batch_size_per_gpu": MB,
@@ -41,7 +44,11 @@ def run_pipeline(family: str, layout: str) -> dict:
         "optimizer": {"type": "SGD", "params": {"lr": LR, "momentum": 0.9}},
         "pipeline": {"schedule": schedule},
     }
-    pipe = causal_lm_pipeline(make_hf_model(family), num_stages=stages)
+    model = make_hf_model(family)
+    if ckpt == "hf":
+        model.gradient_checkpointing_enable()
+    interval = 1 if ckpt == "ours" else 0
+    pipe = causal_lm_pipeline(model, num_stages=stages, activation_checkpoint_interval=interval)
     engine, *_ = shardwise.initialize(model=pipe, config=config)
     dp, rank = engine.dp_world_size, engine.dp_rank
     data = make_hf_batches(family, MB * dp * GAS * STEPS)
@@ -54,13 +61,16 @@ def run_pipeline(family: str, layout: str) -> dict:
     return {"losses": losses, "norms": norms, "params": engine.consolidated_state_dict()}
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("family", ["llama", "mistral"])
-def test_hugging_face_decoder_pipeline_trains_like_one_process(family, layout):
+CASES = [(f, layout, "none") for f in ("llama", "mistral") for layout in LAYOUTS]
+CASES += [("llama", "pp2-1f1b", ckpt) for ckpt in CHECKPOINTING[1:]]
+
+
+@pytest.mark.parametrize("family, layout, ckpt", CASES)
+def test_hugging_face_decoder_pipeline_trains_like_one_process(family, layout, ckpt):
     world, stages, _ = LAYOUTS[layout]
     want = reference(family, MB * GAS * (world // stages))
-    results = run_distributed(run_pipeline, world, family, layout)
-    tag = f"{family} {layout}"
+    results = run_distributed(run_pipeline, world, family, layout, ckpt)
+    tag = f"{family} {layout} checkpointing={ckpt}"
     assert_matches(results, want, tag)
     fresh = make_hf_model(family, seed=7)
     assert set(results[0]["params"]) == set(fresh.state_dict()), f"{tag}: the model's own keys"
