@@ -109,3 +109,11 @@ def make_hf_batches(family: str, n: int, seq: int = SEQ, seed: int = 5) -> dict:
 
 def take(batch: dict, rows: slice) -> dict:
     return {k: v[rows] for k, v in batch.items()}
+
+
+def decay_groups(named, decay: float = 0.01) -> list[dict]:
+    """The Hugging Face Trainer's grouping: no weight decay for biases and norm weights."""
+    named = list(named)
+    exempt = [p for n, p in named if n.endswith("bias") or "norm" in n]
+    rest = [p for n, p in named if not (n.endswith("bias") or "norm" in n)]
+    return [{"params": rest, "weight_decay": decay}, {"params": exempt, "weight_decay": 0.0}]

@@ -29,7 +29,7 @@ import torch
 pytest.importorskip("transformers", reason="the Hugging Face tables need the dev extra")
 
 from harness import run_distributed  # noqa: E402
-from hf_models import FAMILIES, make_hf_batches, make_hf_model, take  # noqa: E402
+from hf_models import FAMILIES, decay_groups, make_hf_batches, make_hf_model, take  # noqa: E402
 from models import rank_slice  # noqa: E402
 
 import shardwise  # noqa: E402
@@ -75,10 +75,12 @@ def _clip_and_step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> float:
 
 
 @functools.cache
-def reference(family: str, rows_per_step: int) -> dict:
-    """One process, plain PyTorch: the whole global batch of each step at once."""
+def reference(family: str, rows_per_step: int, grouped: bool = False) -> dict:
+    """One process, plain PyTorch: the whole global batch of each step at once (``grouped``:
+    the Hugging Face Trainer's weight-decay groups, hf_models.decay_groups)."""
     model = make_hf_model(family)
-    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    params = decay_groups(model.named_parameters()) if grouped else model.parameters()
+    opt = torch.optim.SGD(params, lr=LR, momentum=0.9)
     data = make_hf_batches(family, rows_per_step * STEPS)
     losses, norms = [], []
     for k in range(STEPS):
@@ -112,6 +114,12 @@ def run_layout(family: str, layout: str, ckpt: str) -> dict:
     }
     model = _prepare(family, ckpt, config)
     engine, *_ = shardwise.initialize(model=model, config=config)
+    return train_engine(engine, family, gas)
+
+
+def train_engine(engine: shardwise.Engine, family: str, gas: int = 1) -> dict:
+    """STEPS steps of forward / backward / step on this data rank's rows of each global batch;
+    the data-parallel mean losses, the norms and the gathered parameters."""
     dp, rank = engine.dp_world_size, engine.dp_rank
     data = make_hf_batches(family, MB * dp * gas * STEPS)
     losses, norms = [], []

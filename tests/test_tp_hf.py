@@ -12,83 +12,41 @@ optimizer held the unsplit parameters and the split layers never moved (99% of e
 from __future__ import annotations
 
 import pytest
-import torch
 
 pytest.importorskip("transformers", reason="the Hugging Face tests need the dev extra")
 
 from harness import run_distributed  # noqa: E402
-from hf_models import make_hf_batches, make_hf_model, take  # noqa: E402
-from test_hf_models import CLIP, LR, MB, STEPS, _clip_and_step, assert_matches  # noqa: E402
+from hf_models import decay_groups, make_hf_model  # noqa: E402
+from test_hf_models import CLIP, LR, MB, assert_matches, reference, train_engine  # noqa: E402
 
 import shardwise  # noqa: E402
 from shardwise.parallel.hf_styles import REFUSED, TRANSLATED  # noqa: E402
 from shardwise.parallel.parallelize import STYLES, match_plan, resolve_plan  # noqa: E402
 
-DECAY = 0.01
-
-
-def _groups(named) -> list[dict]:
-    """The Hugging Face Trainer's grouping: no weight decay for biases and norm weights."""
-    named = list(named)
-    no_decay = [p for n, p in named if n.endswith("bias") or "norm" in n]
-    decay = [p for n, p in named if not (n.endswith("bias") or "norm" in n)]
-    return [{"params": decay, "weight_decay": DECAY}, {"params": no_decay, "weight_decay": 0.0}]
-
-
+DECAY = 0.01  # hf_models.decay_groups' default
 PARAM_LISTS = {
     "list": lambda m: list(m.parameters()),
     "generator": lambda m: (p for p in m.parameters()),
-    "groups": lambda m: _groups(m.named_parameters()),
+    "groups": lambda m: decay_groups(m.named_parameters()),
 }
-
-
-def reference_groups(rows_per_step: int) -> dict:
-    model = make_hf_model("llama")
-    opt = torch.optim.SGD(_groups(model.named_parameters()), lr=LR, momentum=0.9)
-    data = make_hf_batches("llama", rows_per_step * STEPS)
-    losses, norms = [], []
-    for k in range(STEPS):
-        loss = model(**take(data, slice(k * rows_per_step, (k + 1) * rows_per_step))).loss
-        loss.backward()
-        norms.append(_clip_and_step(model, opt))
-        losses.append(loss.item())
-    return {"losses": losses, "norms": norms, "params": dict(model.named_parameters())}
+TP2 = {
+    "train_micro_batch_size_per_gpu": MB,
+    "gradient_clipping": CLIP,
+    "optimizer": {"type": "SGD", "params": {"lr": LR, "momentum": 0.9}},
+}
 
 
 def run_tp2_with_param_list(kind: str) -> dict:
     model = make_hf_model("llama")
-    config = {
-        "train_micro_batch_size_per_gpu": MB,
-        "gradient_clipping": CLIP,
-        "optimizer": {"type": "SGD", "params": {"lr": LR, "momentum": 0.9}},
-        "tensor_parallel": {"size": 2},
-    }
+    config = {**TP2, "tensor_parallel": {"size": 2}}
     params = PARAM_LISTS[kind](model)
     engine, opt, *_ = shardwise.initialize(model=model, config=config, model_parameters=params)
-    data = make_hf_batches("llama", MB * STEPS)
-    losses, norms = [], []
-    for k in range(STEPS):
-        loss = engine(**take(data, slice(k * MB, (k + 1) * MB))).loss
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-        norms.append(engine.get_global_grad_norm())
-    decays = [g["weight_decay"] for g in opt.param_groups]
-    return {
-        "losses": losses,
-        "norms": norms,
-        "params": engine.consolidated_state_dict(),
-        "wd": decays,
-    }
+    return {**train_engine(engine, "llama"), "wd": [g["weight_decay"] for g in opt.param_groups]}
 
 
 @pytest.mark.parametrize("kind", list(PARAM_LISTS))
 def test_model_parameters_collected_before_the_split_train_the_shards(kind):
-    want = reference_groups(MB) if kind == "groups" else None
-    if want is None:
-        from test_hf_models import reference
-
-        want = reference("llama", MB)
+    want = reference("llama", MB, grouped=kind == "groups")
     results = run_distributed(run_tp2_with_param_list, 2, kind)
     assert_matches(results, want, f"llama tp2 model_parameters={kind}")
     if kind == "groups":
@@ -125,22 +83,9 @@ def test_a_plan_relative_to_the_base_model_gets_its_prefix():
 
 
 def run_tp2_sequence_parallel(family: str) -> dict:
-    config = {
-        "train_micro_batch_size_per_gpu": MB,
-        "gradient_clipping": CLIP,
-        "optimizer": {"type": "SGD", "params": {"lr": LR, "momentum": 0.9}},
-        "tensor_parallel": {"size": 2, "sequence_parallel": True},
-    }
+    config = {**TP2, "tensor_parallel": {"size": 2, "sequence_parallel": True}}
     engine, *_ = shardwise.initialize(model=make_hf_model(family), config=config)
-    data = make_hf_batches(family, MB * STEPS)
-    losses, norms = [], []
-    for k in range(STEPS):
-        loss = engine(**take(data, slice(k * MB, (k + 1) * MB))).loss
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-        norms.append(engine.get_global_grad_norm())
-    return {"losses": losses, "norms": norms, "params": engine.consolidated_state_dict()}
+    return train_engine(engine, family)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
@@ -148,7 +93,5 @@ def test_sequence_parallel_hugging_face_decoder_trains_like_one_process(family):
     """The model's own plan plus sequence parallelism: the residual stream is split from the
     first decoder layer on, the norms' gradients summed over the TP ranks (before the fix the
     split happened at the first norm, inside the layer, and the residual add crashed)."""
-    from test_hf_models import reference
-
     results = run_distributed(run_tp2_sequence_parallel, 2, family)
     assert_matches(results, reference(family, MB), f"{family} tp2 + sequence parallelism")
