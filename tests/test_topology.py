@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 import pytest
+from harness import run_distributed
 
 from shardwise import topology
 from shardwise.topology import AXES, Coord, ProcessMesh, Topology, TopologyError, new_subgroup
@@ -227,7 +228,7 @@ class _FakeDist:
     def get_world_size(self):
         return self.world
 
-    def new_group(self, ranks):
+    def new_group(self, ranks, timeout=None, group_desc=None):
         self.created.append(list(ranks))
         return f"group{list(ranks)}"
 
@@ -261,3 +262,33 @@ def test_new_subgroup_sorts_dedups_and_checks_ranks(monkeypatch):
     assert new_subgroup([6, 0, 2, 4, 2]) == "group[0, 2, 4, 6]"
     with pytest.raises(TopologyError, match=r"ranks \[8\] are outside the world of size 8"):
         new_subgroup([0, 8])
+
+
+def _group_timeouts() -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from shardwise.topology import world_timeout
+
+    mesh = ProcessMesh.create(Topology.build(4, tp=2))
+    out = {"world": world_timeout().total_seconds()}
+    for axis in ("dp", "tp", "mp"):
+        group = mesh.groups[axis]
+        backend = group._get_backend(torch.device("cpu"))
+        out[axis] = (backend.options._timeout.total_seconds(), group.group_desc)
+    dist.barrier()
+    return out
+
+
+def test_every_mesh_group_has_the_worlds_timeout_and_a_name():
+    """A sub-group made without a timeout keeps torch's 30 minutes, whatever the world was given:
+    a rank asleep in a data-parallel all-reduce of a DP2 x TP2 layout hung that long (issue 13)."""
+    for rank, got in enumerate(run_distributed(_group_timeouts, 4)):
+        world = got.pop("world")
+        assert world < 1800, f"rank {rank}: the harness gives its world a short timeout: {world}"
+        names = {"dp": "data", "tp": "tensor", "mp": "model-parallel"}
+        for axis, (timeout, name) in got.items():
+            assert timeout == world, (
+                f"rank {rank} {axis} group: timeout {timeout} s, world {world} s"
+            )
+            assert name == names[axis], f"rank {rank} {axis} group named {name!r}"

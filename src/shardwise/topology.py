@@ -15,14 +15,17 @@ in the same order, as ``torch.distributed.new_group`` requires.
 
 from __future__ import annotations
 
+import datetime
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 AXES = ("pp", "dp", "tp")  # outermost to innermost
+AXIS_NAMES = {"pp": "pipeline", "dp": "data", "tp": "tensor"}  # group names in errors
 AXIS_NAMES = {"pp": "pipeline", "dp": "data", "tp": "tensor"}
 
 
@@ -178,11 +181,13 @@ class ProcessMesh:
             return mesh
         for axis in AXES:
             for members in topology.axis_groups(axis):
-                group = dist.new_group(members) if len(members) < topology.world_size else None
+                whole = len(members) == topology.world_size
+                group = None if whole else new_group(members, AXIS_NAMES[axis])
                 if rank in members:
                     mesh.groups[axis] = group if group is not None else dist.group.WORLD
         for members in topology.model_parallel_groups():
-            group = dist.new_group(members) if len(members) < topology.world_size else None
+            whole = len(members) == topology.world_size
+            group = None if whole else new_group(members, "model-parallel")
             if rank in members:
                 mesh.groups["mp"] = group if group is not None else dist.group.WORLD
         return mesh
@@ -239,6 +244,26 @@ class ProcessMesh:
         return self.coord.tp
 
 
+def world_timeout() -> datetime.timedelta | None:
+    """The collective timeout the world group was created with (``init_distributed(timeout=)``,
+    ``$SHARDWISE_TIMEOUT_S``), or None when torch does not say."""
+    try:
+        default = dist.distributed_c10d._get_default_group()
+        backend = default._get_backend(
+            torch.device("cpu" if dist.get_backend() == "gloo" else "cuda")
+        )
+        return backend.options._timeout
+    except (AttributeError, RuntimeError, ValueError):
+        return None
+
+
+def new_group(ranks: Sequence[int], name: str) -> Any:
+    """``dist.new_group`` with the world's timeout and a name for errors and traces: without a
+    timeout a sub-group keeps torch's 30-minute default, whatever the world was given, so a
+    hang on a data or tensor group would wait that long. Every rank must call it, same order."""
+    return dist.new_group(list(ranks), timeout=world_timeout(), group_desc=name)
+
+
 def new_subgroup(ranks: Sequence[int]) -> Any:
     """A process group of arbitrary ranks (for example the even ones).
 
@@ -249,4 +274,4 @@ def new_subgroup(ranks: Sequence[int]) -> Any:
     bad = [r for r in ranks if not 0 <= r < world]
     if bad:
         raise TopologyError(f"ranks {bad} are outside the world of size {world}")
-    return dist.new_group(ranks)
+    return new_group(ranks, f"subgroup:{','.join(map(str, ranks))}")

@@ -32,6 +32,7 @@ from shardwise.parallel.pipeline.p2p import StageLink
 from shardwise.parallel.pipeline.runtime import StageExecutor
 from shardwise.parallel.pipeline.schedule import Op, inference, make_schedule
 from shardwise.parallel.pipeline.tied import TiedWeights
+from shardwise.topology import new_group
 
 logger = logging.getLogger("shardwise")
 
@@ -204,13 +205,11 @@ class PipelineRunner:
 def _stage_group(mesh: Any) -> tuple[Any, int]:
     """The group of the ranks that run this rank's stage (data x tensor), and its first rank.
     Every rank creates every stage's group, in stage order (new_group needs all ranks)."""
-    import torch.distributed as dist
-
     topo = mesh.topology
     mine, root = None, topo.rank(pp=mesh.pp_rank)
     for s in range(topo.pp):
         ranks = [topo.rank(pp=s, dp=d, tp=t) for d in range(topo.dp) for t in range(topo.tp)]
-        group = dist.new_group(ranks) if len(ranks) > 1 else None
+        group = new_group(ranks, f"pipeline-stage-{s}") if len(ranks) > 1 else None
         if s == mesh.pp_rank:
             mine = group
     return mine, root

@@ -25,9 +25,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from shardwise import comm
+from shardwise.topology import new_group
 
 
 class TiedWeights:
@@ -44,7 +44,7 @@ class TiedWeights:
             for d in range(topo.dp):
                 for t in range(topo.tp):
                     ranks = [topo.rank(pp=s, dp=d, tp=t) for s in stages]
-                    group = dist.new_group(ranks)
+                    group = new_group(ranks, f"tied:{key}")
                     if mesh.rank in ranks:
                         self.groups[key] = (group, ranks[0])
 
