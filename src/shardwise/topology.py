@@ -25,8 +25,7 @@ import torch
 import torch.distributed as dist
 
 AXES = ("pp", "dp", "tp")  # outermost to innermost
-AXIS_NAMES = {"pp": "pipeline", "dp": "data", "tp": "tensor"}  # group names in errors
-AXIS_NAMES = {"pp": "pipeline", "dp": "data", "tp": "tensor"}
+AXIS_NAMES = {"pp": "pipeline", "dp": "data", "tp": "tensor"}  # also the groups' names
 
 
 class TopologyError(ValueError):
