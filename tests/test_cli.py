@@ -355,3 +355,56 @@ def test_console_script_is_installed():
     assert shutil.which("shardwise", path=str(Path(sys.executable).parent)), (
         "pip install -e . creates it"
     )
+
+
+@pytest.mark.parametrize(
+    "text, want",
+    [("0,1", [0, 1]), ("0-3", [0, 1, 2, 3]), ("4,0-1", [4, 0, 1]), (" 2 , 5-6", [2, 5, 6])],
+)
+def test_bind_core_list_reads_deepspeeds_syntax(text, want):
+    from shardwise.launch.bound import parse_core_list
+
+    assert parse_core_list(text) == want, text
+
+
+@pytest.mark.parametrize("text", ["", "a", "3-1", "0,0", "1-"])
+def test_a_bad_bind_core_list_is_refused_naming_it(text):
+    from shardwise.launch.bound import parse_core_list
+
+    with pytest.raises(ValueError, match="--bind_core_list"):
+        parse_core_list(text)
+
+
+def test_cores_are_shared_out_in_equal_consecutive_parts():
+    from shardwise.launch.bound import split_cores
+
+    assert split_cores(list(range(8)), 2) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert split_cores([0, 1, 2], 2) == [[0], [1]], "DeepSpeed leaves the remainder unused"
+    with pytest.raises(ValueError, match="1 cores for 2 processes"):
+        split_cores([0], 2)
+
+
+AFFINITY = """
+import os, sys
+import shardwise
+shardwise.init_distributed()
+cores = sorted(os.sched_getaffinity(0))
+print(f"rank {os.environ['LOCAL_RANK']} cores {cores} omp {os.environ['OMP_NUM_THREADS']} "
+      f"args {sys.argv[1:]} main {__name__ == '__main__'}", flush=True)
+"""
+
+
+def test_bind_cores_to_rank_pins_each_rank_to_its_share(tmp_path):
+    """DeepSpeed's exact flags (CIFAR and HelloDeepSpeed run scripts use them) are accepted, and
+    each rank runs on its own core with OMP_NUM_THREADS equal to its share."""
+    script = tmp_path / "affinity.py"
+    script.write_text(AFFINITY)
+    flags = ["--nproc-per-node", "2", "--bind_cores_to_rank", "--bind_core_list", "0,1"]
+    cmd = [sys.executable, "-m", "shardwise", "run", *flags, "--no_local_rank"]
+    out = subprocess.run(
+        [*cmd, str(script), "--x", "1"], capture_output=True, text=True, timeout=120, cwd=REPO
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    for rank in (0, 1):
+        line = f"rank {rank} cores [{rank}] omp 1 args ['--x', '1'] main True"
+        assert line in out.stdout, out.stdout

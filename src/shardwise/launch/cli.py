@@ -41,6 +41,11 @@ RUN_FLAGS = [
     (("-e", "--exclude"), dict(default="", help="NODE[:SLOT,...][@NODE...] to drop")),
     (("--slurm",), dict(action="store_true", help="nodes, node rank and master from srun (one task per node)")),
     (("--dry-run",), dict(action="store_true", help="print the torchrun command instead of running it")),
+    (("--bind_cores_to_rank", "--bind-cores-to-rank"),
+     dict(action="store_true", help="pin each local rank to its share of the cores, OMP_NUM_THREADS = that share")),
+    (("--bind_core_list", "--bind-core-list"), dict(help="cores to share out, e.g. 0,2-5 (default: all this process may use)")),
+    (("--no_local_rank", "--no-local-rank"),
+     dict(action="store_true", help="accepted for DeepSpeed's command lines: --local_rank is passed only with --local-rank-arg")),
 ]  # fmt: skip
 
 

@@ -100,7 +100,9 @@ def build_torchrun_argv(args: argparse.Namespace) -> list[str]:
     if local_addr and "--local-addr" in _torchrun_flags():
         argv.append(f"--local-addr={local_addr}")
     argv.append(f"--max-restarts={args.max_restarts}")
-    if args.module:
+    if _binds(args):  # pinned by shardwise.launch.bound first
+        argv += ["--module", "shardwise.launch.bound", *(["--as-module"] if args.module else [])]
+    elif args.module:
         argv.append("--module")
     argv.append(args.script)
     if args.local_rank_arg:  # DeepSpeed's launcher style: before the user's own arguments
@@ -120,7 +122,30 @@ def launch_env(args: argparse.Namespace, environ: Mapping[str, str]) -> dict[str
         updates[SHARE_STORE_VAR] = "1"
     if getattr(args, "visible_devices", None):
         updates["CUDA_VISIBLE_DEVICES"] = args.visible_devices
+    if _binds(args):
+        updates.update(_core_binding(args))
     return updates
+
+
+def _binds(args: argparse.Namespace) -> bool:
+    """--bind_cores_to_rank, or a --bind_core_list (which means it)."""
+    return bool(getattr(args, "bind_cores_to_rank", False) or getattr(args, "bind_core_list", None))
+
+
+def _core_binding(args: argparse.Namespace) -> dict[str, str]:
+    """Each local rank's share of the cores (``--bind_core_list``, else the cores this process
+    may use), and OMP_NUM_THREADS = one share, unless --omp-num-threads says otherwise."""
+    from shardwise.launch.bound import BINDING_VAR, parse_core_list, split_cores
+
+    listed = getattr(args, "bind_core_list", None)
+    cores = parse_core_list(listed) if listed else sorted(os.sched_getaffinity(0))
+    nproc = args.nproc_per_node if args.nproc_per_node is not None else default_nproc()
+    if not str(nproc).isdigit():
+        raise ValueError(f"--bind_cores_to_rank needs a number of processes, not {nproc!r}")
+    shares = split_cores(cores, int(nproc))
+    binding = ";".join(",".join(map(str, share)) for share in shares)
+    threads = str(args.omp_num_threads or len(shares[0]))
+    return {BINDING_VAR: binding, "OMP_NUM_THREADS": threads}
 
 
 def _this_node(names: list[str], hostname: str | None) -> int:
