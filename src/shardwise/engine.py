@@ -16,12 +16,8 @@ or the pipeline's runner, which also makes ``forward/backward/step`` refuse), an
     norm_S = ||S g||  (one all-reduce; inf/nan anywhere = overflow on every rank)
     overflow -> skip, lower S;  else coef = clip(norm_S / S) / S -> strategy.step(coef)
 
-One accumulation cycle of GAS micro-steps::
-
-    for micro in range(GAS):
-        loss = engine(batch)          # forward
-        engine.backward(loss)         # loss / GAS; reduction only on the last micro-step
-        engine.step()                 # update only on the last micro-step
+One accumulation cycle is GAS times ``loss = engine(batch); engine.backward(loss);
+engine.step()``: backward scales by 1/GAS and reduces, and step updates, on the last only.
 """
 
 from __future__ import annotations
@@ -37,6 +33,7 @@ import torch
 from torch import nn
 
 from shardwise import clip
+from shardwise.monitor import Monitor, progress_line
 from shardwise.precision import compute_dtype
 
 logger = logging.getLogger("shardwise")
@@ -89,6 +86,7 @@ class Engine(nn.Module):
         self._global_grad_norm: float | None = None
         self._step_applied = True
         self._backwards = 0  # engine.backward calls since the last step()
+        self.monitor = Monitor.from_config(config, mesh.rank)  # tensorboard / csv_monitor
 
     # ------------------------------------------------------------------ accessors (DeepSpeed's)
     def train_batch_size(self) -> int:
@@ -201,6 +199,7 @@ class Engine(nn.Module):
         scaled.backward(retain_graph=retain_graph)
         self.strategy.after_backward(sync)
         self._backwards += 1
+        self.monitor.add_loss(loss, self.gradient_accumulation_steps())
         return loss
 
     def step(self, lr_kwargs: dict | None = None) -> None:
@@ -254,6 +253,8 @@ class Engine(nn.Module):
         self.zero_grad()
         self.global_steps += 1
         self.global_samples += self.train_batch_size()
+        if self.pipeline is None:  # a pipeline's loss is known after its schedule: train_batch
+            self._write_events()
         every = self.steps_per_print()
         if self.mesh.rank == 0 and every and self.global_steps % every == 0:
             lrs = ", ".join(f"{lr:.3g}" for lr in self.get_lr())
@@ -263,6 +264,10 @@ class Engine(nn.Module):
                 f"grad_norm={norm if norm is None else f'{norm:.4g}'} "
                 f"loss_scale={self.scaler.scale:g}"
             )
+
+    def _write_events(self, loss: float | None = None) -> None:
+        scale = self.scaler.scale if self.config.fp16.enabled else None
+        self.monitor.write_step(loss, self.get_lr()[0], self.global_samples, scale)
 
     def zero_grad(self) -> None:
         self.strategy.zero_grad()
@@ -291,12 +296,12 @@ class Engine(nn.Module):
         ``steps_per_print`` steps rank 0 logs DeepSpeed's line: steps, loss, time, samples/s."""
         start = time.perf_counter()
         loss = self.batches.train_batch(self, data_iter)
-        every = self.steps_per_print()
-        if self.mesh.rank == 0 and every and self.global_steps % every == 0:
+        if self.pipeline is not None:
+            self._write_events(loss.item())
+        if self.mesh.rank == 0 and self.global_steps % self.steps_per_print() == 0:
             took = time.perf_counter() - start
             logger.info(
-                f"steps: {self.global_steps} loss: {loss.item():0.4f} iter time (s): "
-                f"{took:0.3f} samples/sec: {self.train_batch_size() / took:0.3f}"
+                progress_line(self.global_steps, loss.item(), took, self.train_batch_size())
             )
         return loss
 

@@ -26,6 +26,7 @@ from shardwise.config.checkpoint import CheckpointConfig, parse_checkpoint
 from shardwise.config.errors import ConfigError, Notes, fail
 from shardwise.config.keys import IGNORED, UNSUPPORTED, is_disabled
 from shardwise.config.loader import load_source
+from shardwise.config.monitor import MonitorConfig
 from shardwise.config.optim_blocks import (
     OptimizerConfig,
     SchedulerConfig,
@@ -73,6 +74,8 @@ class Config:
         default_factory=ActivationCheckpointingConfig
     )
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    tensorboard: MonitorConfig = field(default_factory=MonitorConfig)
+    csv_monitor: MonitorConfig = field(default_factory=MonitorConfig)
     communication_data_type: Literal["fp16", "bf16", "fp32"] | None = None
     zero_allow_untested_optimizer: bool = (
         False  # no effect: any torch optimizer works with ZeRO here
