@@ -14,7 +14,9 @@ Three launchers, checked in this order (the first that matches wins):
 
 from __future__ import annotations
 
+import atexit
 import datetime
+import gc
 import os
 import sys
 from collections.abc import Callable, Mapping
@@ -326,6 +328,7 @@ def _init_group(
         world_size=env.world_size,
         timeout=timeout,
     )
+    atexit.register(_collect_at_exit)
     if verbose and env.rank == 0:
         print(
             f"[shardwise] {backend} world of {env.world_size} processes ready "
@@ -334,6 +337,15 @@ def _init_group(
             flush=True,
         )
     return env
+
+
+def _collect_at_exit() -> None:
+    """Free unreachable engines (and the process groups they hold) while the world is still
+    up: left to the interpreter's final teardown, their gloo groups are destroyed in no
+    particular order and a script that returned normally sometimes dies of SIGABRT
+    ("terminate called without an active exception"; 2 runs in 16 of a 2-rank DP step, 0 in
+    16 with this collection)."""
+    gc.collect()
 
 
 def init_distributed(
