@@ -35,9 +35,11 @@ from models import rank_slice  # noqa: E402
 import shardwise  # noqa: E402
 
 STEPS, MB, LR, CLIP = 3, 2, 0.1, 0.5
-# Families whose own tensor-parallel plan runs. GPT-2 publishes no plan and its fused Conv1D
-# q|k|v needs a packed split; BERT publishes none: both are refused (the last test below).
-TP_FAMILIES = ("llama", "mistral", "qwen2")
+# Families whose tensor-parallel plan runs: the model's own (Llama, Mistral, Qwen2), shardwise's
+# for GPT-2 (plans.KNOWN_PLANS: Conv1D layers kept transposed, the fused q|k|v c_attn split part
+# by part with packed_colwise, the tied head split like the embedding). BERT publishes none and
+# has none here: refused (the last test below).
+TP_FAMILIES = ("llama", "mistral", "qwen2", "gpt2")
 ZERO3 = {"stage": 3, "stage3_param_persistence_threshold": 0}
 
 # name: (processes, gradient accumulation, config blocks, families it applies to)
@@ -55,7 +57,7 @@ LAYOUTS = {
         4,
         1,
         {"tensor_parallel": {"size": 2}, "zero_optimization": {"stage": 2}},
-        ("llama",),
+        ("llama", "gpt2"),
     ),
 }
 CHECKPOINTING = ("none", "hf", "ours")

@@ -2,8 +2,9 @@
 tied weights through checkpoints and export (issue 11 items 7, 8, 9).
 
 Rows: a tied model (Qwen2 with ``tie_word_embeddings``, GPT-2's tied head) trained through
-``train_batch`` on the dict samples Hugging Face datasets yield, in one process and under
-ZeRO-3 on two; then ``save_16bit_model(dir)`` with DeepSpeed's default name must load with
+``train_batch`` on the dict samples Hugging Face datasets yield, in one process, under ZeRO-3
+on two and under tensor parallelism on two (GPT-2's fused q|k|v split part by part); then
+``save_16bit_model(dir)`` with DeepSpeed's default name must load with
 ``from_pretrained(dir)``, and a checkpoint exported by ``shardwise export`` must load with
 ``load_state_dict(load_file(...))``. Both loads must reproduce the trained weights exactly
 (they are copies of the same fp32 values, so equality is bitwise).
@@ -26,15 +27,22 @@ from hf_models import make_hf_batches, make_hf_model, take  # noqa: E402
 import shardwise  # noqa: E402
 
 MB = 2
-LAYOUTS = {"single": (1, {}), "zero3x2": (2, {"stage": 3, "stage3_param_persistence_threshold": 0})}
+# name: (processes, zero_optimization, tensor-parallel size); tp2 splits GPT-2's fused q|k|v
+# part by part (packed_colwise) and Qwen2's tied embedding and head by vocabulary.
+LAYOUTS = {
+    "single": (1, {}, 1),
+    "zero3x2": (2, {"stage": 3, "stage3_param_persistence_threshold": 0}, 1),
+    "tp2": (2, {}, 2),
+}
 
 
 def train_and_save(family: str, layout: str, out: str, filename: str | None) -> dict:
-    _, zero = LAYOUTS[layout]
+    _, zero, tp = LAYOUTS[layout]
     config = {
         "train_micro_batch_size_per_gpu": MB,
         "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
         "zero_optimization": zero,
+        "tensor_parallel": {"size": tp},
     }
     engine, *_ = shardwise.initialize(model=make_hf_model(family), config=config)
     data = make_hf_batches(family, 16)
@@ -54,7 +62,7 @@ def train_and_save(family: str, layout: str, out: str, filename: str | None) -> 
 def test_tied_model_saved_by_shardwise_loads_with_from_pretrained(family, layout, tmp_path):
     import transformers
 
-    world, _ = LAYOUTS[layout]
+    world, _, _ = LAYOUTS[layout]
     tag = f"{family} {layout}"
     got = run_distributed(train_and_save, world, family, layout, str(tmp_path), None)[0]
     assert all(torch.isfinite(torch.tensor(got["losses"]))), tag

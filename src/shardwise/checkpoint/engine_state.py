@@ -46,7 +46,7 @@ from shardwise.checkpoint.rank_state import (
     set_rng_state,
     source_rank,
 )
-from shardwise.checkpoint.reshard import CheckpointError, PieceReader, fill
+from shardwise.checkpoint.reshard import CheckpointError, PieceReader, fill, plain_pieces
 from shardwise.precision import compute_dtype
 
 logger = logging.getLogger("shardwise")
@@ -79,6 +79,7 @@ def save_checkpoint(
         pieces = [p for p in pieces if p.name not in frozen]
     if engine.optimizer is not None:
         pieces += optim_pieces(layout, engine.optimizer)
+    pieces = plain_pieces(pieces)  # packed tensors (q|k|v) as plain boxes: any layout reads them
     rank_state: dict[str, Any] = {"rng": rng_state(), "data": data_state(engine)}
     if engine.global_rank == 0:
         sched = engine.lr_scheduler

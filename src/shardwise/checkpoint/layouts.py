@@ -52,6 +52,7 @@ class Slot:
     offset: int  # where the part starts in ``owner``'s flattening (flat slots)
     master: torch.Tensor | None
     save: bool
+    packed: tuple[int, int] | None = None  # box and flat in the packed view (placement.py)
 
     @property
     def first(self) -> bool:
@@ -73,7 +74,7 @@ class Layout:
 
     def master_pieces(self) -> list[Piece]:
         return [
-            Piece(f"master/{s.name}", s.global_shape, s.box, s.flat, s.master, s.save)
+            Piece(f"master/{s.name}", s.global_shape, s.box, s.flat, s.master, s.save, s.packed)
             for s in self.slots
             if s.master is not None
         ]
@@ -130,7 +131,7 @@ def _whole_model(module: nn.Module, namer: _Namer, skip: set[int]) -> list[Piece
             continue
         pl = get_placement(t)
         save = namer.offers(pl, True, t.numel(), "model")
-        out.append(Piece(f"model/{name}", pl.global_shape, pl.box, None, t.data, save))
+        out.append(Piece(f"model/{name}", pl.global_shape, pl.box, None, t.data, save, pl.packed))
     return out
 
 
@@ -143,7 +144,7 @@ def _replicated(module: nn.Module, optimizer: Any, mesh: Any) -> Layout:
             for p in g["params"]:
                 pl = get_placement(p)
                 name, save = namer.name(p), namer.offers(pl, True, p.numel(), "slot")
-                slots.append(Slot(name, pl.global_shape, pl.box, None, p, 0, None, save))
+                slots.append(Slot(name, pl.global_shape, pl.box, None, p, 0, None, save, pl.packed))
     return Layout(_whole_model(module, namer, set()), slots)
 
 
@@ -180,7 +181,7 @@ def _flat_slots(
         values = master.detach()[at : at + n] if separate else None
         name, save = namer.name(params[i]), namer.offers(pl, replicated_over_dp, n, "slot")
         flat = (start, start + n)
-        out.append(Slot(name, pl.global_shape, pl.box, flat, master, at, values, save))
+        out.append(Slot(name, pl.global_shape, pl.box, flat, master, at, values, save, pl.packed))
     return out
 
 
@@ -232,7 +233,9 @@ def _zero3(module: nn.Module, strategy: Any, mesh: Any) -> Layout:
         )
         for s in unit_slots:  # the model shard covers exactly what the master shard does
             values = u.shard[s.offset : s.offset + s.flat[1] - s.flat[0]]
-            model.append(Piece(f"model/{s.name}", s.global_shape, s.box, s.flat, values, s.save))
+            model.append(
+                Piece(f"model/{s.name}", s.global_shape, s.box, s.flat, values, s.save, s.packed)
+            )
         slots += unit_slots
     return Layout(model + _whole_model(module, namer, managed), slots)
 

@@ -37,7 +37,13 @@ def _piece(key: str, slot: Slot, value: torch.Tensor) -> Piece:
             "load_optimizer_states=False)"
         )
     return Piece(
-        _name(key, slot), slot.global_shape, slot.box, slot.flat, slot.part(value), slot.save
+        _name(key, slot),
+        slot.global_shape,
+        slot.box,
+        slot.flat,
+        slot.part(value),
+        slot.save,
+        slot.packed,
     )
 
 

@@ -38,6 +38,7 @@ import torch
 
 from shardwise.checkpoint.manifest import CheckpointError
 from shardwise.checkpoint.pieces import Piece
+from shardwise.parallel.placement import packed_view
 
 Box = tuple[tuple[int, int], ...]
 
@@ -173,6 +174,29 @@ def sources(target: Piece) -> list[str]:
     return [target.name]
 
 
+def plain_pieces(pieces: Iterable[Piece]) -> list[Piece]:
+    """``pieces`` with every packed one (box and flat in the packed view, placement.py) cut into
+    plain boxes of the global tensor: one per region and part, whose tensor is a view of the
+    piece's (filling it fills the parameter). A packed view's region holds parts j0..j1-1 of
+    width P, columns [c0, c1) of each: part j is the plain range [j P + c0, j P + c1)."""
+    out = []
+    for p in pieces:
+        if p.packed is None:
+            out.append(p)
+            continue
+        d = p.packed[0]
+        width = packed_view(p.global_shape, p.packed)[d + 1]
+        data = p.tensor if p.flat is not None else p.tensor.view(p.box_shape)
+        for region in regions(p.box, p.flat):
+            values = _view(data, region)
+            (j0, j1), (c0, c1) = region.box[d], region.box[d + 1]
+            for j in range(j0, j1):
+                box = (*region.box[:d], (j * width + c0, j * width + c1), *region.box[d + 2 :])
+                part = values.select(d, j - j0)
+                out.append(Piece(p.name, p.global_shape, box, None, part, p.save))
+    return out
+
+
 def fill(
     reader: Any,
     targets: Iterable[Piece],
@@ -187,7 +211,7 @@ def fill(
     """
     names = set(reader.names())
     used: dict[str, str | None] = {}
-    for target in targets:
+    for target in plain_pieces(targets):
         source = next((n for n in sources(target) if n in names), None)
         used[target.name] = source
         if source is None:

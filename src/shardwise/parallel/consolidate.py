@@ -4,7 +4,8 @@ A split parameter's local tensor covers ``box`` of its global tensor (see placem
 tensor-parallel rank holds a box of the same shape (the split rounds up and pads), so one
 all-gather of the local tensors and one of the box corners give every rank all slices; each is
 written at its corner of a padded global tensor, and the padding (indices >= the logical
-shape) is cut off.
+shape) is cut off. A packed tensor (q|k|v, placement.py) is assembled in its packed view, where
+every rank's slice is one box, and reshaped back.
 """
 
 from __future__ import annotations
@@ -29,9 +30,10 @@ def placements_by_name(module: nn.Module) -> dict[str, Placement]:
 
 
 def gather_whole(local: torch.Tensor, placement: Placement, group: Any) -> torch.Tensor:
-    """The global tensor of ``placement.global_shape`` from every rank's box of it."""
+    """The global tensor of ``placement.global_shape`` from every rank's box of it (assembled
+    in the packed view when the tensor packs parts, then reshaped)."""
     world = comm.get_world_size(group)
-    local = local.detach().contiguous()
+    local = local.detach().contiguous().view(placement.box_shape)
     corner = torch.tensor([start for start, _ in placement.box], dtype=torch.int64)
     pieces = [torch.empty_like(local) for _ in range(world)]
     corners = [torch.empty_like(corner) for _ in range(world)]
@@ -42,7 +44,8 @@ def gather_whole(local: torch.Tensor, placement: Placement, group: Any) -> torch
     for piece, c in zip(pieces, corners, strict=True):
         index = tuple(slice(int(s), int(s) + n) for s, n in zip(c, piece.shape, strict=True))
         full[index] = piece
-    return full[tuple(slice(0, n) for n in placement.global_shape)].clone()
+    full = full[tuple(slice(0, n) for n in placement.view_shape)]
+    return full.reshape(placement.global_shape).clone()
 
 
 def consolidate_tensor_parallel(

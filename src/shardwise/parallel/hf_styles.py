@@ -10,6 +10,7 @@ shardwise has not built, refused with the reason so that the user can give an ex
     colwise_rep, colwise_gather_output colwise_rep         ... output all-gathered (replicated)
     rowwise, rowwise_rep, local_rowwise rowwise            weight columns split, outputs summed
     embedding_rowwise                 vocab                embedding rows (the vocabulary) split
+    packed_colwise                    packed_colwise       each packed part's outputs split
     sequence_parallel                 sequence_parallel
     replicate, local, local_params,   (kept whole)         every TP rank holds it and computes the
     replicated_with_grad_allreduce                         same gradient from the same input
@@ -29,6 +30,7 @@ TRANSLATED: dict[str, str | None] = {
     "local_rowwise": "rowwise",
     "embedding_rowwise": "vocab",
     "sequence_parallel": "sequence_parallel",
+    "packed_colwise": "packed_colwise",
     "replicate": None,
     "local": None,
     "local_params": None,
@@ -41,8 +43,6 @@ REFUSED: dict[str, str] = {
     "the split output of a colwise layer)",
     "embedding_colwise": "an embedding split along the hidden dimension (shardwise splits "
     "embeddings by vocabulary: embedding_rowwise / vocab)",
-    "packed_colwise": "fused weights (q|k|v or gate|up in one Linear) need each part split "
-    "separately; not built yet",
     "packed_rowwise": "fused weights split by row; not built yet",
     "local_packed_rowwise": "fused weights split by row; not built yet",
     "gather": "a module whose outputs are gathered across TP ranks (mixture-of-experts "

@@ -6,6 +6,10 @@ exactly one name component ("blocks.*.attn.q" matches "blocks.3.attn.q", not "bl
 
     colwise            nn.Linear -> ColumnParallelLinear, output left split
     colwise_rep        nn.Linear -> ColumnParallelLinear, output all-gathered (replicated)
+    packed_colwise     nn.Linear whose outputs are k parts end to end (a fused q|k|v or
+                       gate|up) -> ColumnParallelLinear splitting each part: rank r computes
+                       q_r | k_r | v_r. k is the parent's ``split_size`` parts (GPT-2's c_attn:
+                       3), else 2 (gate|up, Hugging Face's convention)
     rowwise            nn.Linear -> RowParallelLinear, partial outputs summed
     vocab              nn.Embedding -> VocabParallelEmbedding; nn.Linear (an LM head) ->
                        ColumnParallelLinear over the vocabulary padded to a multiple of the TP
@@ -41,10 +45,13 @@ Random streams: dropout outside split regions uses the default stream, identical
 rank; split regions fork the tracker's per-rank stream (random.py). ``parallelize`` adds that
 stream if the script did not (``model_parallel_seed``).
 
+Every nn.Linear style also takes a GPT-2 ``Conv1D`` (weight stored transposed, (in, out)): the
+split layer keeps that storage, so names, shapes and checkpoints stay the model's own.
+
 Attention heads: layers split by column hand each rank whole heads when the heads divide the
 TP size. A module with both column and row children (attention) that has ``head_dim`` is
 checked; one with ``n_head``/``num_heads``/... has it divided by the TP size (its forward then
-sees local heads). Tied parameters (embedding and head, both "vocab") share the new shard.
+sees local heads, and a ``split_size``, the width of one packed part, is divided too). Tied parameters (embedding and head, both "vocab") share the new shard.
 """
 
 from __future__ import annotations
@@ -56,10 +63,16 @@ from torch import nn
 
 from shardwise import comm
 from shardwise.parallel import random as tp_random
+from shardwise.parallel.heads import HEAD_ATTRS, heads_to_divide, packs_of  # noqa: F401
 from shardwise.parallel.hf_styles import TRANSLATED, translate_hf_styles
 from shardwise.parallel.placement import get_placement
 from shardwise.parallel.plans import pattern_regex, resolve_plan  # noqa: F401 (re-exported)
-from shardwise.parallel.tensor import ColumnParallelLinear, RowParallelLinear, SharedInput
+from shardwise.parallel.tensor import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    SharedInput,
+    linear_dims,
+)
 from shardwise.parallel.tensor_comm import (
     gather_from_sequence,
     scatter_to_sequence,
@@ -70,6 +83,7 @@ from shardwise.parallel.vocab import VocabParallelCrossEntropyLoss, VocabParalle
 STYLES = {
     "colwise": (nn.Linear,),
     "colwise_rep": (nn.Linear,),
+    "packed_colwise": (nn.Linear,),
     "rowwise": (nn.Linear,),
     "vocab": (nn.Embedding, nn.Linear),
     "loss_parallel": (nn.CrossEntropyLoss,),
@@ -78,15 +92,6 @@ STYLES = {
     "sequence_entry": (nn.Module,),
     "sequence_gather": (nn.Module,),
 }
-HEAD_ATTRS = (
-    "n_head",
-    "n_heads",
-    "num_heads",
-    "num_attention_heads",
-    "n_kv_heads",
-    "num_kv_heads",
-    "num_key_value_heads",
-)
 
 
 @dataclass
@@ -98,6 +103,7 @@ class _Context:
     tracker: tp_random.RNGStatesTracker
     shared: SharedInput = field(default_factory=SharedInput)
     shards: dict[int, tuple] = field(default_factory=dict)  # id(old param) -> (old, new, box)
+    packs: dict[str, int] = field(default_factory=dict)  # packed_colwise module -> its parts
 
 
 def _tp_of(mesh_or_group: Any) -> tuple[Any, int]:
@@ -132,8 +138,9 @@ def match_plan(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
                     f"module {name!r} is matched by plan patterns {found[name][0]!r} "
                     f"({found[name][1]}) and {pattern!r} ({style}): keep one"
                 )
-            if not isinstance(module, STYLES[style]):
+            if not _fits(module, style):
                 kinds = " or ".join(f"nn.{k.__name__}" for k in STYLES[style])
+                kinds += " or a Conv1D" if nn.Linear in STYLES[style] else ""
                 raise ValueError(
                     f"plan pattern {pattern!r} matched {name!r}, a {type(module).__name__}, "
                     f"but style {style!r} needs {kinds}"
@@ -148,6 +155,13 @@ def match_plan(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
     return {name: style for name, (_, style) in found.items()}
 
 
+def _fits(module: nn.Module, style: str) -> bool:
+    """``module`` is of a kind ``style`` splits (a Conv1D counts as an nn.Linear)."""
+    if isinstance(module, STYLES[style]):
+        return True
+    return nn.Linear in STYLES[style] and linear_dims(module) is not None
+
+
 def _parent(model: nn.Module, name: str) -> tuple[nn.Module, str]:
     parent, _, child = name.rpartition(".")
     return (model.get_submodule(parent) if parent else model), child
@@ -156,57 +170,22 @@ def _parent(model: nn.Module, name: str) -> tuple[nn.Module, str]:
 def _check_sizes(model: nn.Module, matches: dict[str, str], tp: int) -> None:
     """Divisibility errors before anything changes (the model stays intact on error)."""
     for name, style in matches.items():
-        m = model.get_submodule(name)
-        if style in ("colwise", "colwise_rep") and m.out_features % tp:
+        dims = linear_dims(model.get_submodule(name))
+        if dims is None:
+            continue
+        in_f, out_f, _ = dims
+        parts = packs_of(model, name) if style == "packed_colwise" else 1
+        if style in ("colwise", "colwise_rep", "packed_colwise") and out_f % (tp * parts):
+            what = f"{parts} packed parts of {out_f // parts}" if parts > 1 else ""
             raise ValueError(
-                f"{name}: out_features {m.out_features} is not divisible by the "
+                f"{name}: out_features {out_f} {what} is not divisible by the "
                 f"tensor-parallel size {tp} (style {style!r})"
             )
-        if style == "rowwise" and m.in_features % tp:
+        if style == "rowwise" and in_f % tp:
             raise ValueError(
-                f"{name}: in_features {m.in_features} is not divisible by the "
+                f"{name}: in_features {in_f} is not divisible by the "
                 f"tensor-parallel size {tp} (style 'rowwise')"
             )
-
-
-def _attention_parents(model: nn.Module, matches: dict[str, str]) -> dict[str, list[str]]:
-    """Modules with both column and row children (attention, MLP) -> their column children."""
-    cols: dict[str, list[str]] = {}
-    rows = set()
-    for name, style in matches.items():
-        parent = name.rpartition(".")[0]
-        if style == "colwise":
-            cols.setdefault(parent, []).append(name)
-        elif style == "rowwise":
-            rows.add(parent)
-    return {p: c for p, c in cols.items() if p in rows}
-
-
-def _heads(model: nn.Module, matches: dict[str, str], tp: int) -> list[tuple[nn.Module, str]]:
-    """Check that heads divide the TP size; return the head-count attributes to divide."""
-    to_divide = []
-    for parent_name, children in _attention_parents(model, matches).items():
-        parent = model.get_submodule(parent_name) if parent_name else model
-        label = parent_name or type(model).__name__
-        head_dim = getattr(parent, "head_dim", None)
-        for child in children if isinstance(head_dim, int) and head_dim > 0 else []:
-            out = model.get_submodule(child).out_features
-            if (out // tp) % head_dim:
-                raise ValueError(
-                    f"{label}: {out // head_dim} attention heads (head_dim {head_dim} in "
-                    f"{child}) cannot be split over tensor-parallel size {tp}: use a TP size "
-                    "that divides the number of heads"
-                )
-        for attr in HEAD_ATTRS:
-            value = getattr(parent, attr, None)
-            if isinstance(value, int) and not isinstance(value, bool):
-                if value % tp:
-                    raise ValueError(
-                        f"{label}.{attr} = {value} is not divisible by the tensor-parallel "
-                        f"size {tp}: use a TP size that divides the number of heads"
-                    )
-                to_divide.append((parent, attr))
-    return to_divide
 
 
 def _share_tied(ctx: _Context, old: nn.Module, new: nn.Module, name: str) -> None:
@@ -277,6 +256,8 @@ def _replacement(module: nn.Module, name: str, style: str, ctx: _Context) -> nn.
         return ColumnParallelLinear.from_linear(module, ctx.group, **col)
     if style == "colwise_rep":
         return ColumnParallelLinear.from_linear(module, ctx.group, gather_output=True, **col)
+    if style == "packed_colwise":
+        return ColumnParallelLinear.from_linear(module, ctx.group, packs=ctx.packs[name], **col)
     if style == "rowwise":
         return RowParallelLinear.from_linear(module, ctx.group, **sp)
     if style == "vocab" and isinstance(module, nn.Embedding):
@@ -349,10 +330,11 @@ def parallelize(
     if tp == 1:
         return model
     _check_sizes(model, matches, tp)
-    heads = _heads(model, matches, tp)
+    heads = heads_to_divide(model, matches, tp)
     tracker = rng_tracker if rng_tracker is not None else tp_random.get_rng_tracker()
     tp_random.ensure_tp_stream(rank, tracker)
     ctx = _Context(group, tp, sequence_parallel, seq_dim, tracker)
+    ctx.packs = {n: packs_of(model, n) for n, s in matches.items() if s == "packed_colwise"}
     marked = [n for n, s in matches.items() if s == "sequence_entry"]
     entry = next((n for n, s in matches.items() if s == "sequence_parallel"), None)
     entry = marked[0] if marked else entry

@@ -11,8 +11,15 @@ tensor-parallel rank (norm weights, biases of row-parallel layers).
                   split padded the tensor (a vocabulary not divisible by the TP size): indices
                   >= global_shape[d] are padding, hold zeros and are never saved
     tp_replicated True when every tensor-parallel rank holds the same values (count once)
+    packed        None, or (d, k): dimension d of the global tensor is k equal parts packed
+                  end to end (a fused q|k|v or gate|up layer), and each rank holds the same
+                  slice of every part. The box is then given in the *packed view* of the
+                  global tensor, where dimension d of size k*P is split into (k, P):
+                  ``view_shape``; the box is (0, k) on the part axis and a range of [0, P) on
+                  the next. Reshaping the local tensor's dimension d into (k, L) gives the box.
 
-The local tensor's shape is always ``tuple(stop - start for start, stop in box)``.
+The local tensor's shape is ``tuple(stop - start for start, stop in box)``, with the packed view's
+two dimensions (d, d + 1) merged back into one when packed.
 """
 
 from __future__ import annotations
@@ -29,24 +36,46 @@ class Placement:
     global_shape: tuple[int, ...]
     box: tuple[tuple[int, int], ...]
     tp_replicated: bool = True
+    packed: tuple[int, int] | None = None
+
+    @property
+    def view_shape(self) -> tuple[int, ...]:
+        """The global shape the box indexes: ``global_shape``, or its packed view."""
+        return packed_view(self.global_shape, self.packed)
+
+    @property
+    def box_shape(self) -> tuple[int, ...]:
+        return tuple(stop - start for start, stop in self.box)
 
     @property
     def local_shape(self) -> tuple[int, ...]:
-        return tuple(stop - start for start, stop in self.box)
+        shape = self.box_shape
+        if self.packed is None:
+            return shape
+        d = self.packed[0]
+        return (*shape[:d], shape[d] * shape[d + 1], *shape[d + 2 :])
 
     @property
     def is_whole(self) -> bool:
         return all(
             start == 0 and stop == n
-            for (start, stop), n in zip(self.box, self.global_shape, strict=True)
+            for (start, stop), n in zip(self.box, self.view_shape, strict=True)
         )
 
     def logical_box(self) -> tuple[tuple[int, int], ...]:
         """The box without padding: what this rank holds of the real tensor."""
         return tuple(
             (start, min(stop, n))
-            for (start, stop), n in zip(self.box, self.global_shape, strict=True)
+            for (start, stop), n in zip(self.box, self.view_shape, strict=True)
         )
+
+
+def packed_view(shape: tuple[int, ...], packed: tuple[int, int] | None) -> tuple[int, ...]:
+    """``shape`` with dimension d (of k parts) split into (k, shape[d] // k); unchanged if None."""
+    if packed is None:
+        return tuple(shape)
+    d, k = packed
+    return (*shape[:d], k, shape[d] // k, *shape[d + 1 :])
 
 
 def whole(tensor: torch.Tensor) -> Placement:
@@ -60,9 +89,12 @@ def set_placement(
     global_shape: tuple[int, ...],
     box: tuple[tuple[int, int], ...],
     tp_replicated: bool = False,
+    packed: tuple[int, int] | None = None,
 ) -> None:
-    """Record that ``param`` holds ``box`` of a global tensor of ``global_shape``."""
-    placement = Placement(tuple(global_shape), tuple(tuple(r) for r in box), tp_replicated)
+    """Record that ``param`` holds ``box`` of a global tensor of ``global_shape`` (of its packed
+    view when ``packed`` is given, see the module doc)."""
+    box = tuple(tuple(r) for r in box)
+    placement = Placement(tuple(global_shape), box, tp_replicated, packed)
     if placement.local_shape != tuple(param.shape):
         raise ValueError(
             f"placement box {placement.box} has shape {placement.local_shape} but the local "
@@ -86,3 +118,11 @@ def split_box(
     return tuple(
         (rank * size, (rank + 1) * size) if d == dim else (0, n) for d, n in enumerate(global_shape)
     )
+
+
+def packed_split_box(
+    global_shape: tuple[int, ...], dim: int, packs: int, rank: int, parts: int
+) -> tuple[tuple[int, int], ...]:
+    """The packed-view box of part ``rank`` of ``parts`` of each of the ``packs`` parts packed
+    along ``dim``: the same slice of every part (q_r | k_r | v_r)."""
+    return split_box(packed_view(global_shape, (dim, packs)), dim + 1, rank, parts)

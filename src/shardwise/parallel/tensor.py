@@ -31,7 +31,13 @@ Vocabulary padding (``pad_vocab``, the LM head split by vocabulary): the output 
 rounded up to a multiple of n; padded rows hold zeros and their logits are -inf, so a softmax
 (or the vocabulary-parallel cross-entropy) gives them probability 0 and gradient 0.
 
-Every parameter records which box of the global (unsplit) tensor it holds (placement.py).
+Packed outputs (``packs`` k, a fused q|k|v): A's columns are k parts end to end,
+A = [Q | K | V]; a column layer splits each part, rank r holds [Q_r | K_r | V_r] and computes
+q_r | k_r | v_r, which the attention reshapes into its local heads. GPT-2's ``Conv1D`` stores A
+itself (in, out) rather than W = A^T: ``transposed`` layers keep that storage.
+
+Every parameter records which box of the global (unsplit) tensor it holds (placement.py; a
+packed one, which is not one box, in the packed view).
 """
 
 from __future__ import annotations
@@ -46,7 +52,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardwise import comm
-from shardwise.parallel.placement import set_placement, split_box
+from shardwise.parallel.placement import packed_split_box, set_placement, split_box
 from shardwise.parallel.tensor_comm import (
     copy_to_tp,
     gather_from_sequence,
@@ -115,8 +121,34 @@ def _uniform_full(shape: tuple[int, ...], fan_in: int, like: torch.Tensor) -> to
     return torch.empty(shape, dtype=like.dtype, device=like.device).uniform_(-bound, bound)
 
 
+def linear_dims(module: nn.Module) -> tuple[int, int, bool] | None:
+    """``(in_features, out_features, transposed)`` of an ``nn.Linear`` (weight (out, in)) or of a
+    GPT-2 style ``Conv1D`` (weight stored as A itself, (in, out): ``transposed``); None for any
+    other module. Conv1D is recognised by its name and shape, without importing transformers."""
+    if isinstance(module, nn.Linear):
+        return module.in_features, module.out_features, False
+    weight = getattr(module, "weight", None)
+    nx, nf = getattr(module, "nx", None), getattr(module, "nf", None)
+    if type(module).__name__ == "Conv1D" and isinstance(weight, torch.Tensor):
+        if tuple(weight.shape) == (nx, nf):
+            return nx, nf, True
+    return None
+
+
+def _local_packed(full: torch.Tensor, dim: int, rank: int, size: int, packs: int) -> torch.Tensor:
+    """Rank ``rank``'s slice of each of ``packs`` parts packed along ``dim``, end to end."""
+    if packs == 1:
+        return _local_rows(full, dim, rank, size)
+    parts = full.detach().chunk(packs, dim)
+    return torch.cat([_local_rows(p, dim, rank, size // packs) for p in parts], dim)
+
+
 class _ParallelLinear(nn.Module):
-    """What both splits share: group, sizes, parameters built from full tensors."""
+    """What both splits share: group, sizes, parameters built from full tensors.
+
+    The weight is stored as the layer it replaces stores it: W (out, in) for nn.Linear, A
+    (in, out) for a Conv1D (``transposed``); ``packs`` parts packed along the outputs (a fused
+    q|k|v) are each split, so rank r holds q_r | k_r | v_r."""
 
     split_dim = 0  # the dimension of W (out, in) this layer splits
 
@@ -126,20 +158,39 @@ class _ParallelLinear(nn.Module):
         full = (out_f, in_f)
         self.local = -(-full[self.split_dim] // self.tp)  # rounded up: padding when needed
         shape = (self.local, in_f) if self.split_dim == 0 else (out_f, self.local)
+        shape = shape[::-1] if self.transposed else shape
         self.weight = nn.Parameter(torch.empty(shape, **factory))
         bias_len = self.local if self.split_dim == 0 else out_f
         self.bias = nn.Parameter(torch.empty(bias_len, **factory)) if bias else None
 
+    @property
+    def _weight_dim(self) -> int:
+        """The dimension of the stored weight that this layer splits."""
+        return 1 - self.split_dim if self.transposed else self.split_dim
+
+    def _full_shape(self) -> tuple[int, int]:
+        full = (self.out_features, self.in_features)
+        return full[::-1] if self.transposed else full
+
+    def _w(self) -> torch.Tensor:
+        """W (out/n, in) or (out, in/n), whatever the storage."""
+        return self.weight.t() if self.transposed else self.weight
+
     @classmethod
-    def from_linear(cls, linear: nn.Linear, group: Any, **kwargs: Any) -> _ParallelLinear:
-        """This rank's slice of ``linear`` (its weights copied, not shared)."""
+    def from_linear(cls, linear: nn.Module, group: Any, **kwargs: Any) -> _ParallelLinear:
+        """This rank's slice of ``linear`` (an nn.Linear or a Conv1D; weights copied)."""
+        dims = linear_dims(linear)
+        if dims is None:
+            raise ValueError(f"{type(linear).__name__} is neither nn.Linear nor a Conv1D")
+        in_f, out_f, transposed = dims
         layer = cls(
-            linear.in_features,
-            linear.out_features,
+            in_f,
+            out_f,
             linear.bias is not None,
             group=group,
             device="meta",
             dtype=linear.weight.dtype,
+            transposed=transposed,
             **kwargs,
         )
         layer.weight.requires_grad_(linear.weight.requires_grad)
@@ -147,17 +198,18 @@ class _ParallelLinear(nn.Module):
         return layer
 
     def load_full(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        """Take this rank's slices of the whole layer's ``weight`` (out, in) and ``bias``."""
-        d, r, n = self.split_dim, self.tp_rank, self.local
+        """Take this rank's slices of the whole layer's ``weight`` (as stored) and ``bias``."""
+        d, r, n, k = self._weight_dim, self.tp_rank, self.local, self.packs
         grad = self.weight.requires_grad
-        self.weight = nn.Parameter(_local_rows(weight, d, r, n), requires_grad=grad)
+        self.weight = nn.Parameter(_local_packed(weight, d, r, n, k), requires_grad=grad)
         if self.bias is not None and bias is not None:
-            b = _local_rows(bias, 0, r, n) if d == 0 else bias.detach().clone()
+            column = self.split_dim == 0
+            b = _local_packed(bias, 0, r, n, k) if column else bias.detach().clone()
             self.bias = nn.Parameter(b, requires_grad=self.bias.requires_grad)
         self._place()
 
     def reset_parameters(self) -> None:
-        w = _uniform_full((self.out_features, self.in_features), self.in_features, self.weight)
+        w = _uniform_full(self._full_shape(), self.in_features, self.weight)
         b = None
         if self.bias is not None:
             b = _uniform_full((self.out_features,), self.in_features, self.weight)
@@ -165,21 +217,30 @@ class _ParallelLinear(nn.Module):
             self.load_full(w, b)
 
     def _place(self) -> None:
-        full = (self.out_features, self.in_features)
-        set_placement(self.weight, full, split_box(full, self.split_dim, self.tp_rank, self.tp))
+        full, d, k = self._full_shape(), self._weight_dim, self.packs
+        if k > 1:
+            box = packed_split_box(full, d, k, self.tp_rank, self.tp)
+            set_placement(self.weight, full, box, packed=(d, k))
+        else:
+            set_placement(self.weight, full, split_box(full, d, self.tp_rank, self.tp))
         if self.bias is None:
             return
-        if self.split_dim == 0:
-            box = split_box((self.out_features,), 0, self.tp_rank, self.tp)
-            set_placement(self.bias, (self.out_features,), box)
+        out = (self.out_features,)
+        if self.split_dim == 0 and k > 1:
+            box = packed_split_box(out, 0, k, self.tp_rank, self.tp)
+            set_placement(self.bias, out, box, packed=(0, k))
+        elif self.split_dim == 0:
+            set_placement(self.bias, out, split_box(out, 0, self.tp_rank, self.tp))
         else:
-            set_placement(self.bias, (self.out_features,), ((0, self.out_features),), True)
+            set_placement(self.bias, out, ((0, self.out_features),), True)
 
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"bias={self.bias is not None}, tp={self.tp}, tp_rank={self.tp_rank}, "
             f"sequence_parallel={self.sequence_parallel}"
+            + (", transposed (Conv1D)" if self.transposed else "")
+            + (f", packs={self.packs}" if self.packs > 1 else "")
         )
 
 
@@ -206,6 +267,8 @@ class ColumnParallelLinear(_ParallelLinear):
         seq_dim: int = 1,
         pad_vocab: bool = False,
         shared_input: SharedInput | None = None,
+        packs: int = 1,
+        transposed: bool = False,
         device: Any = None,
         dtype: torch.dtype | None = None,
         name: str = "ColumnParallelLinear",
@@ -215,6 +278,13 @@ class ColumnParallelLinear(_ParallelLinear):
         if out_features % tp and not pad_vocab:
             fix = "choose a size that divides it, or split another layer"
             raise _not_divisible(name, "out_features", out_features, tp, fix)
+        if packs > 1 and (out_features % (packs * tp) or gather_output or pad_vocab):
+            raise ValueError(
+                f"{name}: {packs} packed parts of {out_features} outputs need each part "
+                f"divisible by the tensor-parallel size {tp}, and no gathered or vocabulary "
+                "output (packed_colwise feeds a module that splits its output itself)"
+            )
+        self.packs, self.transposed = packs, transposed
         self._setup(group, in_features, out_features, bias, {"device": device, "dtype": dtype})
         self.gather_output, self.sequence_parallel, self.seq_dim = (
             gather_output,
@@ -239,7 +309,7 @@ class ColumnParallelLinear(_ParallelLinear):
         return self.shared_input.prepare(x, kind, make)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(self._input(x), self.weight, self.bias)  # (.., in) @ (in, out/n)
+        y = F.linear(self._input(x), self._w(), self.bias)  # (.., in) @ (in, out/n)
         if self.real_out < self.local:  # padded vocabulary rows: probability 0, gradient 0
             pad = torch.arange(self.local, device=y.device) >= self.real_out
             y = y.masked_fill(pad, float("-inf"))
@@ -263,6 +333,7 @@ class RowParallelLinear(_ParallelLinear):
         input_is_parallel: bool = True,
         sequence_parallel: bool = False,
         seq_dim: int = 1,
+        transposed: bool = False,
         device: Any = None,
         dtype: torch.dtype | None = None,
         name: str = "RowParallelLinear",
@@ -272,6 +343,7 @@ class RowParallelLinear(_ParallelLinear):
         if in_features % tp:
             fix = "the column layer before it must split the same features"
             raise _not_divisible(name, "in_features", in_features, tp, fix)
+        self.packs, self.transposed = 1, transposed
         self._setup(group, in_features, out_features, bias, {"device": device, "dtype": dtype})
         self.input_is_parallel = input_is_parallel
         self.sequence_parallel, self.seq_dim = sequence_parallel, seq_dim
@@ -286,7 +358,7 @@ class RowParallelLinear(_ParallelLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tp(x, self.group, -1)
-        y = F.linear(x, self.weight)  # (.., in/n) @ (in/n, out): a partial sum
+        y = F.linear(x, self._w())  # (.., in/n) @ (in/n, out): a partial sum
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence(y, self.group, self.seq_dim)
         else:
