@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
 from shardwise.launch import slurm
+from shardwise.launch.guard import guard_worker
 
 DEFAULT_MASTER_ADDR = "127.0.0.1"
 DEFAULT_MASTER_PORT = 29500  # torchrun's and DeepSpeed's default
@@ -329,6 +330,7 @@ def _init_group(
         timeout=timeout,
     )
     atexit.register(_collect_at_exit)
+    guard_worker()  # die with the launcher; uncaught errors reach its failure summary
     if verbose and env.rank == 0:
         print(
             f"[shardwise] {backend} world of {env.world_size} processes ready "
