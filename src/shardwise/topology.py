@@ -162,6 +162,8 @@ class ProcessMesh:
     topology: Topology
     rank: int
     groups: dict[str, Any] = field(default_factory=dict)
+    # Groups beyond the axes (pipeline stages, tied weights), made once per rank tuple.
+    _made: dict[tuple[int, ...], Any] = field(default_factory=dict, repr=False)
 
     @classmethod
     def create(cls, topology: Topology, rank: int | None = None) -> ProcessMesh:
@@ -194,6 +196,39 @@ class ProcessMesh:
     @property
     def coord(self) -> Coord:
         return self.topology.coord(self.rank)
+
+    def group_of(self, ranks: Sequence[int], name: str) -> Any:
+        """The process group of ``ranks`` (named ``name`` in errors), made on first use and
+        kept: every rank must ask for the same tuples in the same order, members or not. None
+        for one rank, or when torch.distributed is not initialized."""
+        key = tuple(ranks)
+        if len(key) < 2 or not (dist.is_available() and dist.is_initialized()):
+            return None
+        if key not in self._made:
+            self._made[key] = new_group(key, name)
+        return self._made[key]
+
+    def stage_group(self) -> tuple[Any, int]:
+        """The group of the ranks that run this rank's pipeline stage (data x tensor) and its
+        first rank. Every stage's group is made, in stage order (every rank takes part)."""
+        topo, mine = self.topology, None
+        for s in range(topo.pp):
+            ranks = [topo.rank(pp=s, dp=d, tp=t) for d in range(topo.dp) for t in range(topo.tp)]
+            group = self.group_of(ranks, f"pipeline-stage-{s}")
+            mine = group if s == self.pp_rank else mine
+        return mine, topo.rank(pp=self.pp_rank)
+
+    def tied_group(self, key: str, stages: Sequence[int]) -> tuple[Any, int] | None:
+        """For weights tied across pipeline ``stages``: the group of the copies this rank's
+        data/tensor coordinate holds, ``[rank(s, d, t) for s in stages]``, and its first rank;
+        None if this rank holds no copy. Every (d, t) group is made, by every rank."""
+        topo, mine = self.topology, None
+        for d in range(topo.dp):
+            for t in range(topo.tp):
+                ranks = [topo.rank(pp=s, dp=d, tp=t) for s in stages]
+                group = self.group_of(ranks, f"tied:{key}")
+                mine = (group, ranks[0]) if self.rank in ranks else mine
+        return mine
 
     def group(self, axis: str) -> Any:
         """The process group of this rank along ``axis`` (None when not distributed)."""

@@ -32,7 +32,6 @@ from shardwise.parallel.pipeline.p2p import StageLink
 from shardwise.parallel.pipeline.runtime import StageExecutor
 from shardwise.parallel.pipeline.schedule import Op, inference, make_schedule
 from shardwise.parallel.pipeline.tied import TiedWeights
-from shardwise.topology import new_group
 
 logger = logging.getLogger("shardwise")
 
@@ -65,7 +64,7 @@ class PipelineRunner:
         self.chunks = module.chunks
         tp = mesh.tp_group if mesh.topology.tp > 1 else None
         self.split_groups = tuple(tp if on else None for on in partitioned)
-        self.stage_group, self.stage_root = _stage_group(mesh)
+        self.stage_group, self.stage_root = mesh.stage_group()
         self.tied = TiedWeights(module, mesh)
         self.executor = StageExecutor(
             module,
@@ -200,16 +199,3 @@ class PipelineRunner:
     def consolidated_state_dict(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Every stage's entries, tied weights once, on every rank."""
         return gather_stages(state, self.mesh.pp_group, self.peers, self.stage_id)
-
-
-def _stage_group(mesh: Any) -> tuple[Any, int]:
-    """The group of the ranks that run this rank's stage (data x tensor), and its first rank.
-    Every rank creates every stage's group, in stage order (new_group needs all ranks)."""
-    topo = mesh.topology
-    mine, root = None, topo.rank(pp=mesh.pp_rank)
-    for s in range(topo.pp):
-        ranks = [topo.rank(pp=s, dp=d, tp=t) for d in range(topo.dp) for t in range(topo.tp)]
-        group = new_group(ranks, f"pipeline-stage-{s}") if len(ranks) > 1 else None
-        if s == mesh.pp_rank:
-            mine = group
-    return mine, root

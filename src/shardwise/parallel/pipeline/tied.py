@@ -9,7 +9,8 @@ before the update, gives every copy the one-process gradient, so the copies stay
 Groups: for a key held by stages S = [s_0, s_1, ...], one group per (data, tensor) coordinate,
 ``[rank(s, d, t) for s in S]``; the same data/tensor coordinate means the same slice of the
 same data, so the sum is over copies of the same thing. Every rank creates every group, in
-sorted key order (torch.distributed.new_group requires all ranks, same order).
+sorted key order (torch.distributed.new_group requires all ranks, same order); the mesh makes
+them (``ProcessMesh.tied_group``), as it makes every group.
 
 The sum runs after the data-parallel reduction, on the pieces of the gradient the strategy
 owns (``strategy.reduced_grads(p)``: the whole averaged gradient for plain data parallelism,
@@ -27,26 +28,19 @@ from typing import Any
 import torch
 
 from shardwise import comm
-from shardwise.topology import new_group
 
 
 class TiedWeights:
     """This rank's tied parameters and their groups (see the module docstring)."""
 
     def __init__(self, module: Any, mesh: Any) -> None:
-        topo = mesh.topology
         self.module = module
         self.groups: dict[str, tuple[Any, int]] = {}  # key -> (group, rank of its first stage)
         for key in sorted(module.tied_stages):
             stages = module.tied_stages[key]
-            if len(stages) < 2:
-                continue
-            for d in range(topo.dp):
-                for t in range(topo.tp):
-                    ranks = [topo.rank(pp=s, dp=d, tp=t) for s in stages]
-                    group = new_group(ranks, f"tied:{key}")
-                    if mesh.rank in ranks:
-                        self.groups[key] = (group, ranks[0])
+            mine = mesh.tied_group(key, stages) if len(stages) > 1 else None
+            if mine is not None:
+                self.groups[key] = mine
 
     @property
     def params(self) -> dict[str, list[tuple[str, torch.nn.Parameter]]]:
