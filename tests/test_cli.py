@@ -337,7 +337,7 @@ def test_run_restarts_a_failed_worker_group(tmp_path):
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "failing on purpose rank=0 restart=0" in out.stdout, "the first attempt fails"
-    assert "restarting, attempt 1 of 1" in out.stderr, f"a silent restart: {out.stderr[-2000:]}"
+    assert "worker group restarted: attempt 1 of 1" in out.stderr, f"silent: {out.stderr[-2000:]}"
     assert _hello_lines(out.stdout) == [
         "hello rank=0 world=2 local_rank=0 launcher=torchrun sum=3 restart=1 local_rank_arg=0 omp=1",
         "hello rank=1 world=2 local_rank=1 launcher=torchrun sum=3 restart=1 local_rank_arg=1 omp=1",

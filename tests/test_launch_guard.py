@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from shardwise.launch.guard import die_with_launcher, record_uncaught_errors
+from shardwise.launch.guard import die_with_launcher, record_uncaught_errors, restart_notice
 
 SCRIPT = str(Path(__file__).parent / "scripts" / "linger.py")
 DROP = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -88,3 +88,10 @@ def test_no_launcher_no_guard(monkeypatch):
     )
     hook = sys.excepthook
     assert not record_uncaught_errors({}) and sys.excepthook is hook
+
+
+def test_rank_0_of_a_restarted_group_says_which_attempt():
+    env = {"TORCHELASTIC_RESTART_COUNT": "1", "TORCHELASTIC_MAX_RESTARTS": "2"}
+    assert restart_notice(0, env) == "[shardwise] worker group restarted: attempt 1 of 2"
+    assert restart_notice(1, env) is None, "one line per job, from rank 0"
+    assert restart_notice(0, {"TORCHELASTIC_RESTART_COUNT": "0"}) is None, "first attempt"

@@ -330,7 +330,7 @@ def _init_group(
         timeout=timeout,
     )
     atexit.register(_collect_at_exit)
-    guard_worker()  # die with the launcher; uncaught errors reach its failure summary
+    guard_worker(env.rank)  # die with the launcher; uncaught errors reach its failure summary
     if verbose and env.rank == 0:
         print(
             f"[shardwise] {backend} world of {env.world_size} processes ready "

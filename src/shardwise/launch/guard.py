@@ -10,6 +10,8 @@
   file (``TORCHELASTIC_ERROR_FILE``) for its "Root Cause" section; workers that are not wrapped
   in torch's ``@record`` leave it empty (``error_file: <N/A>``). An ``excepthook`` writes the
   exception and its traceback there in torch's format, then runs the previous hook.
+* **A restart is not silent.** torchrun logs "N/M attempts left; will restart" at INFO only,
+  hidden at the default level; rank 0 of a restarted group says which attempt it is.
 """
 
 from __future__ import annotations
@@ -79,7 +81,20 @@ def record_uncaught_errors(environ: Mapping[str, str] = os.environ) -> bool:
     return True
 
 
-def guard_worker() -> None:
-    """Both of the above (the module docstring says why)."""
+def restart_notice(rank: int, environ: Mapping[str, str] = os.environ) -> str | None:
+    """The line rank 0 prints when torchrun restarted its worker group, else None."""
+    count = environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    most = environ.get("TORCHELASTIC_MAX_RESTARTS", "")
+    if rank != 0 or not count.isdigit() or int(count) == 0:
+        return None
+    of = f" of {most}" if most.isdigit() else ""
+    return f"[shardwise] worker group restarted: attempt {count}{of}"
+
+
+def guard_worker(rank: int) -> None:
+    """All of the above (the module docstring says why)."""
     die_with_launcher()
     record_uncaught_errors()
+    notice = restart_notice(rank)
+    if notice:
+        print(notice, file=sys.stderr, flush=True)

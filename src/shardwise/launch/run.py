@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import logging
 import os
 import shlex
 import socket
@@ -248,30 +247,6 @@ def resolve_slurm(
     return out
 
 
-class _RestartNotice(logging.Handler):
-    """Prints torchrun's "N/M attempts left; will restart" (an INFO record, hidden at the default
-    level) as one line a user sees: a restart should never be silent."""
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if "attempts left" not in str(record.msg) or len(record.args or ()) < 4:
-            return
-        _, state, left, most = record.args[:4]
-        attempt = int(most) - int(left) + 1
-        print(
-            f"shardwise run: worker group {state}; restarting, attempt {attempt} of {most}",
-            file=sys.stderr,
-            flush=True,
-        )
-
-
-def _announce_restarts() -> None:
-    agent = logging.getLogger("torch.distributed.elastic.agent.server.api")
-    if not any(isinstance(h, _RestartNotice) for h in agent.handlers):
-        agent.addHandler(_RestartNotice(logging.INFO))
-    if agent.getEffectiveLevel() > logging.INFO:
-        agent.setLevel(logging.INFO)
-
-
 def launch(args: argparse.Namespace) -> int:
     """Run the workers under torchrun's elastic agent, in this process; the exit code."""
     from torch.distributed import run as torchrun
@@ -287,7 +262,6 @@ def launch(args: argparse.Namespace) -> int:
         raise ValueError(f"script {args.script!r} not found (give a path, or -m for a module)")
     os.environ.update(updates)
     os.environ[LAUNCHER_VAR] = str(os.getpid())  # workers die with this process (launch/guard.py)
-    _announce_restarts()
     try:
         torchrun.main(argv)
     except ChildFailedError as e:  # the agent already gave up after --max-restarts
