@@ -7,6 +7,11 @@ test_hf_models.py on the same global batches (SGD with momentum, clipping): same
 final parameters within the same 1e-5 (a pipeline changes no sum: the stages run the same
 operations in the same order; data parallelism averages). The gathered state has the model's
 own keys, and loads back into a fresh Hugging Face model.
+
+Qwen2 ties its input and output embeddings: the embedding on the first stage and the head on the
+last hold copies of one weight (DeepSpeed's TiedLayerSpec), their gradients summed over the two
+stages. The rows check the copies against the one weight of one process under both Hugging
+Face names, and against each other bitwise (same start, same summed gradient, same update).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from shardwise.integrations.huggingface import causal_lm_pipeline  # noqa: E402
 
 GAS = 2
 LAYOUTS = {  # name: (processes, pipeline stages, schedule)
+    "pp1": (1, 1, "1f1b"),  # one stage: the tied embedding and head are one weight
     "pp2-1f1b": (2, 2, "1f1b"),
     "pp2-gpipe": (2, 2, "gpipe"),
     "dp2xpp2": (4, 2, "1f1b"),
@@ -61,8 +67,10 @@ def run_pipeline(family: str, layout: str, ckpt: str = "none") -> dict:
     return {"losses": losses, "norms": norms, "params": engine.consolidated_state_dict()}
 
 
-CASES = [(f, layout, "none") for f in ("llama", "mistral") for layout in LAYOUTS]
+CASES = [(f, layout, "none") for f in ("llama", "mistral") for layout in LAYOUTS if layout != "pp1"]
+CASES += [("qwen2", layout, "none") for layout in LAYOUTS]  # tied embeddings
 CASES += [("llama", "pp2-1f1b", ckpt) for ckpt in CHECKPOINTING[1:]]
+CASES += [("qwen2", "pp2-1f1b", "ours")]
 
 
 @pytest.mark.parametrize("family, layout, ckpt", CASES)
@@ -72,18 +80,34 @@ def test_hugging_face_decoder_pipeline_trains_like_one_process(family, layout, c
     results = run_distributed(run_pipeline, world, family, layout, ckpt)
     tag = f"{family} {layout} checkpointing={ckpt}"
     assert_matches(results, want, tag)
+    got = results[0]["params"]
     fresh = make_hf_model(family, seed=7)
-    assert set(results[0]["params"]) == set(fresh.state_dict()), f"{tag}: the model's own keys"
-    fresh.load_state_dict(results[0]["params"])  # strict
+    assert set(got) == set(fresh.state_dict()), f"{tag}: the model's own keys"
     trained = make_hf_model(family)
-    trained.load_state_dict({k: v for k, v in want["params"].items()}, strict=False)
+    trained.load_state_dict(want["params"], strict=False)
+    for name, w in trained.state_dict().items():  # a tied alias (lm_head.weight) included
+        diff = (got[name] - w).abs().max()
+        assert diff <= 1e-5, f"{tag}: {name} differs from one process by {diff:.2e}"
+    if family == "qwen2":
+        embed, head = got["model.embed_tokens.weight"], got["lm_head.weight"]
+        assert torch.equal(embed, head), f"{tag}: the tied copies drifted apart"
+    fresh.load_state_dict(got)  # strict
     ids = make_hf_batches(family, 2)["input_ids"]
     assert torch.allclose(fresh(ids).logits, trained(ids).logits, atol=1e-4), tag
 
 
-def test_tied_embeddings_are_refused_with_the_reason():
-    with pytest.raises(ValueError, match="tie_word_embeddings"):
-        causal_lm_pipeline(make_hf_model("qwen2"), num_stages=2)
+def test_one_stage_keeps_one_tied_weight_under_both_names():
+    """num_stages=1: embedding and head are one parameter (one optimizer entry, one update),
+    and the state dict lists it under both names, as the Hugging Face model does."""
+    model = make_hf_model("qwen2")
+    pipe = causal_lm_pipeline(model, num_stages=1)
+    weight = model.model.embed_tokens.weight
+    assert [n for n, p in pipe.named_parameters() if p is weight] == ["model.embed_tokens.weight"]
+    state = pipe.state_dict()
+    assert list(state) == list(model.state_dict()), "the model's keys, in its order"
+    assert state["lm_head.weight"].data_ptr() == weight.data_ptr(), "lm_head is the same weight"
+    ids = make_hf_batches("qwen2", 2)["input_ids"]
+    assert torch.equal(pipe(ids), model(ids).logits), "the pipeline computes the model's logits"
 
 
 def test_a_model_that_is_not_llama_style_is_refused_naming_what_it_lacks():
