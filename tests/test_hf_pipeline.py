@@ -7,9 +7,18 @@ test_hf_models.py on the same global batches (SGD with momentum, clipping): same
 final parameters within the same 1e-5 (a pipeline changes no sum: the stages run the same
 operations in the same order; data parallelism averages). The gathered state has the model's
 own keys, and loads back into a fresh Hugging Face model.
+
+Qwen2 ties its input and output embeddings: the embedding on the first stage and the head on the
+last hold copies of one weight (DeepSpeed's TiedLayerSpec), their gradients summed over the two
+stages. The rows check the copies against the one weight of one process under both Hugging
+Face names, and against each other bitwise (same start, same summed gradient, same update).
 """
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -17,7 +26,7 @@ import torch
 pytest.importorskip("transformers", reason="the Hugging Face tests need the dev extra")
 
 from harness import run_distributed  # noqa: E402
-from hf_models import make_hf_batches, make_hf_model  # noqa: E402
+from hf_models import make_hf_batches, make_hf_model, take  # noqa: E402
 from models import rank_slice  # noqa: E402
 from test_hf_models import CLIP, LR, MB, STEPS, assert_matches, reference  # noqa: E402
 
@@ -26,6 +35,7 @@ from shardwise.integrations.huggingface import causal_lm_pipeline  # noqa: E402
 
 GAS = 2
 LAYOUTS = {  # name: (processes, pipeline stages, schedule)
+    "pp1": (1, 1, "1f1b"),  # one stage: the tied embedding and head are one weight
     "pp2-1f1b": (2, 2, "1f1b"),
     "pp2-gpipe": (2, 2, "gpipe"),
     "dp2xpp2": (4, 2, "1f1b"),
@@ -61,8 +71,10 @@ def run_pipeline(family: str, layout: str, ckpt: str = "none") -> dict:
     return {"losses": losses, "norms": norms, "params": engine.consolidated_state_dict()}
 
 
-CASES = [(f, layout, "none") for f in ("llama", "mistral") for layout in LAYOUTS]
+CASES = [(f, layout, "none") for f in ("llama", "mistral") for layout in LAYOUTS if layout != "pp1"]
+CASES += [("qwen2", layout, "none") for layout in LAYOUTS]  # tied embeddings
 CASES += [("llama", "pp2-1f1b", ckpt) for ckpt in CHECKPOINTING[1:]]
+CASES += [("qwen2", "pp2-1f1b", "ours")]
 
 
 @pytest.mark.parametrize("family, layout, ckpt", CASES)
@@ -72,20 +84,102 @@ def test_hugging_face_decoder_pipeline_trains_like_one_process(family, layout, c
     results = run_distributed(run_pipeline, world, family, layout, ckpt)
     tag = f"{family} {layout} checkpointing={ckpt}"
     assert_matches(results, want, tag)
+    got = results[0]["params"]
     fresh = make_hf_model(family, seed=7)
-    assert set(results[0]["params"]) == set(fresh.state_dict()), f"{tag}: the model's own keys"
-    fresh.load_state_dict(results[0]["params"])  # strict
+    assert set(got) == set(fresh.state_dict()), f"{tag}: the model's own keys"
     trained = make_hf_model(family)
-    trained.load_state_dict({k: v for k, v in want["params"].items()}, strict=False)
+    trained.load_state_dict(want["params"], strict=False)
+    for name, w in trained.state_dict().items():  # a tied alias (lm_head.weight) included
+        diff = (got[name] - w).abs().max()
+        assert diff <= 1e-5, f"{tag}: {name} differs from one process by {diff:.2e}"
+    if family == "qwen2":
+        embed, head = got["model.embed_tokens.weight"], got["lm_head.weight"]
+        assert torch.equal(embed, head), f"{tag}: the tied copies drifted apart"
+    fresh.load_state_dict(got)  # strict
     ids = make_hf_batches(family, 2)["input_ids"]
     assert torch.allclose(fresh(ids).logits, trained(ids).logits, atol=1e-4), tag
 
 
-def test_tied_embeddings_are_refused_with_the_reason():
-    with pytest.raises(ValueError, match="tie_word_embeddings"):
-        causal_lm_pipeline(make_hf_model("qwen2"), num_stages=2)
+def test_one_stage_keeps_one_tied_weight_under_both_names():
+    """num_stages=1: embedding and head are one parameter (one optimizer entry, one update),
+    and the state dict lists it under both names, as the Hugging Face model does."""
+    model = make_hf_model("qwen2")
+    pipe = causal_lm_pipeline(model, num_stages=1)
+    weight = model.model.embed_tokens.weight
+    assert [n for n, p in pipe.named_parameters() if p is weight] == ["model.embed_tokens.weight"]
+    state = pipe.state_dict()
+    assert list(state) == list(model.state_dict()), "the model's keys, in its order"
+    assert state["lm_head.weight"].data_ptr() == weight.data_ptr(), "lm_head is the same weight"
+    ids = make_hf_batches("qwen2", 2)["input_ids"]
+    assert torch.equal(pipe(ids), model(ids).logits), "the pipeline computes the model's logits"
 
 
 def test_a_model_that_is_not_llama_style_is_refused_naming_what_it_lacks():
     with pytest.raises(ValueError, match="not a Llama-style causal LM"):
         causal_lm_pipeline(make_hf_model("gpt2"), num_stages=2)
+
+
+def save_or_resume(layout: str, out: str, load: bool) -> dict:
+    """Qwen2 (tied) as a two-stage pipeline ("pp2") or as itself in one process ("plain"): two
+    steps, then save_checkpoint and save_16bit_model; or (``load``) start from other weights,
+    load what the other layout saved and skip its two batches. Then one more step."""
+    model = make_hf_model("qwen2", seed=3 if load else 0)
+    pipe = layout == "pp2"
+    config = {"train_micro_batch_size_per_gpu": MB, "optimizer": {"type": "SGD", "params": {}}}
+    config["optimizer"]["params"] = {"lr": LR, "momentum": 0.9}  # momentum: state to carry
+    module = causal_lm_pipeline(model, num_stages=2) if pipe else model
+    engine, *_ = shardwise.initialize(model=module, config=config)
+    data = make_hf_batches("qwen2", 3 * MB)
+    rows = [slice(i, i + MB) for i in range(0, 3 * MB, MB)]
+    batches = iter(
+        [(data["input_ids"][r], data["labels"][r]) if pipe else take(data, r) for r in rows]
+    )
+    if load:
+        engine.load_checkpoint(os.path.join(out, "ckpt"), tag="t")
+        next(batches), next(batches)
+    else:
+        engine.train_batch(batches), engine.train_batch(batches)
+        engine.save_checkpoint(os.path.join(out, "ckpt"), tag="t")
+        engine.save_16bit_model(out)
+    weights = engine.consolidated_state_dict()
+    return {"weights": weights, "next_loss": engine.train_batch(batches).item()}
+
+
+@pytest.mark.parametrize("saved_by, loaded_by", [("pp2", "plain"), ("plain", "pp2")])
+def test_a_tied_checkpoint_moves_between_the_pipeline_and_the_plain_model(
+    saved_by, loaded_by, tmp_path
+):
+    """The plain model's checkpoint stores the tied weight once (lm_head.weight recorded as its
+    alias); the pipeline's last stage reads its copy, weights and momentum, through the alias.
+    The pipeline's checkpoint holds both names; the plain model reads one. Same weights
+    (bitwise: copies of the same values) and the same next loss (1e-6: a different layout)."""
+    tag = f"{saved_by} -> {loaded_by}"
+    world = {"pp2": 2, "plain": 1}
+    saved = run_distributed(save_or_resume, world[saved_by], saved_by, str(tmp_path), False)[0]
+    loaded = run_distributed(save_or_resume, world[loaded_by], loaded_by, str(tmp_path), True)[0]
+    assert saved["weights"].keys() == loaded["weights"].keys(), f"{tag}: the same names"
+    for name, w in saved["weights"].items():
+        assert torch.equal(w, loaded["weights"][name]), f"{tag}: {name}"
+    assert loaded["next_loss"] == pytest.approx(saved["next_loss"], rel=1e-6), tag
+
+
+def test_a_tied_pipeline_saves_what_from_pretrained_and_load_state_dict_load(tmp_path):
+    """save_16bit_model of the two-stage pipeline writes both Hugging Face names and the
+    model's config.json: from_pretrained loads it, tied again; ``shardwise export`` of its
+    checkpoint loads strictly. Both reproduce the trained weights exactly."""
+    import transformers
+    from safetensors.torch import load_file
+
+    trained = run_distributed(save_or_resume, 2, "pp2", str(tmp_path), False)[0]["weights"]
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    head, embed = loaded.get_output_embeddings().weight, loaded.get_input_embeddings().weight
+    assert head.data_ptr() == embed.data_ptr(), "from_pretrained: the head is tied again"
+    export = tmp_path / "export.safetensors"
+    cmd = [sys.executable, "-m", "shardwise", "export", str(tmp_path / "ckpt" / "t"), str(export)]
+    subprocess.run(cmd, check=True, capture_output=True)
+    fresh = make_hf_model("qwen2", seed=9)
+    fresh.load_state_dict(load_file(export))  # strict: both names are in the file
+    for how, state in (("from_pretrained", loaded.state_dict()), ("export", fresh.state_dict())):
+        assert state.keys() == trained.keys(), f"{how}: the model's names"
+        for name, w in trained.items():
+            assert torch.equal(state[name], w), f"{how}: {name} differs"

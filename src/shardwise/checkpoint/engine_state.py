@@ -234,7 +234,8 @@ def save_16bit_model(
     pickle), a safetensors file for a name ending in ``.safetensors``. Tied weights keep both
     names (as ``model.state_dict()`` has them; in safetensors as two copies, since a file
     cannot alias). A Hugging Face model's ``config.json`` is written beside it, so that
-    ``from_pretrained(save_dir)`` loads the result.
+    ``from_pretrained(save_dir)`` loads the result (the module's ``config``, or the
+    ``hf_config`` a pipeline cut from a Hugging Face model carries).
     """
     state = engine.consolidated_state_dict()
     if exclude_frozen_parameters:
@@ -243,9 +244,11 @@ def save_16bit_model(
     if engine.global_rank == 0:
         os.makedirs(save_dir, exist_ok=True)
         _write_state(state, os.path.join(save_dir, save_filename))
-        hf_config = getattr(engine.module, "config", None)
-        if hasattr(hf_config, "save_pretrained"):
-            hf_config.save_pretrained(save_dir)
+        for attr in ("config", "hf_config"):
+            hf_config = getattr(engine.module, attr, None)
+            if hasattr(hf_config, "save_pretrained"):
+                hf_config.save_pretrained(save_dir)
+                break
     comm.barrier()
     return True
 

@@ -22,6 +22,10 @@ Which saved tensor feeds a target (``sources``): the same name, except
                           checkpoint trained in fp32 (it has no separate masters);
     "model/<p>" in fp32   reads "master/<p>" when the checkpoint has one: the fp32 masters of a
                           16-bit run are the weights its 16-bit copy rounds.
+    "<kind>/<p>"          then falls back to "<kind>/<q>" when the checkpoint records <p> as
+                          an alias of <q> (meta "aliases": a tied weight stored once, such as
+                          ``lm_head.weight`` of ``model.embed_tokens.weight``), since a
+                          pipeline holds the tied copy on its last stage under <p>.
 
 Errors (strict): a name the checkpoint lacks, a global shape that differs ("incompatible
 model"), or an element of a target that no saved piece covers; each message names the tensor.
@@ -164,14 +168,27 @@ def _flat_index(index: list[int], shape: tuple[int, ...]) -> int:
     return flat
 
 
-def sources(target: Piece) -> list[str]:
+def sources(target: Piece, aliases: dict[str, str] | None = None) -> list[str]:
     """The saved names that may feed ``target``, preferred first (module docstring)."""
     kind, _, param = target.name.partition("/")
     if kind == "master":
-        return [target.name, f"model/{param}"]
-    if kind == "model" and target.tensor.dtype == torch.float32:
-        return [f"master/{param}", target.name]
-    return [target.name]
+        names = [target.name, f"model/{param}"]
+    elif kind == "model" and target.tensor.dtype == torch.float32:
+        names = [f"master/{param}", target.name]
+    else:
+        names = [target.name]
+    for name in list(names):
+        head, _, param = name.rpartition("/")  # "optim/exp_avg/<p>": <p> is the last part
+        if aliases and param in aliases:
+            names.append(f"{head}/{aliases[param]}")
+    return names
+
+
+def saved_aliases(reader: Any) -> dict[str, str]:
+    """``{alias: saved name}`` the checkpoint records (none for a state dict)."""
+    meta = getattr(reader, "meta", None)
+    aliases = meta.get("aliases") if isinstance(meta, dict) else None
+    return dict(aliases) if isinstance(aliases, dict) else {}
 
 
 def plain_pieces(pieces: Iterable[Piece]) -> list[Piece]:
@@ -209,16 +226,17 @@ def fill(
     ``strict=False`` skips absent names and uncovered elements instead of raising.
     Returns, per target name, the saved name it was read from (None: absent, skipped).
     """
-    names = set(reader.names())
+    names, aliases = set(reader.names()), saved_aliases(reader)
     used: dict[str, str | None] = {}
     for target in plain_pieces(targets):
-        source = next((n for n in sources(target) if n in names), None)
+        wanted = sources(target, aliases)
+        source = next((n for n in wanted if n in names), None)
         used[target.name] = source
         if source is None:
             if strict and not (optional and optional(target.name)):
                 raise CheckpointError(
                     f"checkpoint has no tensor {target.name!r} (looked for "
-                    f"{', '.join(map(repr, sources(target)))}): it was saved from another "
+                    f"{', '.join(map(repr, wanted))}): it was saved from another "
                     "model, or without this state (load_optimizer_states=False skips "
                     "optimizer states)"
                 )

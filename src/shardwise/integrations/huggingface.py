@@ -15,8 +15,16 @@ shifted by one inside, ``-100`` ignored, the mean over labelled tokens), the val
 checkpoints, ``consolidated_state_dict()`` and tensor-parallel plans use the model's own keys:
 the result loads back with ``model.load_state_dict`` / ``from_pretrained``.
 
-Batches for ``engine.train_batch``: ``(input_ids, labels)`` pairs. Tied input and output
-embeddings (``tie_word_embeddings``) sit on the first and last stage and are refused for now.
+Batches for ``engine.train_batch``: ``(input_ids, labels)`` pairs.
+
+Tied input and output embeddings (``tie_word_embeddings``: ``lm_head.weight`` is
+``embed_tokens.weight``) are DeepSpeed's ``TiedLayerSpec``: the first and the last layer share
+the key ``"embed"``, the first runs the embedding, the last ``hidden @ weight.T`` (what the
+bias-free ``lm_head`` computes). Each stage holding the key keeps a copy of the weight; their
+gradients are summed over those stages before the update (pipeline/tied.py), so the copies
+stay equal to the one weight of one process. The copy sits under ``model.embed_tokens`` on the
+first stage and ``lm_head`` on the last, so the gathered state dict has both Hugging Face
+names, as ``model.state_dict()`` does; with one stage it is one weight under both names.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardwise.parallel.pipeline.module import PipelineModule
+from shardwise.parallel.pipeline.specs import TiedLayerSpec
 
 __all__ = ["causal_lm_loss", "causal_lm_pipeline"]
 
@@ -56,24 +65,19 @@ def causal_lm_pipeline(
     """``model`` cut into ``num_stages`` stages (see the module doc); its modules are reused,
     not copied, so the pipeline starts from exactly its weights."""
     base = _base_of(model)
-    if getattr(model.config, "tie_word_embeddings", False):
-        raise ValueError(
-            f"causal_lm_pipeline: {type(model).__name__} ties its input and output embeddings "
-            "(config.tie_word_embeddings), which sit on the first and last stage; tied "
-            "embeddings across stages are not supported by this builder yet. Train untied, or "
-            "without a pipeline (DP, ZeRO, TP handle tied models)"
-        )
     if getattr(model.config, "use_cache", False):
         model.config.use_cache = False  # training: a KV cache would only grow
     prefix = model.base_model_prefix
     for layer in base.layers:
         _call_as_the_model_does(layer, base.rotary_emb)
-    layers = [base.embed_tokens, *base.layers, base.norm, model.lm_head]
+    embed, head = base.embed_tokens, model.lm_head
+    if _tied(embed, head):
+        embed, head = _OwnTiedModule(embed), _OwnTiedModule(embed, forward_fn=_tied_head)
     names = [f"{prefix}.embed_tokens"]
     names += [f"{prefix}.layers.{i}" for i in range(len(base.layers))]
     names += [f"{prefix}.norm", "lm_head"]
-    return PipelineModule(
-        layers,
+    pipe = PipelineModule(
+        [embed, *base.layers, base.norm, head],
         num_stages=num_stages,
         loss_fn=causal_lm_loss,
         partition_method=partition_method,
@@ -81,6 +85,42 @@ def causal_lm_pipeline(
         layer_names=names,
         **pipeline_kwargs,
     )
+    # save_16bit_model writes it as config.json, so from_pretrained loads the saved weights.
+    # Not ``pipe.config``: tensor parallelism would read the model's plan off it, whose
+    # patterns are relative to a model the pipeline is not.
+    pipe.hf_config = model.config
+    return pipe
+
+
+class _OwnTiedModule(TiedLayerSpec):
+    """A ``TiedLayerSpec`` (key ``"embed"``, tied ``weight``) whose module is the model's own
+    embedding rather than a new one: the pipeline starts from the model's weights."""
+
+    def __init__(self, module: nn.Module, forward_fn: Any = None) -> None:
+        super().__init__("embed", type(module), forward_fn=forward_fn, tied_weight_attr="weight")
+        self.module = module
+
+    def build(self) -> nn.Module:
+        return self.module
+
+
+def _tied_head(embedding: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """The tied ``lm_head``: logits (B, T, V) = hidden (B, T, H) @ weight (V, H).T."""
+    return F.linear(hidden, embedding.weight)
+
+
+def _tied(embed: nn.Module, head: nn.Module) -> bool:
+    """Does ``head`` reuse the embedding's weight (``tie_word_embeddings``)? Only a bias-free
+    linear head can be rebuilt from the embedding's weight alone."""
+    if getattr(head, "weight", None) is not getattr(embed, "weight", False):
+        return False
+    if not isinstance(head, nn.Linear) or head.bias is not None:
+        raise ValueError(
+            f"causal_lm_pipeline: lm_head ({type(head).__name__}) is tied to the input "
+            "embedding but is not a bias-free nn.Linear, so the last stage cannot compute it "
+            "from the tied weight; build the PipelineModule by hand (docs/pipeline.md)"
+        )
+    return True
 
 
 def _base_of(model: nn.Module) -> nn.Module:

@@ -24,7 +24,10 @@ State-dict names are the layer index (``"3.weight"``) and ``"tied_modules.<key>.
 names of a ``num_stages=1`` PipelineModule (and of an ``nn.Sequential`` of the same layers).
 With ``layer_names`` (one dotted name per layer, e.g. ``"model.layers.2"``) each layer sits
 under its name instead, so that a pipeline cut from an existing model keeps that model's
-state-dict keys (``shardwise.integrations.huggingface.causal_lm_pipeline``).
+state-dict keys (``shardwise.integrations.huggingface.causal_lm_pipeline``); a tied module then
+sits under the name of each of its layers on the stage (``model.embed_tokens`` on the first,
+``lm_head`` on the last; both in one stage, where ``state_dict()`` lists the shared weight
+under both names, as the original model does).
 """
 
 from __future__ import annotations
@@ -147,15 +150,17 @@ class PipelineModule(nn.Module):
         self.partition_used = method
         self._check_every_stage_trains()
         self.stage_id = stage_id
-        self.tied_modules = nn.ModuleDict()
+        self.tied_modules = nn.ModuleDict()  # stays empty with layer_names (module doc)
         self.tied_weight_attrs: dict[str, list[str]] = {}
         self.tied_stages = self._tied_stages()
         self._funcs: list[tuple[int, Callable, int]] = []  # (layer index, callable, chunk)
         self._tied_layers: dict[int, tuple[str, Callable | None]] = {}  # idx -> (key, forward_fn)
+        self._tied_home: dict[str, int] = {}  # key -> its first layer on this stage
+        tied_built: dict[str, nn.Module] = {}
         for idx, spec in enumerate(self._specs):
             chunk = self._chunk_of(idx)
             if isinstance(spec, TiedLayerSpec):
-                self._build_tied(idx, spec, chunk)
+                self._build_tied(idx, spec, chunk, tied_built)
             elif isinstance(spec, LayerSpec):
                 if chunk is not None or not self.seed_layers:
                     module = self._make(idx, spec)  # built and dropped when not own: RNG replay
@@ -218,9 +223,12 @@ class PipelineModule(nn.Module):
             return f"stage {virtual}"
         return f"stage {virtual % self.num_stages} chunk {virtual // self.num_stages}"
 
-    def _build_tied(self, idx: int, spec: TiedLayerSpec, chunk: int | None) -> None:
+    def _build_tied(
+        self, idx: int, spec: TiedLayerSpec, chunk: int | None, built: dict[str, nn.Module]
+    ) -> None:
         """The first occurrence of a key builds its module (as one process would); this stage
-        keeps it if any of its layers uses the key."""
+        keeps it if any of its layers uses the key: under ``tied_modules.<key>``, or with
+        ``layer_names`` under the name of each of its layers here (module doc)."""
         key = spec.key
         here = self.stage_id in self.tied_stages[key]
         if key not in self.tied_weight_attrs:
@@ -228,10 +236,15 @@ class PipelineModule(nn.Module):
             if here or not self.seed_layers:
                 module = self._make(idx, spec)
                 if here:
-                    self.tied_modules[key] = module
+                    built[key] = module
+                    if not self._layer_names:
+                        self.tied_modules[key] = module
         if chunk is not None:
             self._tied_layers[idx] = (key, spec.forward_fn)
-            self._funcs.append((idx, self.tied_modules[key], chunk))
+            self._tied_home.setdefault(key, idx)
+            if self._layer_names:
+                self._register(idx, built[key])
+            self._funcs.append((idx, built[key], chunk))
 
     def _tied_stages(self) -> dict[str, list[int]]:
         """For every tied key, the stages holding a layer that uses it (the same on all ranks)."""
@@ -247,14 +260,22 @@ class PipelineModule(nn.Module):
         """The stage that runs layer ``layer_idx``."""
         return self.virtual_of(layer_idx) % self.num_stages
 
+    def tied_module(self, key: str) -> nn.Module:
+        """This stage's module of tied ``key``, as the tree holds it now (tensor parallelism
+        may have replaced it since the stage was built)."""
+        if self._layer_names:
+            return self.get_submodule(self._name_of(self._tied_home[key]))
+        return self.tied_modules[key]
+
     def tied_parameters(self) -> dict[str, list[tuple[str, torch.nn.Parameter]]]:
         """This stage's tied parameters by key: [(state-dict name, parameter)], keys sorted."""
         out = {}
-        for key in sorted(self.tied_modules.keys()):
-            attrs = self.tied_weight_attrs[key]
-            out[key] = [
-                (f"tied_modules.{key}.{a}", get_attr(self.tied_modules[key], a)) for a in attrs
-            ]
+        for key in sorted(self._tied_home):
+            home = (
+                self._name_of(self._tied_home[key]) if self._layer_names else f"tied_modules.{key}"
+            )
+            module = self.tied_module(key)
+            out[key] = [(f"{home}.{a}", get_attr(module, a)) for a in self.tied_weight_attrs[key]]
         return out
 
     def describe(self) -> str:
@@ -294,7 +315,7 @@ class PipelineModule(nn.Module):
         may have replaced a layer module in place since the stage was built."""
         if idx in self._tied_layers:
             key, forward_fn = self._tied_layers[idx]
-            module = self.tied_modules[key]
+            module = self.tied_module(key)
             return functools.partial(forward_fn, module) if forward_fn else module
         if isinstance(fn, nn.Module):
             try:
