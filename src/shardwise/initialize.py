@@ -229,8 +229,6 @@ def _counted_elsewhere(model: nn.Module, mesh: ProcessMesh) -> frozenset[int]:
 def _refuse_unimplemented(cfg: Config, mpu: Any) -> None:
     """Features the config validates but this version cannot run: say so, never ignore."""
     todo = []
-    if cfg.zero_optimization.stage > 3:
-        todo.append(f"zero_optimization.stage={cfg.zero_optimization.stage}")
     if cfg.tensor_parallel.size > 1 and cfg.zero_optimization.stage == 3:
         todo.append("zero_optimization.stage=3 with tensor_parallel.size > 1 (use stage 1 or 2)")
     todo += _unbuilt_options(cfg)
