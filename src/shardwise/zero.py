@@ -46,6 +46,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
 from shardwise import comm
+from shardwise.parallel.flat import ceil_div
 
 __all__ = ["GatheredParameters", "Init", "full_value", "is_partitioned"]
 
@@ -62,7 +63,7 @@ def partition(p: nn.Parameter, group: Any = None, dtype: torch.dtype | None = No
         return
     n, r = comm.get_world_size(group), comm.get_rank(group)
     flat, numel = p.data.reshape(-1), p.numel()
-    s = -(-numel // n)
+    s = ceil_div(numel, n)
     lo, hi = min(r * s, numel), min((r + 1) * s, numel)
     dtype = dtype or p.dtype
     shard = torch.zeros(s, dtype=dtype, device=p.device)

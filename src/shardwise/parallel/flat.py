@@ -8,10 +8,14 @@ shards; shard r is [r*S, (r+1)*S) with S = padded / parts. Padding is zero in ev
 Buckets are the unit of communication: a collective moves one bucket's buffer. Parameters are
 bucketed in reverse registration order (about the order backward produces gradients), at most
 ``max_elements`` per bucket (one larger parameter goes alone), one dtype/device/group each.
+
+The layout keeps each parameter's shape: a ZeRO-3 parameter is released between uses (its data
+empty), so its own shape says nothing then. DP, ZeRO-1/2 buckets and ZeRO-3 units all use it.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
@@ -27,15 +31,23 @@ class FlatLayout:
     numel: int
     padded: int
     parts: int
+    shapes: list[torch.Size]
 
     @classmethod
-    def of(cls, params: Sequence[torch.nn.Parameter], parts: int = 1) -> FlatLayout:
+    def of(
+        cls,
+        params: Sequence[torch.nn.Parameter],
+        parts: int = 1,
+        shapes: Sequence[torch.Size] | None = None,
+    ) -> FlatLayout:
+        """``shapes``: the parameters' shapes when their data does not show them (released)."""
+        shapes = [p.shape for p in params] if shapes is None else list(shapes)
         offsets, total = [], 0
-        for p in params:
+        for shape in shapes:
             offsets.append(total)
-            total += p.numel()
-        padded = -(-total // parts) * parts
-        return cls(list(params), offsets, total, padded, parts)
+            total += math.prod(shape)
+        padded = ceil_div(total, parts) * parts
+        return cls(list(params), offsets, total, padded, parts, shapes)
 
     @property
     def shard_numel(self) -> int:
@@ -56,8 +68,8 @@ class FlatLayout:
 
     def view(self, buffer: torch.Tensor, i: int) -> torch.Tensor:
         """Parameter i's slice of ``buffer``, shaped like the parameter."""
-        p = self.params[i]
-        return buffer[self.offsets[i] : self.offsets[i] + p.numel()].view_as(p)
+        n = math.prod(self.shapes[i])
+        return buffer[self.offsets[i] : self.offsets[i] + n].view(self.shapes[i])
 
     def shard(self, buffer: torch.Tensor, r: int) -> torch.Tensor:
         s = self.shard_numel
@@ -77,12 +89,17 @@ class FlatLayout:
         shard, length) — what a checkpoint or a consolidation needs to map shard to tensor."""
         lo, hi = r * self.shard_numel, (r + 1) * self.shard_numel
         out = []
-        for i, p in enumerate(self.params):
-            a, b = self.offsets[i], self.offsets[i] + p.numel()
+        for i, shape in enumerate(self.shapes):
+            a, b = self.offsets[i], self.offsets[i] + math.prod(shape)
             start, end = max(a, lo), min(b, hi)
             if start < end:
                 out.append((i, start - a, start - lo, end - start))
         return out
+
+
+def ceil_div(a: int, b: int) -> int:
+    """The number of size-``b`` parts that hold ``a`` elements (shard sizes round up)."""
+    return -(-a // b)
 
 
 def plan_buckets(

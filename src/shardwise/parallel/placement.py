@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
+from shardwise.parallel.flat import ceil_div
+
 _ATTR = "_shardwise_placement"
 
 
@@ -114,7 +116,7 @@ def split_box(
 ) -> tuple[tuple[int, int], ...]:
     """The box of part ``rank`` of ``parts`` equal parts along ``dim`` (the last parts may run
     into padding when ``global_shape[dim]`` does not divide: the size is rounded up)."""
-    size = -(-global_shape[dim] // parts)
+    size = ceil_div(global_shape[dim], parts)
     return tuple(
         (rank * size, (rank + 1) * size) if d == dim else (0, n) for d, n in enumerate(global_shape)
     )

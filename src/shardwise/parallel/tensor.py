@@ -52,6 +52,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardwise import comm
+from shardwise.parallel.flat import ceil_div
 from shardwise.parallel.placement import packed_split_box, set_placement, split_box
 from shardwise.parallel.tensor_comm import (
     copy_to_tp,
@@ -156,7 +157,7 @@ class _ParallelLinear(nn.Module):
         self.group, self.tp, self.tp_rank = group, comm.get_world_size(group), comm.get_rank(group)
         self.in_features, self.out_features = in_f, out_f
         full = (out_f, in_f)
-        self.local = -(-full[self.split_dim] // self.tp)  # rounded up: padding when needed
+        self.local = ceil_div(full[self.split_dim], self.tp)  # rounded up: padding when needed
         shape = (self.local, in_f) if self.split_dim == 0 else (out_f, self.local)
         shape = shape[::-1] if self.transposed else shape
         self.weight = nn.Parameter(torch.empty(shape, **factory))

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from shardwise import comm
+from shardwise.parallel.flat import ceil_div
 
 
 def _size(group: Any) -> int:
@@ -210,7 +211,7 @@ def sum_grad_over_tp(param: torch.Tensor, group: Any) -> None:
 
 def chunk_numel(numel: int, group: Any) -> int:
     """Elements of each rank's ``flat_chunk`` of a tensor of ``numel``: ceil(numel / N)."""
-    return -(-numel // comm.get_world_size(group))
+    return ceil_div(numel, comm.get_world_size(group))
 
 
 def flat_chunk(x: torch.Tensor, group: Any) -> torch.Tensor:

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardwise import comm
+from shardwise.parallel.flat import ceil_div
 from shardwise.parallel.placement import set_placement, split_box
 from shardwise.parallel.tensor_comm import reduce_from_tp
 
@@ -49,7 +50,7 @@ class VocabParallelEmbedding(nn.Module):
         self.group, self.tp, self.tp_rank = group, comm.get_world_size(group), comm.get_rank(group)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.padding_idx = padding_idx
-        self.local = -(-num_embeddings // self.tp)
+        self.local = ceil_div(num_embeddings, self.tp)
         self.start = self.tp_rank * self.local
         self.real = max(0, min(self.local, num_embeddings - self.start))  # ids this rank owns
         shape = (self.local, embedding_dim)

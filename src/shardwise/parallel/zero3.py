@@ -52,8 +52,9 @@ import torch
 from torch import nn
 
 from shardwise import clip, comm
+from shardwise.parallel.flat import FlatLayout
 from shardwise.parallel.zero import _rebuild_optimizer, _shares_storage
-from shardwise.parallel.zero3_hooks import LiveCount, Scheduler, Unit, UnitLayout
+from shardwise.parallel.zero3_hooks import LiveCount, Scheduler, Unit
 from shardwise.zero import full_value, is_partitioned, materialize_meta, sync_rng, unpartition
 
 
@@ -158,7 +159,7 @@ class Zero3Strategy:
     def _make_unit(self, params: list[nn.Parameter], persistent: bool) -> Unit:
         """Lay ``params`` end to end, keep this rank's shard (or all of it if persistent)."""
         shapes = [p.ds_shape if is_partitioned(p) else p.shape for p in params]
-        layout = UnitLayout.of(params, shapes, 1 if persistent else self.world)
+        layout = FlatLayout.of(params, 1 if persistent else self.world, shapes)
         flat = torch.zeros(layout.padded, dtype=params[0].dtype, device=params[0].device)
         for i, p in enumerate(params):
             layout.view(flat, i).copy_(full_value(p))

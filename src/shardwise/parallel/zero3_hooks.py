@@ -28,7 +28,6 @@ never above ``max_live`` gathered elements; the gather a module needs always hap
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -38,42 +37,9 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from shardwise import comm
+from shardwise.parallel.flat import FlatLayout
 
 _IN_FLIGHT = 2  # reduce-scatters in flight before the oldest is waited for (as in stage 2)
-
-
-@dataclass
-class UnitLayout:
-    """Where each parameter lives in a unit's flat buffer; shapes are kept here because a
-    released parameter has none (its data is empty)."""
-
-    params: list[nn.Parameter]
-    shapes: list[torch.Size]
-    offsets: list[int]
-    numel: int
-    padded: int
-    parts: int
-
-    @classmethod
-    def of(cls, params: list[nn.Parameter], shapes: list[torch.Size], parts: int) -> UnitLayout:
-        offsets, total = [], 0
-        for s in shapes:
-            offsets.append(total)
-            total += math.prod(s)
-        padded = -(-total // parts) * parts
-        return cls(list(params), list(shapes), offsets, total, padded, parts)
-
-    @property
-    def shard_numel(self) -> int:
-        return self.padded // self.parts
-
-    def view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
-        n = math.prod(self.shapes[i])
-        return flat[self.offsets[i] : self.offsets[i] + n].view(self.shapes[i])
-
-    def shard(self, flat: torch.Tensor, r: int) -> torch.Tensor:
-        s = self.shard_numel
-        return flat[r * s : (r + 1) * s]
 
 
 @dataclass
@@ -87,7 +53,7 @@ class LiveCount:
 class Unit:
     """One flat group of parameters; ``shard`` is all a rank keeps between uses."""
 
-    layout: UnitLayout
+    layout: FlatLayout
     shard: torch.Tensor  # this rank's slice (compute dtype); the whole flat if persistent
     persistent: bool
     group: Any
