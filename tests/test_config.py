@@ -237,14 +237,26 @@ def test_fp16_loss_scale_keys_in_a_bf16_block_are_ignored_with_a_warning():
         assert parse_config({"bf16": {"enabled": True, "loss_scale_window": 500}}).bf16.enabled
 
 
-@pytest.mark.parametrize("stage, accepted", [(0, False), (1, False), (2, True), (3, False)])
-def test_fp16_master_weights_and_grads_needs_zero_stage_2(stage, accepted):
+STAGE_2_ONLY = "only supported with ZeRO stage 2"
+
+
+@pytest.mark.parametrize(
+    "zero, refusal",
+    [
+        ({"stage": 0}, STAGE_2_ONLY),
+        ({"stage": 1, "offload_optimizer": {"device": "cpu"}}, STAGE_2_ONLY),
+        ({"stage": 2, "offload_optimizer": {"device": "cpu"}}, None),
+        ({"stage": 2}, "needs ZeRO-Offload"),
+        ({"stage": 3, "offload_optimizer": {"device": "cpu"}}, STAGE_2_ONLY),
+    ],
+)
+def test_fp16_master_weights_and_grads_needs_zero_stage_2_with_offload(zero, refusal):
     fp16 = {"enabled": True, "fp16_master_weights_and_grads": True}
-    source = {"fp16": fp16, "zero_optimization": {"stage": stage}}
-    if accepted:
+    source = {"fp16": fp16, "zero_optimization": zero}
+    if refusal is None:
         assert parse_config(source).fp16.fp16_master_weights_and_grads
     else:
-        refused(source, "fp16.fp16_master_weights_and_grads", "only supported with ZeRO stage 2")
+        refused(source, "fp16.fp16_master_weights_and_grads", refusal)
 
 
 @pytest.mark.parametrize(

@@ -191,6 +191,14 @@ def _check_combinations(cfg: Config) -> None:
             "fp16.fp16_master_weights_and_grads",
             f"only supported with ZeRO stage 2 (zero_optimization.stage is {stage})",
         )
+    if cfg.fp16.enabled and cfg.fp16.fp16_master_weights_and_grads:
+        offload = cfg.zero_optimization.offload_optimizer
+        if offload is None or offload.device != "cpu":
+            raise fail(
+                "fp16.fp16_master_weights_and_grads",
+                "needs ZeRO-Offload, as in DeepSpeed (fp16 masters on the CPU, stepped by "
+                'DeepSpeedCPUAdam): set zero_optimization.offload_optimizer {"device": "cpu"}',
+            )
     stages = cfg.pipeline.stages
     if isinstance(stages, int) and stages > 1 and stage == 3:
         # DeepSpeed refuses stage 2 as well; shardwise runs it (gradients reduce-scattered
