@@ -26,7 +26,13 @@ from shardwise.config.checkpoint import CheckpointConfig, parse_checkpoint
 from shardwise.config.errors import ConfigError, Notes, fail
 from shardwise.config.keys import IGNORED, UNSUPPORTED, is_disabled
 from shardwise.config.loader import load_source
-from shardwise.config.monitor import MonitorConfig
+from shardwise.config.monitor import (
+    CometConfig,
+    CommsLoggerConfig,
+    FlopsProfilerConfig,
+    MonitorConfig,
+    WandbConfig,
+)
 from shardwise.config.optim_blocks import (
     OptimizerConfig,
     SchedulerConfig,
@@ -76,6 +82,12 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     tensorboard: MonitorConfig = field(default_factory=MonitorConfig)
     csv_monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    comet: CometConfig = field(default_factory=CometConfig)
+    comms_logger: CommsLoggerConfig = field(default_factory=CommsLoggerConfig)
+    flops_profiler: FlopsProfilerConfig = field(default_factory=FlopsProfilerConfig)
+    wall_clock_breakdown: bool = False  # log fwd / bwd / step times every steps_per_print
+    memory_breakdown: bool = False  # log engine.memory_breakdown() every steps_per_print
     communication_data_type: Literal["fp16", "bf16", "fp32"] | None = None
     zero_allow_untested_optimizer: bool = (
         False  # no effect: any torch optimizer works with ZeRO here
