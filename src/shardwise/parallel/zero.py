@@ -83,6 +83,10 @@ class ZeroStrategy:
         self.offload_device = offload_device
         self.norm_group = group if self.parts > 1 else clip.LOCAL
         self.sync = True
+        # Hooks act inside the engine's backward only (before_backward .. after_backward): a
+        # backward through this model run by another engine (a GAN's generator step through
+        # the discriminator) leaves its gradients in p.grad, for zero_grad to drop.
+        self._armed = False
         self._in_flight: list[_Bucket] = []
         group_of = {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]}
         alone = {id(p): i for i, p in enumerate(isolate)}
@@ -120,9 +124,11 @@ class ZeroStrategy:
 
     # ------------------------------------------------------------------ backward
     def before_backward(self, sync: bool) -> None:
-        self.sync = sync
+        self.sync, self._armed = sync, True
 
     def _on_grad(self, p: torch.nn.Parameter) -> None:
+        if not self._armed:
+            return
         b, i = self._slot[id(p)]
         if self.stage >= 2:
             if b.grads_flat is None:
@@ -184,6 +190,7 @@ class ZeroStrategy:
 
         Buckets whose parameters got no gradient are sent too (as zeros), so every rank
         issues the same collectives in the same order."""
+        self._armed = False
         if self.stage < 2 and not sync:
             return
         for b in self.buckets:
