@@ -70,6 +70,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--local_rank", type=int, default=-1)
     parser.add_argument("--iterations", type=int, default=8)
+    parser.add_argument("--zero_stage", type=int, default=0)
     args = deepspeed.add_config_arguments(parser).parse_args()
     deepspeed.init_distributed()
     world, rank = deepspeed.comm.get_world_size(), deepspeed.comm.get_rank()
@@ -77,6 +78,7 @@ def main():
     config = {
         "train_batch_size": BATCH,
         "optimizer": {"type": "Adam", "params": {"lr": LR, "betas": list(BETAS)}},
+        "zero_optimization": {"stage": args.zero_stage},
     }
     engine_g, opt_g, _, _ = deepspeed.initialize(model=net_g, config=config)
     engine_d, opt_d, _, _ = deepspeed.initialize(model=net_d, config=config)
