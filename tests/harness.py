@@ -13,6 +13,7 @@ a deadlock never stalls CI. A failed world is discarded; the next test gets a fr
 
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import tempfile
@@ -145,3 +146,18 @@ def shutdown_worlds() -> None:
     for world in _WORLDS.values():
         world.close()
     _WORLDS.clear()
+
+
+def capture_logs(fn, *args):
+    """``fn(*args)`` with the shardwise logger's INFO messages collected: (result, lines)."""
+    lines = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    log = logging.getLogger("shardwise")
+    log.addHandler(handler)
+    level, log.level = log.level, logging.INFO
+    try:
+        return fn(*args), lines
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)

@@ -195,12 +195,41 @@ def test_a_key_with_no_close_match_gets_no_guess():
 
 
 def test_ignored_keys_are_accepted_with_one_warning_listing_them():
-    source = {"wall_clock_breakdown": True, "flops_profiler": {"enabled": 1}, "dump_state": 0}
+    source = {
+        "timers": {"throughput": {"enabled": True}},
+        "sparse_gradients": True,
+        "dump_state": 0,
+    }
     with pytest.warns(ConfigWarning) as record:
         cfg = parse_config(source)
     ignored = [str(w.message) for w in record if "ignores" in str(w.message)]
     assert len(ignored) == 1 and all(key in ignored[0] for key in source), ignored
     assert cfg.ignored == source
+
+
+MONITORS = {  # DeepSpeed's monitoring keys are read now (shardwise/monitor/), typed as DeepSpeed's
+    "wall_clock_breakdown": (True, "wall_clock_breakdown", True),
+    "memory_breakdown": (True, "memory_breakdown", True),
+    "flops_profiler": ({"enabled": True, "module_depth": 2}, "flops_profiler.module_depth", 2),
+    "comms_logger": ({"enabled": True, "prof_ops": ["all_reduce"]}, "comms_logger.prof_all", True),
+    "wandb": ({"enabled": False, "team": "t"}, "wandb.project", "deepspeed"),
+    "comet": ({"samples_log_interval": 10}, "comet.samples_log_interval", 10),
+}
+
+
+@pytest.mark.parametrize("key", sorted(MONITORS))
+def test_monitoring_keys_are_read_not_ignored(key):
+    value, path, want = MONITORS[key]
+    cfg = parse_config({key: value})
+    assert key not in IGNORED and key not in cfg.ignored, key
+    node = cfg
+    for part in path.split("."):
+        node = getattr(node, part)
+    assert node == want, f"{path}: {node!r}"
+
+
+def test_an_unknown_collective_in_prof_ops_is_refused_naming_the_known_ones():
+    refused({"comms_logger": {"prof_ops": ["allreduce"]}}, "comms_logger.prof_ops[0]", "all_reduce")
 
 
 @pytest.mark.parametrize("key", sorted(IGNORED))
@@ -237,14 +266,26 @@ def test_fp16_loss_scale_keys_in_a_bf16_block_are_ignored_with_a_warning():
         assert parse_config({"bf16": {"enabled": True, "loss_scale_window": 500}}).bf16.enabled
 
 
-@pytest.mark.parametrize("stage, accepted", [(0, False), (1, False), (2, True), (3, False)])
-def test_fp16_master_weights_and_grads_needs_zero_stage_2(stage, accepted):
+STAGE_2_ONLY = "only supported with ZeRO stage 2"
+
+
+@pytest.mark.parametrize(
+    "zero, refusal",
+    [
+        ({"stage": 0}, STAGE_2_ONLY),
+        ({"stage": 1, "offload_optimizer": {"device": "cpu"}}, STAGE_2_ONLY),
+        ({"stage": 2, "offload_optimizer": {"device": "cpu"}}, None),
+        ({"stage": 2}, "needs ZeRO-Offload"),
+        ({"stage": 3, "offload_optimizer": {"device": "cpu"}}, STAGE_2_ONLY),
+    ],
+)
+def test_fp16_master_weights_and_grads_needs_zero_stage_2_with_offload(zero, refusal):
     fp16 = {"enabled": True, "fp16_master_weights_and_grads": True}
-    source = {"fp16": fp16, "zero_optimization": {"stage": stage}}
-    if accepted:
+    source = {"fp16": fp16, "zero_optimization": zero}
+    if refusal is None:
         assert parse_config(source).fp16.fp16_master_weights_and_grads
     else:
-        refused(source, "fp16.fp16_master_weights_and_grads", "only supported with ZeRO stage 2")
+        refused(source, "fp16.fp16_master_weights_and_grads", refusal)
 
 
 @pytest.mark.parametrize(

@@ -23,6 +23,7 @@ The log also keeps the most recent calls, so a hang can name the collective it i
 from __future__ import annotations
 
 import collections
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -52,6 +53,7 @@ class CommLog:
 
 # The log is a process-wide record (like a profiler), not a process group: no group lives here.
 _LOG = CommLog()
+_PROFILER: Any = None  # the comms_logger's CommsLogger while one is configured on
 
 
 def stats() -> dict[str, dict[str, int]]:
@@ -67,6 +69,51 @@ def total_sent_bytes() -> int:
 def reset_stats() -> None:
     _LOG.counts.clear()
     _LOG.recent.clear()
+    if _PROFILER is not None:
+        _PROFILER.records.clear()
+
+
+def configure(
+    deepspeed_config: Any = None,
+    enabled: bool | None = None,
+    prof_all: bool | None = None,
+    prof_ops: list[str] | None = None,
+    verbose: bool | None = None,
+    debug: bool | None = None,
+) -> None:
+    """DeepSpeed's ``deepspeed.comm.configure``: the comms logger from a config's
+    ``comms_logger`` block (every engine calls this with its own), then any keyword given."""
+    global _PROFILER
+    from dataclasses import replace
+
+    from shardwise.config.monitor import CommsLoggerConfig
+    from shardwise.monitor.comms import CommsLogger
+
+    cfg = getattr(deepspeed_config, "comms_logger", deepspeed_config)
+    if cfg is None:
+        cfg = _PROFILER.config if _PROFILER is not None else CommsLoggerConfig()
+    given = dict(
+        enabled=enabled, prof_all=prof_all, prof_ops=prof_ops, verbose=verbose, debug=debug
+    )
+    cfg = replace(cfg, **{k: v for k, v in given.items() if v is not None})
+    kept = _PROFILER.records if _PROFILER is not None else {}
+    _PROFILER = CommsLogger(cfg, kept) if cfg.enabled else None
+
+
+def log_summary(show_straggler: bool = False, return_dict: bool = False) -> Any:
+    """DeepSpeed's ``deepspeed.comm.log_summary``: every rank waits for the others, rank 0
+    prints the comms logger's table (op, message size, count, total and mean latency, algbw,
+    busbw); with ``return_dict`` every rank returns its own numbers."""
+    if show_straggler:
+        raise NotImplementedError("log_summary(show_straggler=True) is not available in shardwise")
+    if is_initialized():
+        dist.barrier()
+    summary = _PROFILER.summary() if _PROFILER is not None else {}
+    if get_rank() == 0:
+        print(_PROFILER.table() if _PROFILER is not None else "comms_logger is not enabled")
+    if is_initialized():
+        dist.barrier()
+    return {"summary": summary, "straggler_analysis": None} if return_dict else None
 
 
 def recent_calls() -> list[tuple[float, str, int, int]]:
@@ -105,7 +152,7 @@ def get_local_rank() -> int:
 def barrier(group: Any = None) -> None:
     if get_world_size(group) > 1:
         _LOG.record("barrier", 0, 0, get_world_size(group))
-        dist.barrier(group=group)
+        _issue("barrier", 0, get_world_size(group), False, dist.barrier, group=group)
 
 
 class _Done:
@@ -127,6 +174,23 @@ def _trivial(group: Any) -> tuple[bool, int]:
     return n == 1, n
 
 
+def _issue(name: str, size: int, n: int, async_op: bool, fn: Any, /, *args: Any, **kw: Any) -> Any:
+    """Call ``fn``; under the comms logger (``configure``), a profiled op runs blocking and its
+    latency is booked (shardwise.monitor.comms), as DeepSpeed's ``timed_op`` does."""
+    if async_op:
+        kw["async_op"] = True
+    prof = _PROFILER
+    if prof is None or not prof.wants(name):
+        return fn(*args, **kw)
+    start = time.perf_counter()
+    work = fn(*args, **kw)
+    if async_op:
+        work.wait()
+    caller = sys._getframe(2).f_code.co_name if prof.debug else ""
+    prof.record(name, size, (time.perf_counter() - start) * 1e3, n, caller)
+    return _Done() if async_op else work
+
+
 # ----------------------------------------------------------------------------- collectives
 
 
@@ -139,7 +203,7 @@ def all_reduce(
         return _Done() if async_op else None
     s = _nbytes(tensor)
     _LOG.record("all_reduce", s, 2 * (n - 1) / n * s, n)
-    return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+    return _issue("all_reduce", s, n, async_op, dist.all_reduce, tensor, op=op, group=group)
 
 
 def broadcast(tensor: torch.Tensor, src: int, group: Any = None, async_op: bool = False) -> Any:
@@ -149,7 +213,7 @@ def broadcast(tensor: torch.Tensor, src: int, group: Any = None, async_op: bool 
         return _Done() if async_op else None
     s = _nbytes(tensor)
     _LOG.record("broadcast", s, (n - 1) / n * s, n)
-    return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
+    return _issue("broadcast", s, n, async_op, dist.broadcast, tensor, src=src, group=group)
 
 
 def reduce(
@@ -165,7 +229,7 @@ def reduce(
         return _Done() if async_op else None
     s = _nbytes(tensor)
     _LOG.record("reduce", s, (n - 1) / n * s, n)
-    return dist.reduce(tensor, dst=dst, op=op, group=group, async_op=async_op)
+    return _issue("reduce", s, n, async_op, dist.reduce, tensor, dst=dst, op=op, group=group)
 
 
 def all_gather_into_tensor(
@@ -179,7 +243,7 @@ def all_gather_into_tensor(
     s = _nbytes(output)
     _LOG.record("all_gather", s, (n - 1) / n * s, n)
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return fn(output, input, group=group, async_op=async_op)
+    return _issue("all_gather", s, n, async_op, fn, output, input, group=group)
 
 
 def all_gather(
@@ -192,7 +256,7 @@ def all_gather(
         return _Done() if async_op else None
     s = _nbytes(tensor) * n
     _LOG.record("all_gather", s, (n - 1) / n * s, n)
-    return dist.all_gather(tensor_list, tensor, group=group, async_op=async_op)
+    return _issue("all_gather", s, n, async_op, dist.all_gather, tensor_list, tensor, group=group)
 
 
 def reduce_scatter_tensor(
@@ -210,7 +274,7 @@ def reduce_scatter_tensor(
     s = _nbytes(input)
     _LOG.record("reduce_scatter", s, (n - 1) / n * s, n)
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    return fn(output, input, op=op, group=group, async_op=async_op)
+    return _issue("reduce_scatter", s, n, async_op, fn, output, input, op=op, group=group)
 
 
 def reduce_scatter(
@@ -227,7 +291,17 @@ def reduce_scatter(
         return _Done() if async_op else None
     s = sum(_nbytes(t) for t in input_list)
     _LOG.record("reduce_scatter", s, (n - 1) / n * s, n)
-    return dist.reduce_scatter(output, input_list, op=op, group=group, async_op=async_op)
+    return _issue(
+        "reduce_scatter",
+        s,
+        n,
+        async_op,
+        dist.reduce_scatter,
+        output,
+        input_list,
+        op=op,
+        group=group,
+    )
 
 
 def gather(
@@ -245,7 +319,7 @@ def gather(
     is_root = get_rank() == dst
     s = _nbytes(tensor) * n
     _LOG.record("gather", s, 0 if is_root else s / n, n)  # every other rank sends its chunk
-    dist.gather(tensor, gather_list if is_root else None, dst=dst, group=group)
+    _issue("gather", s, n, False, dist.gather, tensor, gather_list if is_root else None, dst, group)
 
 
 def scatter(
@@ -263,7 +337,9 @@ def scatter(
     is_root = get_rank() == src
     s = _nbytes(tensor) * n
     _LOG.record("scatter", s, (n - 1) / n * s if is_root else 0, n)
-    dist.scatter(tensor, scatter_list if is_root else None, src=src, group=group)
+    _issue(
+        "scatter", s, n, False, dist.scatter, tensor, scatter_list if is_root else None, src, group
+    )
 
 
 def all_to_all_single(
@@ -281,8 +357,9 @@ def all_to_all_single(
         return _Done() if async_op else None
     s = _nbytes(input)
     _LOG.record("all_to_all", s, (n - 1) / n * s, n)
-    return dist.all_to_all_single(
-        output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op
+    splits = (output_split_sizes, input_split_sizes)
+    return _issue(
+        "all_to_all", s, n, async_op, dist.all_to_all_single, output, input, *splits, group
     )
 
 
@@ -292,23 +369,24 @@ def all_to_all_single(
 def send(tensor: torch.Tensor, dst: int, group: Any = None, tag: int = 0) -> None:
     """Blocking send to global rank ``dst``."""
     _LOG.record("send", _nbytes(tensor), _nbytes(tensor), 2)
-    dist.send(tensor, dst=dst, group=group, tag=tag)
+    _issue("send", _nbytes(tensor), 2, False, dist.send, tensor, dst, group, tag)
 
 
 def recv(tensor: torch.Tensor, src: int | None = None, group: Any = None, tag: int = 0) -> int:
     """Blocking receive from global rank ``src`` into ``tensor``; returns the sender."""
     _LOG.record("recv", _nbytes(tensor), 0, 2)
-    return dist.recv(tensor, src=src, group=group, tag=tag)
+    return _issue("recv", _nbytes(tensor), 2, False, dist.recv, tensor, src, group, tag)
 
 
 def isend(tensor: torch.Tensor, dst: int, group: Any = None, tag: int = 0) -> Any:
     _LOG.record("send", _nbytes(tensor), _nbytes(tensor), 2)
-    return dist.isend(tensor, dst=dst, group=group, tag=tag)
+    # Timed to its posting only (comms_logger): waiting at once could deadlock a pipeline.
+    return _issue("send", _nbytes(tensor), 2, False, dist.isend, tensor, dst, group, tag)
 
 
 def irecv(tensor: torch.Tensor, src: int | None = None, group: Any = None, tag: int = 0) -> Any:
     _LOG.record("recv", _nbytes(tensor), 0, 2)
-    return dist.irecv(tensor, src=src, group=group, tag=tag)
+    return _issue("recv", _nbytes(tensor), 2, False, dist.irecv, tensor, src, group, tag)
 
 
 def init_distributed(*args: Any, **kwargs: Any) -> Any:

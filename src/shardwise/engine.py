@@ -86,7 +86,7 @@ class Engine(nn.Module):
         self._global_grad_norm: float | None = None
         self._step_applied = True
         self._backwards = 0  # engine.backward calls since the last step()
-        self.monitor = Monitor.from_config(config, mesh.rank)  # tensorboard / csv_monitor
+        self.monitor = Monitor.for_engine(self)  # DeepSpeed's monitors, timers, profilers
 
     # ------------------------------------------------------------------ accessors (DeepSpeed's)
     def train_batch_size(self) -> int:
@@ -167,7 +167,8 @@ class Engine(nn.Module):
             # 16-bit weights need 16-bit inputs; integer inputs (token ids) pass unchanged.
             inputs = tuple(_cast(x, dtype) for x in inputs)
             kwargs = {k: _cast(v, dtype) for k, v in kwargs.items()}
-        return self.module(*inputs, **kwargs)
+        with self.monitor.section("fwd"):
+            return self.module(*inputs, **kwargs)
 
     def is_gradient_accumulation_boundary(self) -> bool:
         if self._boundary_override is not None:
@@ -195,9 +196,12 @@ class Engine(nn.Module):
         scaled = loss / self.gradient_accumulation_steps() if scale_wrt_gas else loss
         if self.scaler.scale != 1.0:
             scaled = scaled * self.scaler.scale
-        self.strategy.before_backward(sync)
-        scaled.backward(retain_graph=retain_graph)
-        self.strategy.after_backward(sync)
+        with self.monitor.section("bwd"):
+            self.strategy.before_backward(sync)
+            with self.monitor.section("bwd_inner"):
+                scaled.backward(retain_graph=retain_graph)
+            with self.monitor.section("bwd_allreduce"):
+                self.strategy.after_backward(sync)
         self._backwards += 1
         self.monitor.add_loss(loss, self.gradient_accumulation_steps())
         return loss
@@ -225,6 +229,11 @@ class Engine(nn.Module):
         self._boundary_override = None
 
     def _take_model_step(self, lr_kwargs: dict | None) -> None:
+        with self.monitor.section("step"):
+            self._update(lr_kwargs)
+        self.monitor.after_step(self)  # events, the steps_per_print lines, the flops profile
+
+    def _update(self, lr_kwargs: dict | None) -> None:
         scale = self.scaler.scale
         # The norm costs a pass over the gradient and an all-reduce: only when clipping or the
         # fp16 overflow check needs it (as DeepSpeed; get_global_grad_norm() is None then).
@@ -253,17 +262,6 @@ class Engine(nn.Module):
         self.zero_grad()
         self.global_steps += 1
         self.global_samples += self.train_batch_size()
-        if self.pipeline is None:  # a pipeline's loss is known after its schedule: train_batch
-            self._write_events()
-        every = self.steps_per_print()
-        if self.mesh.rank == 0 and every and self.global_steps % every == 0:
-            lrs = ", ".join(f"{lr:.3g}" for lr in self.get_lr())
-            norm = self._global_grad_norm
-            logger.info(
-                f"step={self.global_steps} skipped={self.skipped_steps} lr=[{lrs}] "
-                f"grad_norm={norm if norm is None else f'{norm:.4g}'} "
-                f"loss_scale={self.scaler.scale:g}"
-            )
 
     def _write_events(self, loss: float | None = None) -> None:
         scale = self.scaler.scale if self.config.fp16.enabled else None

@@ -26,7 +26,7 @@ from shardwise.parallel import remap
 from shardwise.parallel.data import DataParallelReducer, LocalGradients, broadcast_parameters
 from shardwise.parallel.hf_styles import decoder_sequence_parallel
 from shardwise.parallel.zero import ZeroStrategy
-from shardwise.precision import LossScaler, compute_dtype
+from shardwise.precision import LossScaler, compute_dtype, fp16_master, master_dtype
 from shardwise.topology import ProcessMesh, Topology
 
 logger = logging.getLogger("shardwise")
@@ -157,6 +157,7 @@ def _build_strategy(
         bucket_elements=bucket,
         offload_device=device,
         isolate=isolate or (),
+        master_dtype=master_dtype(cfg, opt),
     )
 
 
@@ -270,8 +271,6 @@ def _unbuilt_options(cfg: Config) -> list[str]:
     names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
     if comm_dtype is not None and comm_dtype != names[compute_dtype(cfg)]:
         todo.append(f"communication_data_type={comm_dtype} (reductions use the compute dtype)")
-    if cfg.fp16.fp16_master_weights_and_grads:
-        todo.append("fp16.fp16_master_weights_and_grads")
     from shardwise.checkpointing import refused_options
 
     todo += [f"activation_checkpointing.{k}" for k in refused_options(cfg.activation_checkpointing)]
@@ -322,7 +321,7 @@ def _build_optimizer(
         return None
     from shardwise.optim import build_optimizer
 
-    return build_optimizer(cfg.optimizer, params)
+    return build_optimizer(cfg.optimizer, params, cpu_adam=fp16_master(cfg))
 
 
 def _build_scheduler(cfg: Config, opt: Any, lr_scheduler: Any) -> Any:

@@ -32,7 +32,7 @@ from torch.optim import Optimizer
 from shardwise.config.errors import ConfigError, did_you_mean, fail, join
 from shardwise.config.optim_blocks import OptimizerConfig, check_optimizer_params
 from shardwise.config.schema import AUTO
-from shardwise.ops.adam import FusedAdam
+from shardwise.ops.adam import DeepSpeedCPUAdam, FusedAdam
 
 SUPPORTED = {"adam": "AdamW", "adamw": "AdamW", "sgd": "SGD", "adagrad": "Adagrad"}
 NOT_SUPPORTED = {
@@ -58,15 +58,19 @@ FUSED_ADAM_DEFAULTS: dict[str, Any] = {
 _PATH = "optimizer.params"
 
 
-def build_optimizer(cfg: OptimizerConfig, params: Iterable[Any]) -> Optimizer:
+def build_optimizer(
+    cfg: OptimizerConfig, params: Iterable[Any], cpu_adam: bool = False
+) -> Optimizer:
     """``torch.optim`` optimizer for ``cfg`` over ``params`` (tensors or param-group dicts).
+    ``cpu_adam``: "Adam"/"AdamW" (without ``torch_adam``) build ``DeepSpeedCPUAdam``, as
+    DeepSpeed does under ZeRO-Offload (its fp32 states serve fp16 master weights).
 
     Raises ConfigError naming the key for an unsupported type, an unknown parameter, an
     unresolvable "auto", or a value torch refuses.
     """
     kwargs = _resolve_auto(cfg.params)
     check_optimizer_params(kwargs, _PATH)
-    cls, kwargs = _select(cfg.type, kwargs)
+    cls, kwargs = _select(cfg.type, kwargs, cpu_adam)
     _check_arguments(cls, kwargs)
     if "betas" in kwargs:
         kwargs["betas"] = tuple(kwargs["betas"])
@@ -121,7 +125,9 @@ def _resolve_auto(params: dict[str, Any]) -> dict[str, Any]:
     return resolved
 
 
-def _select(name: str, kwargs: dict[str, Any]) -> tuple[type[Optimizer], dict[str, Any]]:
+def _select(
+    name: str, kwargs: dict[str, Any], cpu_adam: bool = False
+) -> tuple[type[Optimizer], dict[str, Any]]:
     """The class, and the kwargs without DeepSpeed's Adam switches (DeepSpeed's rules, see
     ``_configure_basic_optimizer``: "AdamW", or "Adam" with ``adam_w_mode`` (default true), is
     decoupled; ``torch_adam`` takes torch's class with torch's defaults, else FusedAdam's)."""
@@ -145,6 +151,12 @@ def _select(name: str, kwargs: dict[str, Any]) -> tuple[type[Optimizer], dict[st
         raise fail(join(_PATH, "amsgrad"), "FusedAdam does not support AMSGrad (as in DeepSpeed)")
     kwargs.pop("amsgrad", None)
     kwargs.setdefault("weight_decay", FUSED_ADAM_DEFAULTS["weight_decay"])  # torch's AdamW: 0.01
+    if cpu_adam:
+        return DeepSpeedCPUAdam, {
+            **kwargs,
+            "bias_correction": bias_correction,
+            "adamw_mode": decoupled,
+        }
     if bias_correction is False:
         return FusedAdam, {**kwargs, "bias_correction": False, "adam_w_mode": decoupled}
     # The same update as FusedAdam's (bias corrected), from torch's tested kernels.

@@ -92,3 +92,30 @@ class LossScaler:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for k, v in state.items():
             setattr(self, k, v)
+
+
+def fp16_master(config: Any) -> bool:
+    """``fp16.fp16_master_weights_and_grads`` in force (it means nothing without fp16, as in
+    DeepSpeed, which reads it only from an enabled fp16 block)."""
+    return config.fp16.enabled and config.fp16.fp16_master_weights_and_grads
+
+
+def master_dtype(config: Any, optimizer: Any) -> torch.dtype:
+    """The dtype of the master weights and gradient shards the optimizer steps: fp32, or fp16
+    under ``fp16_master_weights_and_grads``. DeepSpeed's rules for that (v0.16.5): ZeRO stage 2
+    only, with the optimizer offloaded to the CPU (both checked by the config) and stepped by
+    ``DeepSpeedCPUAdam``, whose fp32 states keep the update exact where the weights are not."""
+    if not fp16_master(config):
+        return torch.float32
+    from shardwise.config import ConfigError
+    from shardwise.ops.adam import DeepSpeedCPUAdam
+
+    if not isinstance(optimizer, DeepSpeedCPUAdam):
+        name = type(optimizer).__name__
+        raise ConfigError(
+            f"fp16.fp16_master_weights_and_grads needs DeepSpeedCPUAdam (as in DeepSpeed), the "
+            f'optimizer is {name}: use an "Adam"/"AdamW" optimizer block (without '
+            "torch_adam) or pass shardwise.ops.adam.DeepSpeedCPUAdam; or remove the key",
+            key="fp16.fp16_master_weights_and_grads",
+        )
+    return torch.float16

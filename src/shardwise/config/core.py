@@ -26,7 +26,13 @@ from shardwise.config.checkpoint import CheckpointConfig, parse_checkpoint
 from shardwise.config.errors import ConfigError, Notes, fail
 from shardwise.config.keys import IGNORED, UNSUPPORTED, is_disabled
 from shardwise.config.loader import load_source
-from shardwise.config.monitor import MonitorConfig
+from shardwise.config.monitor import (
+    CometConfig,
+    CommsLoggerConfig,
+    FlopsProfilerConfig,
+    MonitorConfig,
+    WandbConfig,
+)
 from shardwise.config.optim_blocks import (
     OptimizerConfig,
     SchedulerConfig,
@@ -76,6 +82,12 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     tensorboard: MonitorConfig = field(default_factory=MonitorConfig)
     csv_monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    comet: CometConfig = field(default_factory=CometConfig)
+    comms_logger: CommsLoggerConfig = field(default_factory=CommsLoggerConfig)
+    flops_profiler: FlopsProfilerConfig = field(default_factory=FlopsProfilerConfig)
+    wall_clock_breakdown: bool = False  # log fwd / bwd / step times every steps_per_print
+    memory_breakdown: bool = False  # log engine.memory_breakdown() every steps_per_print
     communication_data_type: Literal["fp16", "bf16", "fp32"] | None = None
     zero_allow_untested_optimizer: bool = (
         False  # no effect: any torch optimizer works with ZeRO here
@@ -191,6 +203,14 @@ def _check_combinations(cfg: Config) -> None:
             "fp16.fp16_master_weights_and_grads",
             f"only supported with ZeRO stage 2 (zero_optimization.stage is {stage})",
         )
+    if cfg.fp16.enabled and cfg.fp16.fp16_master_weights_and_grads:
+        offload = cfg.zero_optimization.offload_optimizer
+        if offload is None or offload.device != "cpu":
+            raise fail(
+                "fp16.fp16_master_weights_and_grads",
+                "needs ZeRO-Offload, as in DeepSpeed (fp16 masters on the CPU, stepped by "
+                'DeepSpeedCPUAdam): set zero_optimization.offload_optimizer {"device": "cpu"}',
+            )
     stages = cfg.pipeline.stages
     if isinstance(stages, int) and stages > 1 and stage == 3:
         # DeepSpeed refuses stage 2 as well; shardwise runs it (gradients reduce-scattered

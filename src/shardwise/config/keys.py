@@ -11,13 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 IGNORED: dict[str, str] = {
-    "wall_clock_breakdown": "timing breakdown logging",
-    "memory_breakdown": "memory logging",
     "dump_state": "debug print of the engine state",
-    "flops_profiler": "profiler",
-    "wandb": "monitoring backend",
-    "comet": "monitoring backend",
-    "comms_logger": "communication logging",
     "timers": "timer configuration",
     "prescale_gradients": "divide before instead of after the all-reduce: the same average",
     "gradient_predivide_factor": "split of the averaging division around the all-reduce",

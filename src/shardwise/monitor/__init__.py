@@ -1,27 +1,41 @@
-"""DeepSpeed's monitors: the events the engine writes after each optimizer step, on rank 0.
+"""DeepSpeed's monitors, timers and profilers, as the engine sees them: one ``Monitor``.
 
-Events are DeepSpeed's, with the number of samples trained so far as the x axis:
+The engine calls four things: ``section(name)`` around its forward (``"fwd"``), backward
+(``"bwd"``, ``"bwd_inner"``, ``"bwd_allreduce"``) and update (``"step"``); ``add_loss`` after
+each backward; ``after_step(engine)`` after each optimizer step; ``write_step`` for a pipeline's
+loss. Everything off costs one attribute test per call (``section`` hands back a shared no-op
+context). What is on depends on the config:
 
-    Train/Samples/train_loss   the step's loss (rank 0's mean over its micro-batches)
-    Train/Samples/lr           the first parameter group's learning rate
-    Train/Samples/loss_scale   the fp16 loss scale (with fp16 only)
-
-``tensorboard`` writes event files through TensorBoard's own writer
-(``torch.utils.tensorboard``, the ``tensorboard`` extra); ``csv_monitor`` writes one CSV file
-per event (``train_loss.csv``: ``step,train_loss`` rows). Both under ``output_path/job_name``.
+- ``tensorboard``, ``csv_monitor``, ``wandb``, ``comet`` (writers.py), on rank 0: after each
+  step, DeepSpeed's events against the number of samples trained so far:
+      Train/Samples/train_loss   the step's loss (rank 0's mean over its micro-batches)
+      Train/Samples/lr           the first parameter group's learning rate
+      Train/Samples/loss_scale   the fp16 loss scale (with fp16 only)
+  and with ``wall_clock_breakdown`` Train/Samples/elapsed_time_ms_{forward,backward,...}.
+- ``wall_clock_breakdown`` (timers.py): the sections are timed; every ``steps_per_print``
+  steps rank 0 logs ``time (ms) | fwd: .. | bwd: .. | ...`` (the mean per step).
+- ``memory_breakdown``: every ``steps_per_print`` steps rank 0 logs ``engine.memory_breakdown()``.
+- ``flops_profiler`` (flops.py): rank 0's forward at ``profile_step`` is profiled, the summary
+  printed after that step.
+- ``comms_logger`` (comms.py): configured process-wide in ``shardwise.comm`` (as DeepSpeed's
+  engine configures ``deepspeed.comm``); ``shardwise.comm.log_summary()`` prints the table.
 """
 
 from __future__ import annotations
 
-import csv
-import os
-from typing import Any, Protocol
+import contextlib
+import logging
+import sys
+import weakref
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 
-from shardwise.config.monitor import MonitorConfig
+from shardwise.monitor.writers import Event, enabled_writers
 
-Event = tuple[str, float, int]  # (tag, value, step)
+logger = logging.getLogger("shardwise")
+_OFF = contextlib.nullcontext()
 
 
 def step_events(loss: float, lr: float, samples: int, loss_scale: float | None) -> list[Event]:
@@ -40,61 +54,78 @@ def progress_line(steps: int, loss: float, seconds: float, batch: int) -> str:
     )
 
 
-class Writer(Protocol):
-    def write_events(self, events: list[Event]) -> None: ...
+def step_line(engine: Any) -> str:
+    """The engine's own line every ``steps_per_print`` steps: step, skips, LR, norm, scale."""
+    lrs = ", ".join(f"{lr:.3g}" for lr in engine.get_lr())
+    norm = engine.get_global_grad_norm()
+    return (
+        f"step={engine.global_steps} skipped={engine.skipped_steps} lr=[{lrs}] "
+        f"grad_norm={norm if norm is None else f'{norm:.4g}'} "
+        f"loss_scale={engine.scaler.scale:g}"
+    )
 
 
-class TensorBoardWriter:
-    """Events into TensorBoard event files (read back by TensorBoard itself)."""
+def memory_line(breakdown: dict[str, int]) -> str:
+    """``engine.memory_breakdown()`` on one line: ``memory | params: 6.77 KB | ...``."""
+    from shardwise.monitor.comms import convert_size
 
-    def __init__(self, cfg: MonitorConfig) -> None:
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError as e:  # torch's writer needs the tensorboard package
-            raise ImportError(
-                'the "tensorboard" config block needs TensorBoard: pip install shardwise[tensorboard]'
-            ) from e
-        self.writer = SummaryWriter(log_dir=os.path.join(cfg.output_path, cfg.job_name))
-
-    def write_events(self, events: list[Event]) -> None:
-        for tag, value, step in events:
-            self.writer.add_scalar(tag, value, step)
-        self.writer.flush()
-
-
-class CsvWriter:
-    """One CSV file per event, named after the tag's last part."""
-
-    def __init__(self, cfg: MonitorConfig) -> None:
-        self.dir = os.path.join(cfg.output_path, cfg.job_name)
-        os.makedirs(self.dir, exist_ok=True)
-
-    def write_events(self, events: list[Event]) -> None:
-        for tag, value, step in events:
-            name = tag.rsplit("/", 1)[-1]
-            path = os.path.join(self.dir, f"{name}.csv")
-            new = not os.path.exists(path)
-            with open(path, "a", newline="") as f:
-                out = csv.writer(f)
-                if new:
-                    out.writerow(["step", name])
-                out.writerow([step, value])
+    return " | ".join(["memory", *(f"{k}: {convert_size(v)}" for k, v in breakdown.items())])
 
 
 class Monitor:
-    """The enabled writers (none on ranks other than 0, or when no block is on: then every
-    call is a no-op); ``write_events`` fans out to each."""
+    """What the config turned on (module doc); built by the engine with ``for_engine``."""
 
-    def __init__(self, writers: list[Writer]) -> None:
+    def __init__(self, writers: list[Any], clock: Any = None, profiler: Any = None) -> None:
         self.writers = writers
+        self.clock = clock  # timers.WallClock with wall_clock_breakdown
+        self.profiler = profiler  # flops.FlopsProfiler with flops_profiler, rank 0
         self.step_loss = 0.0  # the mean loss of this step's micro-batches so far
+        self._engine: Any = None  # weakref.ref to the engine (profile_step is read off it)
 
     @classmethod
-    def from_config(cls, config: Any, rank: int) -> Monitor:
-        kinds = {"tensorboard": TensorBoardWriter, "csv_monitor": CsvWriter}
-        blocks = {k: getattr(config, k) for k in kinds}
-        return cls([kinds[k](b) for k, b in blocks.items() if b.enabled] if rank == 0 else [])
+    def for_engine(cls, engine: Any) -> Monitor:
+        """Writers and profiler on rank 0; the clock on every rank (each times its own work,
+        rank 0 reports); the comms logger configured; a pipeline's schedule timed."""
+        from shardwise import comm
 
+        config, rank0 = engine.config, engine.mesh.rank == 0
+        comm.configure(config)  # on, or off again, whatever an earlier engine set
+        clock = profiler = None
+        if config.wall_clock_breakdown:
+            from shardwise.monitor.timers import WallClock
+
+            clock = WallClock()
+        if config.flops_profiler.enabled and rank0:
+            from shardwise.monitor.flops import FlopsProfiler
+
+            profiler = FlopsProfiler(engine.module, config.flops_profiler)
+        monitor = cls(enabled_writers(config) if rank0 else [], clock, profiler)
+        monitor._engine = weakref.ref(engine)
+        if engine.pipeline is not None and (clock or profiler):
+            engine.pipeline.executor.section = monitor.section
+        return monitor
+
+    # ------------------------------------------------------------------ sections
+    def section(self, name: str) -> Any:
+        """A context timing ``name`` (and profiling the forward at ``profile_step``)."""
+        if name == "fwd" and self.profiler is not None and self._profiling():
+            return self._profiled_forward()
+        return self.clock.section(name) if self.clock is not None else _OFF
+
+    def _profiling(self) -> bool:
+        engine = self._engine() if self._engine is not None else None
+        return engine is not None and engine.global_steps == self.profiler.cfg.profile_step
+
+    @contextlib.contextmanager
+    def _profiled_forward(self) -> Iterator[None]:
+        self.profiler.start()  # restarts at each micro-batch: the last one is kept
+        try:
+            with self.clock.section("fwd") if self.clock is not None else _OFF:
+                yield
+        finally:
+            self.profiler.stop()
+
+    # ------------------------------------------------------------------ events
     def add_loss(self, loss: torch.Tensor, micro_batches: int) -> None:
         """One micro-batch's loss (read only when a writer will use it: .item() syncs)."""
         if self.writers:
@@ -112,3 +143,44 @@ class Monitor:
     def write_events(self, events: list[Event]) -> None:
         for writer in self.writers:
             writer.write_events(events)
+
+    # ------------------------------------------------------------------ after a step
+    def after_step(self, engine: Any) -> None:
+        """Events (a pipeline writes its own after the schedule: its loss is known then), and
+        on rank 0 every ``steps_per_print`` steps: the step line, the timers, the memory; and
+        the flops profile after ``profile_step``."""
+        if self.clock is not None:
+            self.clock.end_step()
+            self.write_events(self.clock.events(engine.global_samples))
+        if engine.pipeline is None:
+            scale = engine.scaler.scale if engine.config.fp16.enabled else None
+            self.write_step(None, engine.get_lr()[0], engine.global_samples, scale)
+        if self.profiler is not None and engine.global_steps == self.profiler.cfg.profile_step + 1:
+            self.print_profile(engine)
+        every = engine.steps_per_print()
+        if not every or engine.global_steps % every:
+            return
+        line = self.clock.line() if self.clock is not None else None  # resets every rank's
+        if engine.mesh.rank != 0:
+            return
+        logger.info(step_line(engine))
+        if line is not None:
+            logger.info(line)
+        if engine.config.memory_breakdown:
+            logger.info(memory_line(engine.memory_breakdown()))
+
+    def print_profile(self, engine: Any) -> None:
+        """The flops profile to stdout, or to ``flops_profiler.output_file``."""
+        from shardwise.monitor.profile_report import profile_report
+
+        text = profile_report(self.profiler, engine, self.clock)
+        path = self.profiler.cfg.output_file
+        if path:
+            import os
+
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            with open(path, "w") as f:
+                f.write(text + "\n")
+        else:
+            sys.stdout.write(text + "\n")
+            sys.stdout.flush()

@@ -60,7 +60,9 @@ class DataParallelReducer:
     ) -> None:
         self.group = group
         self.world = comm.get_world_size(group)
-        self.sync = True
+        # True only inside the engine's boundary backward: a backward through this model run
+        # by another engine (a GAN's generator step through the discriminator) reduces nothing.
+        self.sync = False
         self._hooks: list[Any] = []
         layouts = plan_buckets(list(params), bucket_elements)
         self.buckets = [_Bucket(lay, lay.new_buffer()) for lay in layouts]
@@ -139,6 +141,7 @@ class DataParallelReducer:
     def after_backward(self, sync: bool) -> None:
         """At the boundary: wait for every bucket (launching those with unused parameters)
         and average. Elsewhere gradients just accumulate."""
+        self.sync = False  # until the next before_backward
         if not sync:
             return
         if self.world == 1:

@@ -6,7 +6,8 @@ data-parallel size) and cut into N equal shards; rank r owns shard r of every bu
     shard_r = flat[r*P/N : (r+1)*P/N]
 
 Rank r keeps the fp32 master weights and the optimizer states of its shards only (12P/N bytes
-for Adam instead of 12P), and steps them alone. One step, per bucket:
+for Adam instead of 12P), and steps them alone (fp16 masters and gradient shards with
+``fp16_master_weights_and_grads``, DeepSpeedCPUAdam keeping its states in fp32). One step, per bucket:
 
     reduce-scatter(gradients) -> rank r holds (1/N) * sum_ranks g[shard_r]
     optimizer step on shard_r (the master copy) -> write shard_r of the 16/32-bit parameters
@@ -67,11 +68,14 @@ class ZeroStrategy:
         bucket_elements: int = 2**22,
         offload_device: torch.device | None = None,
         isolate: Sequence[torch.nn.Parameter] = (),
+        master_dtype: torch.dtype = torch.float32,
     ) -> None:
         """``isolate``: parameters that get a bucket each, laid out alike on every rank that
         holds them (a weight tied across pipeline stages: shard r covers the same elements
-        on each stage, so the stages can sum their shards; see ``reduced_grads``)."""
+        on each stage, so the stages can sum their shards; see ``reduced_grads``).
+        ``master_dtype``: fp16 under ``fp16_master_weights_and_grads`` (precision.py)."""
         self.stage = stage
+        self.master_dtype = master_dtype
         self.group = group
         self.world = comm.get_world_size(group)
         self.rank = comm.get_rank(group)
@@ -79,6 +83,10 @@ class ZeroStrategy:
         self.offload_device = offload_device
         self.norm_group = group if self.parts > 1 else clip.LOCAL
         self.sync = True
+        # Hooks act inside the engine's backward only (before_backward .. after_backward): a
+        # backward through this model run by another engine (a GAN's generator step through
+        # the discriminator) leaves its gradients in p.grad, for zero_grad to drop.
+        self._armed = False
         self._in_flight: list[_Bucket] = []
         group_of = {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]}
         alone = {id(p): i for i, p in enumerate(isolate)}
@@ -107,18 +115,20 @@ class ZeroStrategy:
         for i, p in enumerate(layout.params):
             p.data = layout.view(flat, i)
         shard = layout.shard(flat, self.rank if self.parts > 1 else 0)
-        if shard.dtype == torch.float32 and self.offload_device is None:
+        if shard.dtype == self.master_dtype and self.offload_device is None:
             master = torch.nn.Parameter(shard, requires_grad=True)  # shares storage: no copy
         else:
             device = self.offload_device or shard.device
-            master = torch.nn.Parameter(shard.detach().to(device, torch.float32, copy=True))
+            master = torch.nn.Parameter(shard.detach().to(device, self.master_dtype, copy=True))
         return _Bucket(layout=layout, params_flat=flat, master=master)
 
     # ------------------------------------------------------------------ backward
     def before_backward(self, sync: bool) -> None:
-        self.sync = sync
+        self.sync, self._armed = sync, True
 
     def _on_grad(self, p: torch.nn.Parameter) -> None:
+        if not self._armed:
+            return
         b, i = self._slot[id(p)]
         if self.stage >= 2:
             if b.grads_flat is None:
@@ -180,6 +190,7 @@ class ZeroStrategy:
 
         Buckets whose parameters got no gradient are sent too (as zeros), so every rank
         issues the same collectives in the same order."""
+        self._armed = False
         if self.stage < 2 and not sync:
             return
         for b in self.buckets:
@@ -221,7 +232,7 @@ class ZeroStrategy:
         """Step the master shards with gradients * coef, then all-gather the parameters."""
         for b in self.buckets:
             g = b.grad_shard if b.grad_shard is not None else torch.zeros_like(b.master)
-            g = g.to(b.master.device, torch.float32)  # a no-op for fp32 without offload
+            g = g.to(b.master.device, b.master.dtype)  # a no-op for fp32 without offload
             b.master.grad = g * coef if coef != 1.0 else g
         self.optimizer.step()
         shard_of = self.rank if self.parts > 1 else 0

@@ -67,17 +67,23 @@ class FusedAdam(torch.optim.Optimizer):
                     self._update(p, group)
         return loss
 
-    def _update(self, p: torch.Tensor, group: dict) -> None:
+    fp32_optimizer_states = False  # DeepSpeedCPUAdam: fp32 states (and math) for 16-bit p
+
+    def _update(self, param: torch.Tensor, group: dict) -> None:
         b1, b2 = group["betas"]
         lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
-        state = self.state[p]
+        state = self.state[param]
+        # 16-bit parameters with fp32 states: the update runs on an fp32 copy and is rounded
+        # into the parameter once (DeepSpeed's CPU Adam kernel does the same per element).
+        wide = self.fp32_optimizer_states and param.dtype != torch.float32
+        p = param.float() if wide else param
         if not state:
             state["step"] = torch.tensor(0.0)  # a CPU tensor, as torch's Adam keeps it
             state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         state["step"] += 1
         t = int(state["step"])
-        m, v, g = state["exp_avg"], state["exp_avg_sq"], p.grad
+        m, v, g = state["exp_avg"], state["exp_avg_sq"], param.grad.to(p.dtype)
         if wd and not group["adam_w_mode"]:
             g = g.add(p, alpha=wd)  # L2: the decay is part of the gradient
         m.mul_(b1).add_(g, alpha=1 - b1)
@@ -89,11 +95,14 @@ class FusedAdam(torch.optim.Optimizer):
         if wd and group["adam_w_mode"]:
             p.mul_(1 - lr * wd)  # decoupled: lr * wd * p, from p before this step's update
         p.addcdiv_(m, denom, value=-lr / c1)
+        if wide:
+            param.copy_(p)
 
 
 class DeepSpeedCPUAdam(FusedAdam):
-    """DeepSpeed's ``DeepSpeedCPUAdam``: the same update (its ``fp32_optimizer_states`` and
-    ``model_params`` arguments are accepted; states are kept in the parameters' dtype)."""
+    """DeepSpeed's ``DeepSpeedCPUAdam``: the same update. With ``fp32_optimizer_states``
+    (the default) the states of 16-bit parameters are fp32 and the update is computed in fp32,
+    then rounded into the parameter: what ``fp16.fp16_master_weights_and_grads`` relies on."""
 
     def __init__(
         self,
@@ -117,3 +126,4 @@ class DeepSpeedCPUAdam(FusedAdam):
             weight_decay=weight_decay,
             amsgrad=amsgrad,
         )
+        self.fp32_optimizer_states = fp32_optimizer_states

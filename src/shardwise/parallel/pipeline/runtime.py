@@ -18,6 +18,7 @@ the reduction; REDUCE_TIED and OPTIMIZER_STEP call back into the runner.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,9 +26,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardwise.monitor.timers import PHASES
 from shardwise.parallel.pipeline.meter import ActivationMeter
 from shardwise.parallel.pipeline.p2p import StageLink, as_tuple
 from shardwise.parallel.pipeline.schedule import Instruction, Op
+
+_UNTIMED = contextlib.nullcontext()
 
 
 @dataclass
@@ -71,6 +75,9 @@ class StageExecutor:
         self.loss_fn = loss_fn
         self.compute_dtype = compute_dtype
         self.meter: ActivationMeter | None = None
+        # The engine's monitor times each instruction under DeepSpeed's names (wall_clock_
+        # breakdown) and profiles a forward (flops_profiler): ``section(name)`` is a context.
+        self.section: Callable[[str], Any] | None = None
         self.live = 0  # micro-batches between forward and backward
         self.peak_live = 0
         self._handlers = {
@@ -103,13 +110,15 @@ class StageExecutor:
         for link in self.links:
             link.new_batch()
         for ins in program:
-            handler = self._handlers.get(ins.op)
-            if handler is not None:
-                handler(state, ins)
-            elif ins.op is Op.REDUCE_GRADS:
-                strategy.after_backward(True)
-            else:
-                (actions or {})[ins.op]()
+            name = PHASES.get(ins.op.name) if train and self.section is not None else None
+            with self.section(name) if name else _UNTIMED:
+                handler = self._handlers.get(ins.op)
+                if handler is not None:
+                    handler(state, ins)
+                elif ins.op is Op.REDUCE_GRADS:
+                    strategy.after_backward(True)
+                else:
+                    (actions or {})[ins.op]()  # OPTIMIZER_STEP: the engine times its step
         return state
 
     def wait_sends(self) -> None:
