@@ -1,6 +1,7 @@
 """Open a checkpoint, check it, and read only the slices a rank needs.
 
-On open: manifest.json parses and is ours; every rank's file exists with the recorded size;
+On open: manifest.json parses, is ours and matches its own checksum (unless ``verify=False``),
+and its pieces fit their tensors' shapes (manifest.py); every rank's file exists with the recorded size;
 its header (which holds the rank state) matches its CRC-32 and lists every piece with the
 recorded dtype and shape. On read: the bytes of the slice asked (for a box piece: the rows of
 dim 0 it spans) and, with ``verify=True``, the rest of the 1 MiB checksum chunks they touch,
@@ -47,7 +48,7 @@ class CheckpointReader:
                 f"{where} does not exist: {path} is not a checkpoint, or its save did not finish"
             )
         with open(where, "rb") as f:
-            self.manifest = mf.parse(f.read(), where)
+            self.manifest = mf.parse(f.read(), where, verify=verify)
         self._pieces = {
             name: mf.pieces_of(self.manifest, name) for name in self.manifest["tensors"]
         }
@@ -169,6 +170,24 @@ class CheckpointReader:
             out.copy_(part)
             return out
         return part
+
+    def check(self, piece: SavedPiece, lo: int, hi: int) -> None:
+        """With ``verify``: check the checksum chunks holding elements [lo, hi) of ``piece``'s
+        stored tensor, reading them (at most 64 chunks at a time) and keeping nothing, so that
+        a later ``read`` of that range reads only what it returns (a load checks everything
+        before it assigns anything)."""
+        if not self.verify or lo >= hi:
+            return
+        per_chunk = CRC_CHUNK // piece.dtype.itemsize
+        window = 64 * per_chunk
+        try:
+            for a in range(lo - lo % per_chunk, hi, window):
+                self._elements(piece.file, piece.key, piece.dtype, piece.crc32, a,
+                               min(a + window, hi))  # fmt: skip
+        except FormatError as e:
+            raise CheckpointError(
+                f"{os.path.join(self.path, piece.file)} {piece.key!r}: {e}"
+            ) from e
 
     def rank_state(self, rank: int) -> dict:
         """What rank ``rank`` saved as its rank state, tensors restored."""
