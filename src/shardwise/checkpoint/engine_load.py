@@ -10,14 +10,16 @@ What is loaded, each step as DeepSpeed decides what it skips:
       skipped_steps, micro_steps
     data loader position, random state   unless load_module_only
 
-In two phases. **Check**: everything that can be wrong with the checkpoint is found before the
+In two phases, and on every rank or none. **Check**: everything that can be wrong with the checkpoint is found before the
 engine changes: the manifest and files (reader.py), every tensor this rank will fill (names,
 global shapes, coverage: reshard.plan), the meta (counters, loss scaler, parameter groups), the
 rank states (random generators, data position, scheduler, client state), and the checksum of
 every byte range that will be read. **Apply**: the data position first (the loader checks a
 state before changing anything), then tensors, optimizer state, scheduler, counters, and the
-random state last (nothing after it draws). A checkpoint missing ``meta.counters`` or with a
-damaged tensor therefore fails with the engine exactly as it was.
+random state last (nothing after it draws). Between the two, the ranks exchange their
+outcomes: if the check failed on any rank, it fails on all. A checkpoint missing
+``meta.counters`` or with a damaged tensor therefore fails with every rank's engine exactly as
+it was.
 
 Every piece is read from whatever layout wrote it (reshard.py). Returns ``(load_path,
 client_state)``, or ``(None, None)`` when there is no ``latest`` and no tag (with a warning
@@ -39,7 +41,7 @@ from shardwise.checkpoint.rank_state import (
     set_rng_state,
     source_rank,
 )
-from shardwise.checkpoint.reshard import CheckpointError, apply, plan
+from shardwise.checkpoint.reshard import CheckpointError, apply, check, plan
 
 logger = logging.getLogger("shardwise")
 
@@ -68,12 +70,38 @@ def load_checkpoint(
     storage.recover(load_dir, tag)  # a save killed while overwriting this tag
     path = os.path.join(load_dir, tag)
     options = (load_module_strict, load_optimizer_states, load_lr_scheduler_states)
-    with storage.CheckpointReader(path, verify=engine.config.checkpoint.verify) as reader:
+    reader, failure = None, None
+    try:
+        reader = storage.CheckpointReader(path, verify=engine.config.checkpoint.verify)
         steps, client_state = _check(engine, reader, load_module_only, *options)
+    except Exception as e:  # noqa: BLE001 - every rank must reach _agree, or the others hang
+        failure = e
+        if reader is not None:
+            reader.close()
+    _agree(failure)  # every rank loads, or none does
+    with reader:
         for step in steps:
             step()
     setattr(engine, LOADED_FROM, os.path.abspath(load_dir))
     return path, client_state
+
+
+def _agree(failure: BaseException | None) -> None:
+    """Raise on every rank if the check failed on any (each rank checks what it will read,
+    so a damaged shard fails only the rank that holds it); ``failure`` is this rank's."""
+    from shardwise import comm
+    from shardwise.checkpoint.gather import all_gather_json
+
+    mine = "" if failure is None else f"{type(failure).__name__}: {failure}"
+    if comm.is_initialized() and comm.get_world_size() > 1:
+        errors = [(r, e) for r, e in enumerate(all_gather_json(mine)) if e]
+    else:
+        errors = [(0, mine)] if mine else []
+    if failure is not None:
+        raise failure
+    if errors:
+        rank, error = errors[0]
+        raise CheckpointError(f"rank {rank} cannot load the checkpoint, so no rank does: {error}")
 
 
 def _warn_nothing_to_load(load_dir: str) -> None:
@@ -113,6 +141,7 @@ def _check(
     if not isinstance(client, dict):
         raise _bad(reader, "client_state", client, "a dict")
     if module_only:
+        check(reader, copies)
         return [lambda: apply(reader, copies)], dict(client)
     meta, later = reader.meta, []
     counters = _counters(reader, meta)
@@ -134,6 +163,7 @@ def _check(
         raise _bad(reader, "data", data, "a data loader state dict")
     rng = reader.rank_state(source_rank(engine.global_rank, reader.world_size)).get("rng")
     _check_rng(reader, rng)
+    check(reader, copies)  # the checksums of every byte to be read
     # The data position is global (samples consumed), so rank 0's serves every rank: it
     # always reads data (a middle pipeline stage never iterates its loader).
     steps = [lambda: set_data_state(engine, data), lambda: apply(reader, copies), *later]

@@ -33,6 +33,9 @@ from shardwise.checkpoint.safetensors_file import _bytes_view, chunk_crcs
 logger = logging.getLogger("shardwise")
 
 
+_KINDS = ("model/", "master/", "optim/")  # the order in which differing tensors are listed
+
+
 class ReplicaMismatchError(RuntimeError):
     """Copies of one tensor differ between ranks; the message names the tensor and ranks."""
 
@@ -62,12 +65,12 @@ def disagreements(per_rank: list[list[list]]) -> str:
     for rank, recs in enumerate(per_rank):
         for key, crcs in recs:
             values.setdefault(key, {}).setdefault(tuple(crcs), []).append(rank)
-    bad = {k: v for k, v in values.items() if len(v) > 1}
+    bad = [(k, v) for k, v in values.items() if len(v) > 1]
     if not bad:
         return ""
+    bad.sort(key=lambda kv: _KINDS.index(kv[0].partition("/")[0] + "/"))  # model/ first
     lines = [
-        f"{key}: " + " vs ".join(f"ranks {ranks}" for ranks in v.values())
-        for key, v in list(bad.items())[:4]
+        f"{key}: " + " vs ".join(f"ranks {ranks}" for ranks in v.values()) for key, v in bad[:4]
     ]
     more = f" (and {len(bad) - 4} more tensors)" if len(bad) > 4 else ""
     return (

@@ -27,10 +27,10 @@ Errors (strict): a name the checkpoint lacks, a global shape that differs ("inco
 model"), or an element of a target that no saved piece covers; each message names the tensor.
 
 Loading is all-or-nothing: ``plan`` finds every error above without reading or writing
-anything and returns the copies to make; ``apply`` first checks the checksums of every byte
-range they will read (``reader.check``), then reads. A damaged checkpoint therefore fails
+anything and returns the copies to make; ``check`` checks the checksums of every byte range
+they will read (``reader.check``); ``apply`` reads. A damaged checkpoint therefore fails
 before any target changes; only an I/O error in the middle of ``apply`` can leave targets
-partly filled. ``fill`` is the two in a row.
+partly filled. ``fill`` is the three in a row.
 """
 
 from __future__ import annotations
@@ -237,13 +237,17 @@ def plan(
     return copies, used
 
 
-def apply(reader: Any, copies: list[Copy]) -> None:
-    """Make the copies: check the checksums of everything they read first (when the reader
-    checks), then read into the targets."""
-    check = getattr(reader, "check", None)
-    if check is not None:
+def check(reader: Any, copies: list[Copy]) -> None:
+    """Check the checksums of everything the copies will read (when the reader checks: a file
+    reader with ``verify``), reading it once and keeping nothing."""
+    check_range = getattr(reader, "check", None)
+    if check_range is not None:
         for c in copies:
-            check(c.saved, *c.span())
+            check_range(c.saved, *c.span())
+
+
+def apply(reader: Any, copies: list[Copy]) -> None:
+    """Make the copies (read into the targets)."""
     with torch.no_grad():
         for c in copies:
             c.read(reader)
@@ -255,9 +259,10 @@ def fill(
     strict: bool = True,
     optional: Callable[[str], bool] | None = None,
 ) -> dict[str, str | None]:
-    """Fill every target piece's tensor (in place): ``plan`` then ``apply``. Returns, per
-    target name, the saved name it was read from (None: absent, skipped)."""
+    """Fill every target piece's tensor (in place): ``plan``, ``check``, ``apply``. Returns,
+    per target name, the saved name it was read from (None: absent, skipped)."""
     copies, used = plan(reader, targets, strict, optional)
+    check(reader, copies)
     apply(reader, copies)
     return used
 
