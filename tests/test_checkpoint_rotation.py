@@ -174,20 +174,39 @@ def _gone_pid() -> int:
     return p.pid
 
 
-@pytest.mark.parametrize("holder", ["dead pid", "recycled pid"])
-def test_a_stale_lock_on_this_host_is_taken_over(holder, tmp_path, caplog):
+@pytest.fixture(autouse=True)
+def no_job_id(monkeypatch):
+    """Outside any Slurm job or torchelastic run (a lock of the same job is taken over)."""
+    for var in ("SLURM_JOB_ID", "SLURM_JOBID", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(var, raising=False)
+
+
+@pytest.mark.parametrize("holder", ["dead pid", "recycled pid", "same Slurm job elsewhere"])
+def test_a_stale_lock_is_taken_over(holder, tmp_path, caplog, monkeypatch):
+    here = socket.gethostname()
     if holder == "dead pid":
-        _lock_file(tmp_path, host=socket.gethostname(), pid=_gone_pid(), pid_start="1")
-    else:  # a live process, but not the one that took the lock (another start time)
-        _lock_file(tmp_path, host=socket.gethostname(), pid=os.getppid(), pid_start="-1")
+        _lock_file(tmp_path, host=here, pid=_gone_pid(), pid_start="1")
+    elif holder == "recycled pid":  # a live process, but not the one that took the lock
+        _lock_file(tmp_path, host=here, pid=os.getppid(), pid_start="-1")
+    else:  # a requeued Slurm job keeps its id, not its nodes
+        monkeypatch.setenv("SLURM_JOB_ID", "77")
+        _lock_file(tmp_path, host="node-17", pid=4242, pid_start="9", job="SLURM_JOB_ID=77")
     with caplog.at_level("WARNING", logger="shardwise"):
         _save_step(tmp_path, 1)
     assert "taking over the lock" in caplog.text, holder
     assert json.loads((tmp_path / LOCK).read_text())["pid"] == os.getpid(), holder
 
 
-def test_a_lock_from_another_host_says_how_to_clear_it(tmp_path):
-    _lock_file(tmp_path, host="node-17", pid=4242, pid_start="9")
+def test_a_lock_from_another_host_says_how_to_clear_it(tmp_path, caplog):
+    _lock_file(tmp_path, host="node-17", pid=4242, pid_start="9", job="SLURM_JOB_ID=76")
     with pytest.raises(CheckpointError, match=r"host 'node-17' pid 4242.*delete .*shardwise-lock"):
         _save_step(tmp_path, 1)
     assert visible(tmp_path) == [], "nothing may be written under another job's lock"
+    # A job loading from a locked directory hears it at its start, not at its first save.
+    (tmp_path / LOCK).rename(tmp_path / "lock")  # the other job's lock aside, for one save
+    engine = engine_for(config(), 0.0, seed=0)
+    save(engine, str(tmp_path))
+    (tmp_path / "lock").replace(tmp_path / LOCK)
+    with caplog.at_level("WARNING", logger="shardwise"):
+        assert load(engine, str(tmp_path))[0].endswith("global_step0")
+    assert "locked by another job (host 'node-17'" in caplog.text

@@ -33,7 +33,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from shardwise.checkpoint import rotation, storage
+from shardwise.checkpoint import lock, rotation, storage
 from shardwise.checkpoint.optim_state import check_groups, groups_from_json, optim_targets
 from shardwise.checkpoint.rank_state import (
     rng_state,
@@ -83,6 +83,8 @@ def load_checkpoint(
         for step in steps:
             step()
     setattr(engine, LOADED_FROM, os.path.abspath(load_dir))
+    if engine.global_rank == 0:
+        lock.warn_if_held(load_dir)  # at the start of a job, not at its first save
     return path, client_state
 
 
@@ -106,12 +108,12 @@ def _agree(failure: BaseException | None) -> None:
 
 def _warn_nothing_to_load(load_dir: str) -> None:
     found = sorted(rotation.checkpoints(load_dir), key=lambda c: (c.step or 0, c.created))
-    held = ", ".join(c.tag for c in found[-5:])
+    held = ("... " if len(found) > 5 else "") + ", ".join(c.tag for c in found[-5:])
     logger.warning(
         "no 'latest' file in %s and no tag given: nothing loaded%s; pass tag= or save with "
         "save_latest=True",
         load_dir,
-        f" (it holds {len(found)} checkpoints: ... {held}; a save there from a fresh start "
+        f" (it holds {len(found)} checkpoints: {held}; a save there from a fresh start "
         "is refused, since it would mix two runs)"
         if found
         else "",

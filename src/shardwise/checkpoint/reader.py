@@ -33,6 +33,7 @@ from shardwise.checkpoint.safetensors_file import (
 from shardwise.checkpoint.state_codec import StateError, decode
 
 RANK_STATE_KEY = "shardwise.rank_state"
+_WINDOW = 64  # checksum chunks check() reads at a time
 Index = tuple[slice, ...] | slice | None
 
 
@@ -54,7 +55,8 @@ class CheckpointReader:
         }
         self._headers: dict[str, Header] = {}
         self._handles: dict[str, Any] = {}
-        self._verified: set[tuple[str, str]] = set()
+        self._verified: set[tuple[str, str, int]] = set()
+        self._scratch: torch.Tensor | None = None  # check()'s reading buffer
         for file, record in self.manifest["files"].items():
             self._headers[file] = self._check_file(file, record)
         for pieces in self._pieces.values():
@@ -173,21 +175,29 @@ class CheckpointReader:
 
     def check(self, piece: SavedPiece, lo: int, hi: int) -> None:
         """With ``verify``: check the checksum chunks holding elements [lo, hi) of ``piece``'s
-        stored tensor, reading them (at most 64 chunks at a time) and keeping nothing, so that
-        a later ``read`` of that range reads only what it returns (a load checks everything
-        before it assigns anything)."""
+        stored tensor not checked yet, reading them 64 at a time into one reused buffer, so
+        that a later ``read`` of that range reads only what it returns (a load checks
+        everything before it assigns anything)."""
         if not self.verify or lo >= hi:
             return
-        per_chunk = CRC_CHUNK // piece.dtype.itemsize
-        window = 64 * per_chunk
-        try:
-            for a in range(lo - lo % per_chunk, hi, window):
-                self._elements(piece.file, piece.key, piece.dtype, piece.crc32, a,
-                               min(a + window, hi))  # fmt: skip
-        except FormatError as e:
-            raise CheckpointError(
-                f"{os.path.join(self.path, piece.file)} {piece.key!r}: {e}"
-            ) from e
+        size = piece.dtype.itemsize
+        per_chunk = CRC_CHUNK // size
+        begin, end = self._headers[piece.file].entries[piece.key]["data_offsets"]
+        numel = (end - begin) // size
+        first, stop = lo // per_chunk, -(-hi // per_chunk)
+        if self._scratch is None:
+            self._scratch = torch.empty(_WINDOW * CRC_CHUNK, dtype=torch.uint8)
+        where = f"{os.path.join(self.path, piece.file)} tensor {piece.key!r}"
+        for c in range(first, stop, _WINDOW):
+            c1 = min(c + _WINDOW, stop)
+            if all((piece.file, piece.key, k) in self._verified for k in range(c, c1)):
+                continue
+            a, b = c * per_chunk, min(c1 * per_chunk, numel)
+            out = self._scratch[: (b - a) * size].view(piece.dtype)
+            try:
+                self._elements(piece.file, piece.key, piece.dtype, piece.crc32, a, b, out)
+            except FormatError as e:
+                raise CheckpointError(f"{where}: {e}") from e
 
     def rank_state(self, rank: int) -> dict:
         """What rank ``rank`` saved as its rank state, tensors restored."""
@@ -278,6 +288,7 @@ class CheckpointReader:
         for f in self._handles.values():
             f.close()
         self._handles.clear()
+        self._scratch = None
 
     def __enter__(self) -> CheckpointReader:
         return self

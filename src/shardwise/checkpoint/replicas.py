@@ -28,7 +28,7 @@ from typing import Any
 from shardwise.checkpoint import manifest as mf
 from shardwise.checkpoint.gather import all_gather_json
 from shardwise.checkpoint.pieces import Piece
-from shardwise.checkpoint.safetensors_file import _bytes_view, chunk_crcs
+from shardwise.checkpoint.safetensors_file import tensor_crcs
 
 logger = logging.getLogger("shardwise")
 
@@ -36,12 +36,19 @@ logger = logging.getLogger("shardwise")
 _KINDS = ("model/", "master/", "optim/")  # the order in which differing tensors are listed
 
 
+def _rank_of_kind(key: str) -> int:
+    kind = key.partition("/")[0] + "/"
+    return _KINDS.index(kind) if kind in _KINDS else len(_KINDS)
+
+
 class ReplicaMismatchError(RuntimeError):
     """Copies of one tensor differ between ranks; the message names the tensor and ranks."""
 
 
 def _key(name: str, box: Any, flat: Any) -> str:
-    return f"{name} box {[list(r) for r in box]}" + (f" flat {list(flat)}" if flat else "")
+    """``name[0:32, 0:16]``: the tensor and the box of its copy (`` flat a:b`` of a shard)."""
+    where = ", ".join(f"{a}:{b}" for a, b in box)
+    return f"{name}[{where}]" + (f" flat {flat[0]}:{flat[1]}" if flat else "")
 
 
 def records(pieces: list[Piece], only_unsaved: bool) -> list[list]:
@@ -54,7 +61,7 @@ def records(pieces: list[Piece], only_unsaved: bool) -> list[list]:
         stored = mf.stored_piece(p)
         if stored is not None:
             box, tensor = stored
-            out.append([_key(p.name, box, p.flat), chunk_crcs(_bytes_view(tensor))])
+            out.append([_key(p.name, box, p.flat), tensor_crcs(tensor)])
     return out
 
 
@@ -68,7 +75,7 @@ def disagreements(per_rank: list[list[list]]) -> str:
     bad = [(k, v) for k, v in values.items() if len(v) > 1]
     if not bad:
         return ""
-    bad.sort(key=lambda kv: _KINDS.index(kv[0].partition("/")[0] + "/"))  # model/ first
+    bad.sort(key=lambda kv: (_rank_of_kind(kv[0]), kv[0]))
     lines = [
         f"{key}: " + " vs ".join(f"ranks {ranks}" for ranks in v.values()) for key, v in bad[:4]
     ]
@@ -114,17 +121,17 @@ class ReplicaWatch:
         if not sync or not self.interval:
             return
         done, self.reductions = self.reductions, self.reductions + 1
-        if done and done % self.interval == 0 and _world(engine) > 1:
+        if done and done % self.interval == 0 and _world() > 1:
             check_engine(engine, f"replica check after {done} gradient reductions")
 
     def after_batch(self, engine: Any) -> None:
         """With a pipeline: every rank runs each train_batch together."""
         steps = engine.global_steps
-        if self.interval and steps % self.interval == 0 and _world(engine) > 1:
+        if self.interval and steps % self.interval == 0 and _world() > 1:
             check_engine(engine, f"replica check after step {steps}")
 
 
-def _world(engine: Any) -> int:
+def _world() -> int:
     from shardwise import comm
 
     return comm.get_world_size() if comm.is_initialized() else 1
