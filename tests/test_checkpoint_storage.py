@@ -26,6 +26,8 @@ from torch import nn
 
 from shardwise.checkpoint import reader as reader_module
 from shardwise.checkpoint.export import assemble, export_consolidated
+from shardwise.checkpoint.lock import LOCK
+from shardwise.checkpoint.manifest import seal
 from shardwise.checkpoint.pieces import Piece
 from shardwise.checkpoint.storage import (
     CheckpointError,
@@ -133,6 +135,11 @@ def save(save_dir: Path, world: int, tag: str = "global_step10", **kw) -> Path:
         pieces = [p for r in (0, 1) for p in rank_pieces(r) if p.save]
         return Path(save_pieces(str(save_dir), tag, pieces, rank_state(0), {"step": 10}, **kw))
     return Path(run_distributed(_save_rank, 2, str(save_dir), tag, **kw)[0])
+
+
+def visible(save_dir: Path) -> list[str]:
+    """The entries of ``save_dir`` a user sees (not the hidden lock and temporary names)."""
+    return sorted(n for n in os.listdir(save_dir) if not n.startswith("."))
 
 
 def assert_same(a, b, where):
@@ -296,7 +303,7 @@ def test_the_next_save_restores_a_tag_an_interrupted_overwrite_moved_aside(tmp_p
     save_pieces(str(tmp_path), "a", w, {}, {"step": 1})
     os.rename(tmp_path / "a", tmp_path / ".a.old-123")  # as a kill between the renames leaves it
     save_pieces(str(tmp_path), "b", w, {}, {"step": 2})
-    assert sorted(os.listdir(tmp_path)) == ["a", "b", "latest"], "the old 'a' was deleted"
+    assert visible(tmp_path) == ["a", "b", "latest"], "the old 'a' was deleted"
     with CheckpointReader(str(tmp_path / "a")) as r:
         assert r.meta == {"step": 1}
 
@@ -317,7 +324,7 @@ def test_a_rank_that_fails_fails_the_save_on_every_rank(tmp_path):
     messages = run_distributed(_save_with_a_bad_rank, 2, str(tmp_path))
     for rank, m in enumerate(messages):
         assert "rank 1" in m and "complex64" in m, f"rank {rank} got: {m}"
-    assert os.listdir(tmp_path) == [], "a failed save must leave nothing behind"
+    assert os.listdir(tmp_path) == [LOCK], "a failed save leaves nothing but the job's lock"
 
 
 def test_overwriting_a_tag_and_rotation(tmp_path):
@@ -325,11 +332,11 @@ def test_overwriting_a_tag_and_rotation(tmp_path):
     for step in range(1, 6):
         t = torch.full((3,), float(step))
         piece = Piece("model/w", (3,), ((0, 3),), None, t)
-        save_pieces(str(tmp_path), f"s{step}", [piece], {}, {"step": step}, keep_last=2)
+        save_pieces(str(tmp_path), f"s{step}", [piece], {}, {}, keep_last=2, step=step)
     save_pieces(
         str(tmp_path), "s5", [Piece("model/w", (3,), ((0, 3),), None, torch.ones(3))], {}, {}
     )
-    assert sorted(os.listdir(tmp_path)) == ["latest", "notes", "s4", "s5"]
+    assert visible(tmp_path) == ["latest", "notes", "s4", "s5"]
     with CheckpointReader(str(tmp_path / "s5")) as r:
         assert torch.equal(r.read(r.pieces("model/w")[0]), torch.ones(3)), "tag overwritten"
     for bad in ("../x", ".hidden", "latest", "a/b", ""):
@@ -399,7 +406,7 @@ def test_a_manifest_cannot_point_outside_the_checkpoint(two_rank_ckpt, tmp_path)
     ckpt = _damaged(two_rank_ckpt, tmp_path)
     m = json.loads((ckpt / "manifest.json").read_text())
     m["files"]["../../../etc/passwd"] = m["files"].pop("rank_00001.safetensors")
-    (ckpt / "manifest.json").write_text(json.dumps(m))
+    (ckpt / "manifest.json").write_text(json.dumps(seal(m)))  # a consistent forgery
     with pytest.raises(CheckpointError, match="malformed manifest.*rank_NNNNN"):
         CheckpointReader(str(ckpt))
 
@@ -427,7 +434,7 @@ def test_a_pickle_payload_is_never_run(two_rank_ckpt, tmp_path):
     )  # a torch.save zip where we expect safetensors
     m = json.loads((ckpt / "manifest.json").read_text())
     m["files"]["rank_00001.safetensors"]["size"] = rank1.stat().st_size  # a consistent forgery
-    (ckpt / "manifest.json").write_text(json.dumps(m))
+    (ckpt / "manifest.json").write_text(json.dumps(seal(m)))
     with pytest.raises(CheckpointError, match=r"rank_00001\.safetensors: .*not a safetensors file"):
         CheckpointReader(str(ckpt))
 

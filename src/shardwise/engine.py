@@ -33,8 +33,9 @@ import torch
 from torch import nn
 
 from shardwise import clip
+from shardwise.checkpoint.replicas import ReplicaWatch
 from shardwise.monitor import Monitor, progress_line
-from shardwise.precision import compute_dtype
+from shardwise.precision import LossScaler, compute_dtype
 
 logger = logging.getLogger("shardwise")
 
@@ -69,8 +70,6 @@ class Engine(nn.Module):
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
         self.strategy = strategy
-        from shardwise.precision import LossScaler
-
         self.scaler = scaler if scaler is not None else LossScaler()
         self.mesh = mesh
         self.config = config
@@ -87,6 +86,7 @@ class Engine(nn.Module):
         self._step_applied = True
         self._backwards = 0  # engine.backward calls since the last step()
         self.monitor = Monitor.for_engine(self)  # DeepSpeed's monitors, timers, profilers
+        self.replicas = ReplicaWatch(config.checkpoint.replica_check_interval)
 
     # ------------------------------------------------------------------ accessors (DeepSpeed's)
     def train_batch_size(self) -> int:
@@ -196,6 +196,7 @@ class Engine(nn.Module):
         scaled = loss / self.gradient_accumulation_steps() if scale_wrt_gas else loss
         if self.scaler.scale != 1.0:
             scaled = scaled * self.scaler.scale
+        self.replicas.before_backward(self, sync)  # replicas agree (replica_check_interval)
         with self.monitor.section("bwd"):
             self.strategy.before_backward(sync)
             with self.monitor.section("bwd_inner"):
@@ -296,6 +297,7 @@ class Engine(nn.Module):
         loss = self.batches.train_batch(self, data_iter)
         if self.pipeline is not None:
             self._write_events(loss.item())
+            self.replicas.after_batch(self)
         if self.mesh.rank == 0 and self.global_steps % self.steps_per_print() == 0:
             took = time.perf_counter() - start
             logger.info(

@@ -116,14 +116,16 @@ def export_consolidated(
 
 def inspect(path: str, tag: str | None = None, verify: bool = False) -> str:
     """A readable summary: tag, step and layout (meta), files, tensors with shapes and sizes.
-    ``verify`` also reads every tensor and checks its checksum."""
+    Opening checks the manifest (its checksum too); ``verify`` also reads every tensor and
+    checks its checksum."""
     with CheckpointReader(resolve(path, tag)) as r:
         m = r.manifest
         created = datetime.datetime.fromtimestamp(m["created"]).isoformat(timespec="seconds")
         versions = ", ".join(f"{k} {v}" for k, v in m["versions"].items())
         lines = [
             f"checkpoint {r.path}",
-            f"  tag {r.tag}, saved {created} by {r.world_size} ranks ({versions})",
+            f"  tag {r.tag}, step {m['step']}, saved {created} by {r.world_size} ranks "
+            f"({versions})",
         ]
         lines += [f"  {k}: {_short(v)}" for k, v in r.meta.items()]
         lines.append(f"files ({len(m['files'])}):")

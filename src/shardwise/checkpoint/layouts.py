@@ -20,8 +20,9 @@ replicas (every parameter in plain DP, model weights under ZeRO-1/2, persistent 
 ZeRO-3) by one data-parallel rank each, spread so that the ranks write as many bytes as one
 another (greedy, in model order: every replica computes the same choice, without
 communication; the model weights and the optimizer-side slots are balanced separately); a
-tensor-parallel-replicated parameter (placement.py) by tensor-parallel rank 0 only. Names are the user's ``named_parameters()`` (a tied parameter
-under its first name).
+tensor-parallel-replicated parameter (placement.py) by tensor-parallel rank 0 only; the other
+copies are compared with the saved one (replicas.py), buffers excepted. Names are the user's
+``named_parameters()`` (a tied parameter under its first name).
 """
 
 from __future__ import annotations
@@ -74,7 +75,9 @@ class Layout:
 
     def master_pieces(self) -> list[Piece]:
         return [
-            Piece(f"master/{s.name}", s.global_shape, s.box, s.flat, s.master, s.save, s.packed)
+            Piece(
+                f"master/{s.name}", s.global_shape, s.box, s.flat, s.master, s.save, packed=s.packed
+            )
             for s in self.slots
             if s.master is not None
         ]
@@ -126,12 +129,17 @@ def _whole_model(module: nn.Module, namer: _Namer, skip: set[int]) -> list[Piece
     tensors = list(module.named_parameters()) + [
         (n, b) for n, b in module.named_buffers() if n in persistent
     ]
+    params = {id(p) for p in module.parameters()}
     for name, t in tensors:
         if id(t) in skip:
             continue
         pl = get_placement(t)
         save = namer.offers(pl, True, t.numel(), "model")
-        out.append(Piece(f"model/{name}", pl.global_shape, pl.box, None, t.data, save, pl.packed))
+        # A buffer's copies may differ by design (BatchNorm statistics): not compared.
+        verify = id(t) in params
+        out.append(
+            Piece(f"model/{name}", pl.global_shape, pl.box, None, t.data, save, verify, pl.packed)
+        )
     return out
 
 
@@ -234,7 +242,15 @@ def _zero3(module: nn.Module, strategy: Any, mesh: Any) -> Layout:
         for s in unit_slots:  # the model shard covers exactly what the master shard does
             values = u.shard[s.offset : s.offset + s.flat[1] - s.flat[0]]
             model.append(
-                Piece(f"model/{s.name}", s.global_shape, s.box, s.flat, values, s.save, s.packed)
+                Piece(
+                    f"model/{s.name}",
+                    s.global_shape,
+                    s.box,
+                    s.flat,
+                    values,
+                    s.save,
+                    packed=s.packed,
+                )
             )
         slots += unit_slots
     return Layout(model + _whole_model(module, namer, managed), slots)

@@ -1,6 +1,6 @@
 """``manifest.json``: what a checkpoint holds, where, and the checksums to trust it.
 
-    {"format": "shardwise.checkpoint", "version": 1, "tag": "global_step10",
+    {"format": "shardwise.checkpoint", "version": 2, "tag": "global_step10", "step": 10,
      "created": 1700000000.0, "world_size": 2, "versions": {"torch": ..., ...},
      "meta": {...the caller's: layout, step, ...},
      "files": {"rank_00000.safetensors": {"rank": 0, "size": ..., "header_bytes": ...,
@@ -9,9 +9,19 @@
      "tensors": {"model/w": {"dtype": "float32", "global_shape": [8, 6],
                              "pieces": [{"box": [[0, 4], [0, 6]], "flat": null,
                                          "file": "rank_00000.safetensors", "key": "model/w",
-                                         "crc32": [...]}, ...]}, ...}}
+                                         "crc32": [...]}, ...]}, ...},
+     "manifest_crc32": 123456789}
 
 ``crc32`` lists the CRC-32 of each ``crc_chunk`` bytes of the stored tensor (safetensors_file).
+``step`` is the training step saved (null when the caller gave none): rotation and the check
+for checkpoints ahead of a run order by it. ``manifest_crc32`` is the CRC-32 of the manifest
+itself: of its canonical JSON (keys sorted, no spaces) without that key, so that the manifest
+is checked like the data (``seal``, ``parse``). Version 1 manifests (no ``step``, no
+``manifest_crc32``) are still read.
+
+``parse`` also checks that each tensor's pieces fit its global shape (a whole-box piece inside
+it, a flat range inside its box) and hold at least as many elements as the shape has: a
+``global_shape`` inflated by corruption or by hand is refused before anything is allocated.
 
 A piece is described as in ``pieces.py``. Whole-box pieces are stored cropped to the logical box
 (padding past ``global_shape`` is not written); flat pieces are stored as given, so a loader
@@ -23,6 +33,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import zlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,7 +48,9 @@ from shardwise.checkpoint.safetensors_file import (
 )
 
 FORMAT = "shardwise.checkpoint"
-VERSION = 1
+VERSION = 2
+READ_VERSIONS = (1, 2)  # 1: before ``step`` and ``manifest_crc32``
+CHECKSUM_KEY = "manifest_crc32"
 MANIFEST = "manifest.json"
 FILE_KEYS = ("rank", "size", "header_bytes", "header_crc32", "state_crc32")
 FILE_RE = re.compile(r"rank_\d{5}\.safetensors")
@@ -111,9 +124,11 @@ def piece_entry(p: Piece, box: tuple, key: str, crc: list[int]) -> dict[str, Any
     }
 
 
-def build(tag: str, meta: dict, infos: list[dict], created: float, versions: dict) -> dict:
-    """The manifest from every rank's file info; pieces of one name must agree on dtype and
-    global shape."""
+def build(
+    tag: str, meta: dict, infos: list[dict], created: float, versions: dict, step: int | None
+) -> dict:
+    """The manifest from every rank's file info, sealed (``seal``); pieces of one name must
+    agree on dtype and global shape."""
     files, tensors = {}, {}
     for info in infos:
         file = info["file"]
@@ -129,22 +144,37 @@ def build(tag: str, meta: dict, infos: list[dict], created: float, versions: dic
                     f"{e['global_shape']} but {first} as {t['dtype']} {t['global_shape']}"
                 )
             t["pieces"].append({k: e[k] for k in ("box", "flat", "key", "crc32")} | {"file": file})
-    return {
-        "format": FORMAT,
-        "version": VERSION,
-        "crc_chunk": CRC_CHUNK,
-        "tag": tag,
-        "created": created,
-        "world_size": len(infos),
-        "versions": versions,
-        "meta": meta,
-        "files": files,
-        "tensors": tensors,
-    }
+    return seal(
+        {
+            "format": FORMAT,
+            "version": VERSION,
+            "crc_chunk": CRC_CHUNK,
+            "tag": tag,
+            "step": step,
+            "created": created,
+            "world_size": len(infos),
+            "versions": versions,
+            "meta": meta,
+            "files": files,
+            "tensors": tensors,
+        }
+    )
 
 
-def parse(text: bytes, where: str) -> dict:
-    """Load and check a manifest's structure (JSON only); errors name ``where``."""
+def _checksum(m: dict) -> int:
+    body = {k: v for k, v in m.items() if k != CHECKSUM_KEY}
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=True)
+    return zlib.crc32(text.encode())
+
+
+def seal(m: dict) -> dict:
+    """``m`` with its ``manifest_crc32`` (the CRC-32 of its canonical JSON without that key)."""
+    return {**m, CHECKSUM_KEY: _checksum(m)}
+
+
+def parse(text: bytes, where: str, verify: bool = True) -> dict:
+    """Load and check a manifest (JSON only): its checksum (``verify``), its structure, and
+    that every tensor's pieces fit its global shape; errors name ``where``."""
     try:
         m = json.loads(text)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -153,13 +183,20 @@ def parse(text: bytes, where: str) -> dict:
         raise CheckpointError(
             f"{where}: not a shardwise checkpoint manifest (no format {FORMAT!r})"
         )
-    if m.get("version") != VERSION or m.get("crc_chunk") != CRC_CHUNK:
+    if m.get("version") not in READ_VERSIONS or m.get("crc_chunk") != CRC_CHUNK:
         raise CheckpointError(
             f"{where}: format version {m.get('version')!r} with checksums per "
-            f"{m.get('crc_chunk')!r} bytes; we read version {VERSION}, {CRC_CHUNK}"
+            f"{m.get('crc_chunk')!r} bytes; we read versions {READ_VERSIONS}, {CRC_CHUNK}"
+        )
+    if verify and m["version"] >= 2 and m.get(CHECKSUM_KEY) != _checksum(m):
+        raise CheckpointError(
+            f"{where}: manifest checksum mismatch ({CHECKSUM_KEY} {m.get(CHECKSUM_KEY)!r}, "
+            f"content {_checksum(m)}): the manifest was corrupted or edited after the save"
         )
     try:
         _check_files(m["files"], m["world_size"])
+        if m.setdefault("step", None) is not None and not isinstance(m["step"], int):
+            raise TypeError(f"step {m['step']!r} is not an integer")
         if not all(isinstance(m[k], dict) for k in ("meta", "files", "tensors", "versions")):
             raise TypeError("meta, files, tensors and versions must be JSON objects")
         for name in m["tensors"]:
@@ -197,16 +234,31 @@ def _crcs(value: Any) -> tuple[int, ...]:
 
 
 def pieces_of(m: dict, name: str) -> list[SavedPiece]:
-    """The saved pieces of tensor ``name`` (checked)."""
+    """The saved pieces of tensor ``name``, checked against its global shape: a whole-box piece
+    lies inside it, a flat range inside its box, and the pieces hold at least as many elements
+    as the shape has (an inflated shape is refused before anyone allocates it)."""
     t = m["tensors"][name]
     dtype = dtype_from_name(t["dtype"])
     shape = tuple(int(n) for n in t["global_shape"])
-    out = []
+    if any(n < 0 for n in shape) or not t["pieces"]:
+        raise ValueError(f"tensor {name!r}: global_shape {list(shape)} or no pieces")
+    out, held = [], 0
     for p in t["pieces"]:
         box = _ranges(p["box"])
         flat = None if p["flat"] is None else _ranges([p["flat"]])[0]
         if p["file"] not in m["files"] or len(box) != len(shape):
             raise ValueError(f"tensor {name!r}: piece {p!r} names an unknown file or bad box")
+        size = math.prod(b - a for a, b in box)
+        if flat is None and any(b > n for (_, b), n in zip(box, shape, strict=True)):
+            raise ValueError(f"tensor {name!r}: box {p['box']} exceeds global_shape {list(shape)}")
+        if flat is not None and flat[1] > size:
+            raise ValueError(f"tensor {name!r}: flat {p['flat']} exceeds its box {p['box']}")
+        held += size if flat is None else flat[1] - flat[0]
         crcs = _crcs(p["crc32"])
         out.append(SavedPiece(name, dtype, shape, box, flat, p["file"], str(p["key"]), crcs))
+    if held < math.prod(shape):
+        raise ValueError(
+            f"tensor {name!r}: global_shape {list(shape)} has {math.prod(shape)} elements, "
+            f"its pieces hold {held}"
+        )
     return out

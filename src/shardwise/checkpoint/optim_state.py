@@ -6,8 +6,8 @@ parameter groups (lr, betas, weight_decay, ...) go to the checkpoint's JSON meta
 
 Loaded into an optimizer whose state may still be empty (a fresh engine): the state of every
 owner is rebuilt with the keys the checkpoint holds (zeros shaped like the owner, 0-dim tensors
-of the saved dtype), then filled. An owner's old state is dropped first, so that a key the
-checkpoint lacks (a run saved before its first step) starts fresh as it would have.
+of the saved dtype), filled, then installed in place of the owner's old state, so that a key
+the checkpoint lacks (a run saved before its first step) starts fresh as it would have.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def _piece(key: str, slot: Slot, value: torch.Tensor) -> Piece:
         slot.flat,
         slot.part(value),
         slot.save,
-        slot.packed,
+        packed=slot.packed,
     )
 
 
@@ -91,15 +91,17 @@ def _state_tensor(old: Any, owner: torch.Tensor, dtype: torch.dtype | None) -> t
 def optim_targets(
     layout: Layout, optimizer: Any, reader: Any
 ) -> tuple[list[Piece], Callable[[], None]]:
-    """Rebuild the state of every owner with the checkpoint's keys; return the pieces to fill
-    and a function to call after filling (it folds the per-parameter 0-dim values)."""
+    """The pieces to fill, in a new state for every owner with the checkpoint's keys, and the
+    function that installs that state once filled (it also folds the per-parameter 0-dim
+    values). The optimizer is not changed until then (a load checks everything first)."""
     keys = _saved_keys(reader)
+    states = {}
     for owner in layout.owners():
-        old = optimizer.state.pop(owner, None) or {}
-        optimizer.state[owner] = {k: _state_tensor(old.get(k), owner, dt) for k, dt in keys.items()}
+        old = optimizer.state.get(owner) or {}
+        states[owner] = {k: _state_tensor(old.get(k), owner, dt) for k, dt in keys.items()}
     targets, scalars = [], []
     for slot in layout.slots:
-        state = optimizer.state[slot.owner]
+        state = states[slot.owner]
         for key, dt in keys.items():
             if dt is None:
                 targets.append(_piece(key, slot, state[key]))
@@ -108,14 +110,17 @@ def optim_targets(
                 targets.append(Piece(_name(key, slot), (), (), None, tmp))
                 scalars.append((state[key], tmp))
 
-    def finish() -> None:
+    def commit() -> None:
+        for owner, state in states.items():
+            optimizer.state.pop(owner, None)  # keys the checkpoint lacks start fresh
+            optimizer.state[owner] = state
         seen: dict[int, torch.Tensor] = {}
         for dest, tmp in scalars:  # the largest of the parameters sharing one owner
             if id(dest) not in seen or tmp > seen[id(dest)]:
                 seen[id(dest)] = tmp
                 dest.copy_(tmp)
 
-    return targets, finish
+    return targets, commit
 
 
 def groups_to_json(optimizer: Any) -> list[dict[str, Any]]:
@@ -133,14 +138,24 @@ def groups_to_json(optimizer: Any) -> list[dict[str, Any]]:
     return out
 
 
-def groups_from_json(optimizer: Any, saved: list[dict[str, Any]]) -> None:
-    """Restore the hyper-parameters, keeping each value's current type (tuple, tensor)."""
+def check_groups(optimizer: Any, saved: Any) -> None:
+    """Raise unless ``saved`` (the meta's param_groups) fits this optimizer's groups."""
+    if not isinstance(saved, list) or not all(isinstance(g, dict) for g in saved):
+        raise CheckpointError(
+            f"the checkpoint's param_groups is {type(saved).__name__}, not a list of objects: "
+            "the manifest is damaged (load_optimizer_states=False skips it)"
+        )
     if len(saved) != len(optimizer.param_groups):
         raise CheckpointError(
             f"the checkpoint's optimizer has {len(saved)} parameter groups, this one "
             f"{len(optimizer.param_groups)}: build the optimizer with the same groups, or pass "
             "load_optimizer_states=False"
         )
+
+
+def groups_from_json(optimizer: Any, saved: list[dict[str, Any]]) -> None:
+    """Restore the hyper-parameters, keeping each value's current type (tuple, tensor)."""
+    check_groups(optimizer, saved)
     for g, entry in zip(optimizer.param_groups, saved, strict=True):
         for k, v in entry.items():
             current = g.get(k)

@@ -22,7 +22,9 @@ tensor a local tensor holds, so that any other layout can find the parts it need
                   so checkpoints hold plain boxes only, whatever the layout
 
 Replicated copies (data-parallel ranks, TP-replicated norms) are offered by one rank only:
-the layout decides which (``save=True``).
+the layout decides which (``save=True``). The others' copies are compared with it at every save
+(replicas.py), unless ``verify_replicas=False`` (buffers: BatchNorm's running statistics are
+each rank's own).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ class Piece:
     flat: tuple[int, int] | None
     tensor: torch.Tensor
     save: bool = True
+    verify_replicas: bool = True
     packed: tuple[int, int] | None = None
 
     @property

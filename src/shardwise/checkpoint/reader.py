@@ -1,6 +1,7 @@
 """Open a checkpoint, check it, and read only the slices a rank needs.
 
-On open: manifest.json parses and is ours; every rank's file exists with the recorded size;
+On open: manifest.json parses, is ours and matches its own checksum (unless ``verify=False``),
+and its pieces fit their tensors' shapes (manifest.py); every rank's file exists with the recorded size;
 its header (which holds the rank state) matches its CRC-32 and lists every piece with the
 recorded dtype and shape. On read: the bytes of the slice asked (for a box piece: the rows of
 dim 0 it spans) and, with ``verify=True``, the rest of the 1 MiB checksum chunks they touch,
@@ -32,6 +33,7 @@ from shardwise.checkpoint.safetensors_file import (
 from shardwise.checkpoint.state_codec import StateError, decode
 
 RANK_STATE_KEY = "shardwise.rank_state"
+_WINDOW = 64  # checksum chunks check() reads at a time
 Index = tuple[slice, ...] | slice | None
 
 
@@ -47,13 +49,14 @@ class CheckpointReader:
                 f"{where} does not exist: {path} is not a checkpoint, or its save did not finish"
             )
         with open(where, "rb") as f:
-            self.manifest = mf.parse(f.read(), where)
+            self.manifest = mf.parse(f.read(), where, verify=verify)
         self._pieces = {
             name: mf.pieces_of(self.manifest, name) for name in self.manifest["tensors"]
         }
         self._headers: dict[str, Header] = {}
         self._handles: dict[str, Any] = {}
-        self._verified: set[tuple[str, str]] = set()
+        self._verified: set[tuple[str, str, int]] = set()
+        self._scratch: torch.Tensor | None = None  # check()'s reading buffer
         for file, record in self.manifest["files"].items():
             self._headers[file] = self._check_file(file, record)
         for pieces in self._pieces.values():
@@ -170,6 +173,32 @@ class CheckpointReader:
             return out
         return part
 
+    def check(self, piece: SavedPiece, lo: int, hi: int) -> None:
+        """With ``verify``: check the checksum chunks holding elements [lo, hi) of ``piece``'s
+        stored tensor not checked yet, reading them 64 at a time into one reused buffer, so
+        that a later ``read`` of that range reads only what it returns (a load checks
+        everything before it assigns anything)."""
+        if not self.verify or lo >= hi:
+            return
+        size = piece.dtype.itemsize
+        per_chunk = CRC_CHUNK // size
+        begin, end = self._headers[piece.file].entries[piece.key]["data_offsets"]
+        numel = (end - begin) // size
+        first, stop = lo // per_chunk, -(-hi // per_chunk)
+        if self._scratch is None:
+            self._scratch = torch.empty(_WINDOW * CRC_CHUNK, dtype=torch.uint8)
+        where = f"{os.path.join(self.path, piece.file)} tensor {piece.key!r}"
+        for c in range(first, stop, _WINDOW):
+            c1 = min(c + _WINDOW, stop)
+            if all((piece.file, piece.key, k) in self._verified for k in range(c, c1)):
+                continue
+            a, b = c * per_chunk, min(c1 * per_chunk, numel)
+            out = self._scratch[: (b - a) * size].view(piece.dtype)
+            try:
+                self._elements(piece.file, piece.key, piece.dtype, piece.crc32, a, b, out)
+            except FormatError as e:
+                raise CheckpointError(f"{where}: {e}") from e
+
     def rank_state(self, rank: int) -> dict:
         """What rank ``rank`` saved as its rank state, tensors restored."""
         file = rank_file(rank)
@@ -259,6 +288,7 @@ class CheckpointReader:
         for f in self._handles.values():
             f.close()
         self._handles.clear()
+        self._scratch = None
 
     def __enter__(self) -> CheckpointReader:
         return self

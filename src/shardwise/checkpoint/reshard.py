@@ -29,6 +29,12 @@ Which saved tensor feeds a target (``sources``): the same name, except
 
 Errors (strict): a name the checkpoint lacks, a global shape that differs ("incompatible
 model"), or an element of a target that no saved piece covers; each message names the tensor.
+
+Loading is all-or-nothing: ``plan`` finds every error above without reading or writing
+anything and returns the copies to make; ``check`` checks the checksums of every byte range
+they will read (``reader.check``); ``apply`` reads. A damaged checkpoint therefore fails
+before any target changes; only an I/O error in the middle of ``apply`` can leave targets
+partly filled. ``fill`` is the three in a row.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ import torch
 
 from shardwise.checkpoint.manifest import CheckpointError
 from shardwise.checkpoint.pieces import Piece
+from shardwise.checkpoint.sources import saved_aliases, sources  # noqa: F401 (re-exported)
 from shardwise.parallel.placement import packed_view
 
 Box = tuple[tuple[int, int], ...]
@@ -130,35 +137,62 @@ def _view(tensor: torch.Tensor, region: Region) -> torch.Tensor:
     return tensor.view(-1)[region.flat_offset : region.flat_offset + _numel(region.box)].view(shape)
 
 
-def _read(reader: Any, saved: Any, region: Region, part: Box, out: torch.Tensor) -> None:
-    """Read elements ``part`` (global box, inside ``region``) of a saved piece into ``out``
-    (shaped like ``part``; a view into the target), straight from the file when the layouts
-    agree (no intermediate copy)."""
-    if region.flat_offset is None:
-        reader.read(saved, _local(part, region.box), out=out)
-        return
-    d = region.split_dim
-    if not region.box:  # a scalar
-        out.copy_(reader.read(saved, slice(0, 1)).reshape(()))
-        return
-    # Read the contiguous range from part's first element to its last (exactly part when the
-    # layouts agree on the later dimensions), placed in the rows [j0, j1) of dimension d.
+@dataclass
+class Copy:
+    """Elements ``part`` (a global box inside ``region``) of saved piece ``saved`` go to
+    ``out`` (a view into the target, shaped like ``part``)."""
+
+    saved: Any
+    region: Region
+    part: Box
+    out: torch.Tensor
+
+    def span(self) -> tuple[int, int]:
+        """The elements [lo, hi) of the saved piece's stored tensor that the read touches."""
+        region, part = self.region, self.part
+        if not region.box:  # a scalar
+            return 0, 1
+        if region.flat_offset is None:  # the rows of dimension 0 that part spans
+            inner = _numel(region.box[1:])
+            return tuple((e - region.box[0][0]) * inner for e in part[0])
+        first, last = _first_last(region, part)
+        return region.flat_offset + first, region.flat_offset + last + 1
+
+    def read(self, reader: Any) -> None:
+        """Read the elements into ``out``, straight from the file when the layouts agree (no
+        intermediate copy)."""
+        region, part, out, saved = self.region, self.part, self.out, self.saved
+        if region.flat_offset is None:
+            reader.read(saved, _local(part, region.box), out=out)
+            return
+        if not region.box:  # a scalar
+            out.copy_(reader.read(saved, slice(0, 1)).reshape(()))
+            return
+        # Read the contiguous range from part's first element to its last (exactly part when
+        # the layouts agree on the later dimensions), placed in the rows [j0, j1) of dim d.
+        first, last = _first_last(region, part)
+        span = slice(*self.span())
+        if last + 1 - first == _numel(part):  # part is that range: no reshaping buffer
+            if out.is_contiguous():
+                reader.read(saved, span, out=out.view(-1))
+            else:
+                out.copy_(reader.read(saved, span).view(out.shape))
+            return
+        d, shape = region.split_dim, tuple(e - s for s, e in region.box)
+        inner = _numel(region.box[d + 1 :])
+        j0, j1 = part[d][0] - region.box[d][0], part[d][1] - region.box[d][0]
+        rows = torch.empty((j1 - j0) * inner, dtype=saved.dtype)
+        rows[first - j0 * inner : last + 1 - j0 * inner] = reader.read(saved, span)
+        rows = rows.view((1,) * d + (j1 - j0,) + shape[d + 1 :])
+        out.copy_(rows[(slice(None),) * (d + 1) + _local(part[d + 1 :], region.box[d + 1 :])])
+
+
+def _first_last(region: Region, part: Box) -> tuple[int, int]:
+    """Where ``part``'s first and last elements are in the row-major flattening of the box."""
     shape = tuple(e - s for s, e in region.box)
     first = _flat_index([s - o for (s, _), (o, _) in zip(part, region.box, strict=True)], shape)
     last = _flat_index([e - 1 - o for (_, e), (o, _) in zip(part, region.box, strict=True)], shape)
-    span = slice(region.flat_offset + first, region.flat_offset + last + 1)
-    if last + 1 - first == _numel(part):  # part is that range: no reshaping buffer
-        if out.is_contiguous():
-            reader.read(saved, span, out=out.view(-1))
-        else:
-            out.copy_(reader.read(saved, span).view(out.shape))
-        return
-    inner = _numel(region.box[d + 1 :])
-    j0, j1 = part[d][0] - region.box[d][0], part[d][1] - region.box[d][0]
-    rows = torch.empty((j1 - j0) * inner, dtype=saved.dtype)
-    rows[first - j0 * inner : last + 1 - j0 * inner] = reader.read(saved, span)
-    rows = rows.view((1,) * d + (j1 - j0,) + shape[d + 1 :])
-    out.copy_(rows[(slice(None),) * (d + 1) + _local(part[d + 1 :], region.box[d + 1 :])])
+    return first, last
 
 
 def _flat_index(index: list[int], shape: tuple[int, ...]) -> int:
@@ -166,29 +200,6 @@ def _flat_index(index: list[int], shape: tuple[int, ...]) -> int:
     for i, n in zip(index, shape, strict=True):
         flat = flat * n + i
     return flat
-
-
-def sources(target: Piece, aliases: dict[str, str] | None = None) -> list[str]:
-    """The saved names that may feed ``target``, preferred first (module docstring)."""
-    kind, _, param = target.name.partition("/")
-    if kind == "master":
-        names = [target.name, f"model/{param}"]
-    elif kind == "model" and target.tensor.dtype == torch.float32:
-        names = [f"master/{param}", target.name]
-    else:
-        names = [target.name]
-    for name in list(names):
-        head, _, param = name.rpartition("/")  # "optim/exp_avg/<p>": <p> is the last part
-        if aliases and param in aliases:
-            names.append(f"{head}/{aliases[param]}")
-    return names
-
-
-def saved_aliases(reader: Any) -> dict[str, str]:
-    """``{alias: saved name}`` the checkpoint records (none for a state dict)."""
-    meta = getattr(reader, "meta", None)
-    aliases = meta.get("aliases") if isinstance(meta, dict) else None
-    return dict(aliases) if isinstance(aliases, dict) else {}
 
 
 def plain_pieces(pieces: Iterable[Piece]) -> list[Piece]:
@@ -214,20 +225,21 @@ def plain_pieces(pieces: Iterable[Piece]) -> list[Piece]:
     return out
 
 
-def fill(
+def plan(
     reader: Any,
     targets: Iterable[Piece],
     strict: bool = True,
     optional: Callable[[str], bool] | None = None,
-) -> dict[str, str | None]:
-    """Fill every target piece's tensor from the checkpoint ``reader`` holds (in place).
+) -> tuple[list[Copy], dict[str, str | None]]:
+    """The copies that fill every target piece from the checkpoint ``reader`` holds, and per
+    target name the saved name it reads (None: absent, skipped). Reads and writes nothing;
+    raises every error a fill would (module docstring).
 
     ``optional(name)`` marks targets that may be absent from the checkpoint (left untouched).
-    ``strict=False`` skips absent names and uncovered elements instead of raising.
-    Returns, per target name, the saved name it was read from (None: absent, skipped).
-    """
+    ``strict=False`` skips absent names and uncovered elements instead of raising."""
     names, aliases = set(reader.names()), saved_aliases(reader)
     used: dict[str, str | None] = {}
+    copies: list[Copy] = []
     for target in plain_pieces(targets):
         wanted = sources(target, aliases)
         source = next((n for n in wanted if n in names), None)
@@ -241,11 +253,41 @@ def fill(
                     "optimizer states)"
                 )
             continue
-        _fill_one(reader, target, reader.pieces(source), source, strict)
+        copies += _plan_one(target, reader.pieces(source), source, strict)
+    return copies, used
+
+
+def check(reader: Any, copies: list[Copy]) -> None:
+    """Check the checksums of everything the copies will read (when the reader checks: a file
+    reader with ``verify``), reading it once and keeping nothing."""
+    check_range = getattr(reader, "check", None)
+    if check_range is not None:
+        for c in copies:
+            check_range(c.saved, *c.span())
+
+
+def apply(reader: Any, copies: list[Copy]) -> None:
+    """Make the copies (read into the targets)."""
+    with torch.no_grad():
+        for c in copies:
+            c.read(reader)
+
+
+def fill(
+    reader: Any,
+    targets: Iterable[Piece],
+    strict: bool = True,
+    optional: Callable[[str], bool] | None = None,
+) -> dict[str, str | None]:
+    """Fill every target piece's tensor (in place): ``plan``, ``check``, ``apply``. Returns,
+    per target name, the saved name it was read from (None: absent, skipped)."""
+    copies, used = plan(reader, targets, strict, optional)
+    check(reader, copies)
+    apply(reader, copies)
     return used
 
 
-def _fill_one(reader: Any, target: Piece, saved: list, source: str, strict: bool) -> None:
+def _plan_one(target: Piece, saved: list, source: str, strict: bool) -> list[Copy]:
     logical = tuple((0, n) for n in target.global_shape)
     for s in saved:
         if tuple(s.global_shape) != tuple(target.global_shape):
@@ -256,17 +298,20 @@ def _fill_one(reader: Any, target: Piece, saved: list, source: str, strict: bool
             )
     wanted = regions(target.box, target.flat)
     done: list[list[Box]] = [[] for _ in wanted]  # the parts read, per wanted region
-    with torch.no_grad():
-        for s in saved:
-            for sr in regions(s.box, s.flat):
-                for tr, parts in zip(wanted, done, strict=True):
-                    part = intersect(tr.box, sr.box, logical)
-                    if part is None:
-                        continue
-                    _read(reader, s, sr, part, out=_view(target.tensor, tr)[_local(part, tr.box)])
-                    parts.append(part)
+    copies = []
+    for s in saved:
+        for sr in regions(s.box, s.flat):
+            for tr, parts in zip(wanted, done, strict=True):
+                part = intersect(tr.box, sr.box, logical)
+                if part is None:
+                    continue
+                with torch.no_grad():  # a view of a parameter, written under no_grad
+                    out = _view(target.tensor, tr)[_local(part, tr.box)]
+                copies.append(Copy(s, sr, part, out))
+                parts.append(part)
     if strict:
         _check_covered(target, wanted, done, logical, source)
+    return copies
 
 
 def _check_covered(

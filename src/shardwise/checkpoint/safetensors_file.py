@@ -95,6 +95,11 @@ def chunk_crcs(view: memoryview) -> list[int]:
     return [zlib.crc32(view[i : i + CRC_CHUNK]) for i in range(0, max(len(view), 1), CRC_CHUNK)]
 
 
+def tensor_crcs(t: torch.Tensor) -> list[int]:
+    """``chunk_crcs`` of the bytes a file would store for ``t`` (what ``write_file`` records)."""
+    return chunk_crcs(_bytes_view(t))
+
+
 @dataclass
 class FileRecord:
     """What the manifest keeps about a written file."""

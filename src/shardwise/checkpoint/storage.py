@@ -5,13 +5,18 @@
     <save_dir>/<tag>/rank_00000.safetensors, rank_00001.safetensors, ...
 
 A save, collective over ``group``:
+  0. rank 0 takes the directory's lock (lock.py: one job per save directory) and refuses a
+     directory holding checkpoints of later steps than ``step`` unless ``allow_newer``
+     (rotation.py); the outcome is broadcast, so every rank stops before writing anything;
   1. every rank writes ``rank_{r:05d}.safetensors`` (its pieces, one key each, and its rank
      state) into the hidden ``<save_dir>/.<tag>.tmp-<nonce>/`` and fsyncs it;
-  2. the file records (size, CRC-32s, pieces) are all-gathered as JSON bytes: this is also the
-     barrier after which every file is on disk (a rank that failed sends its error instead);
-  3. rank 0 writes manifest.json, fsyncs it and the directory, renames the directory to
-     ``<tag>`` (an existing ``<tag>`` is renamed away first, then deleted), then replaces
-     ``latest`` through a temporary file; then rotation (``keep_last``);
+  2. the file records (size, CRC-32s, pieces, and the CRC-32s of the replicated copies the
+     rank did not write) are all-gathered as JSON bytes: this is also the barrier after which
+     every file is on disk (a rank that failed sends its error instead);
+  3. rank 0 checks that replicated copies agree (replicas.py), writes manifest.json, fsyncs it
+     and the directory, renames the directory to ``<tag>`` (an existing ``<tag>`` is renamed
+     away first, then deleted), then replaces ``latest`` through a temporary file; then
+     rotation (``keep_last``, by step: rotation.py);
   4. rank 0 broadcasts the outcome, so every rank returns (or raises) together.
 A process killed at any point before the rename leaves only a hidden directory: the previous
 checkpoint and ``latest`` are untouched. Killed between the two renames of an overwrite, it
@@ -32,10 +37,13 @@ from typing import Any
 import torch
 
 from shardwise import comm
+from shardwise.checkpoint import lock, replicas, rotation
 from shardwise.checkpoint import manifest as mf
+from shardwise.checkpoint.gather import all_gather_json, broadcast_json, shared_nonce
 from shardwise.checkpoint.manifest import CheckpointError, rank_file
 from shardwise.checkpoint.pieces import Piece
 from shardwise.checkpoint.reader import CheckpointReader  # noqa: F401 - part of this API
+from shardwise.checkpoint.rotation import rotate  # noqa: F401 - part of this API
 from shardwise.checkpoint.safetensors_file import FormatError, write_tensors
 from shardwise.checkpoint.state_codec import StateError, encode
 
@@ -57,19 +65,31 @@ def save_pieces(
     save_latest: bool = True,
     keep_last: int | None = None,
     tag_validation: str = "Warn",
+    step: int | None = None,
+    allow_newer: bool = False,
 ) -> str:
     """Save this rank's ``pieces`` (those with ``save=True``) and ``rank_state``; rank 0's
     ``meta`` goes in the manifest. Collective over ``group``; returns ``<save_dir>/<tag>``.
 
     The checkpoint is saved under rank 0's ``tag``; ``tag_validation`` (DeepSpeed's config key)
     says what a rank passing another tag does: "Fail" raises on every rank, "Warn" logs it on
-    rank 0, "Ignore" says nothing."""
+    rank 0, "Ignore" says nothing. ``step`` (the training step, recorded in the manifest)
+    orders rotation (``keep_last``, which needs it) and refuses a directory holding later
+    steps unless ``allow_newer`` (rotation.py)."""
     tag = _agreed_tag(tag, tag_validation, group, save_dir)
     check_tag(tag)
     if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
         raise CheckpointError(f"keep_last={keep_last!r}: give a number of checkpoints >= 1")
+    if keep_last is not None and step is None:
+        raise CheckpointError(
+            "keep_last needs the step of the checkpoint (step=...): rotation keeps the highest"
+        )
     rank = comm.get_rank(group)
-    tmp = os.path.join(save_dir, f".{tag}.tmp-{_shared_nonce(group)}")
+    status = _prepare(save_dir, tag, step, allow_newer) if rank == 0 else ""
+    status = broadcast_json(status, group)
+    if status:
+        raise CheckpointError(f"checkpoint {tag!r} in {save_dir} not saved: {status}")
+    tmp = os.path.join(save_dir, f".{tag}.tmp-{shared_nonce(group)}")
     try:
         os.makedirs(tmp, exist_ok=True)
         info = _write_rank_file(tmp, rank, pieces, rank_state)
@@ -78,17 +98,29 @@ def save_pieces(
         info = {"error": f"rank {rank}: {type(e).__name__}: {e}"}
     else:
         failure = None
-    infos = _all_gather_json(info, group)
+    infos = all_gather_json(info, group)
     status = ""
     if rank == 0:
         try:
-            status = _publish(save_dir, tag, tmp, infos, meta, save_latest, keep_last)
+            status = _publish(save_dir, tag, tmp, infos, meta, save_latest, keep_last, step)
         except Exception as e:  # noqa: BLE001 - reported to every rank just below
             status = f"{type(e).__name__}: {e}"
-    status = _broadcast_json(status, group)
+    status = broadcast_json(status, group)
     if status:
         raise CheckpointError(f"checkpoint {tag!r} in {save_dir} not saved: {status}") from failure
     return os.path.join(save_dir, tag)
+
+
+def _prepare(save_dir: str, tag: str, step: int | None, allow_newer: bool) -> str:
+    """Rank 0, before anyone writes: the directory's lock, and no newer checkpoints there
+    (unless ``allow_newer``). '' when the save may go on, else why not."""
+    try:
+        lock.acquire(save_dir)
+        if step is not None and not allow_newer:
+            rotation.refuse_newer(save_dir, tag, step)
+    except (CheckpointError, OSError) as e:
+        return str(e)
+    return ""
 
 
 def _agreed_tag(tag: str, mode: str, group: Any, save_dir: str = "") -> str:
@@ -99,7 +131,7 @@ def _agreed_tag(tag: str, mode: str, group: Any, save_dir: str = "") -> str:
         raise CheckpointError(f'tag_validation={mode!r}: use "Warn", "Ignore" or "Fail"')
     if comm.get_world_size(group) == 1:
         return tag
-    pairs = _all_gather_json([tag, os.path.abspath(save_dir)], group)
+    pairs = all_gather_json([tag, os.path.abspath(save_dir)], group)
     tags, dirs = [t for t, _ in pairs], [d for _, d in pairs]
     odd = next((r for r, d in enumerate(dirs) if d != dirs[0]), None)
     if odd is not None:
@@ -163,6 +195,7 @@ def _write_rank_file(tmp: str, rank: int, pieces: list[Piece], rank_state: dict)
         "header_crc32": record.header_crc32,
         "state_crc32": {key: record.crc32[key] for key in tensors},
         "pieces": [mf.piece_entry(p, box, key, record.crc32[key]) for p, box, key in entries],
+        "replicas": replicas.records(pieces, only_unsaved=True),
     }
 
 
@@ -174,14 +207,20 @@ def _publish(
     meta: dict,
     save_latest: bool,
     keep_last: int | None,
+    step: int | None,
 ) -> str:
-    """Rank 0: manifest, rename into place, ``latest``, rotation. '' on success, else why."""
+    """Rank 0: replicas agree, manifest, rename into place, ``latest``, rotation. '' on
+    success, else why (nothing published then)."""
     errors = [i["error"] for i in infos if "error" in i]
+    if not errors:
+        errors = [e for e in [replicas.disagreements_in_save(infos)] if e]
     if errors:
         shutil.rmtree(tmp, ignore_errors=True)
-        return "; ".join(errors)
+        return "; ".join(errors) + " (nothing was written: the previous checkpoints are intact)"
+    for info in infos:
+        del info["replicas"]
     try:
-        manifest = mf.build(tag, meta, infos, time.time(), _versions())
+        manifest = mf.build(tag, meta, infos, time.time(), _versions(), step)
         text = json.dumps(manifest, indent=1).encode()
     except (TypeError, ValueError) as e:  # meta not JSON-able, or pieces that disagree
         shutil.rmtree(tmp, ignore_errors=True)
@@ -203,7 +242,7 @@ def _publish(
         os.replace(latest_tmp, os.path.join(save_dir, LATEST))
         _fsync_dir(save_dir)
     if keep_last is not None:
-        rotate(save_dir, keep_last, keep=tag)
+        rotation.rotate(save_dir, keep_last, step, keep=tag)
     _remove_leftovers(save_dir)
     return ""
 
@@ -245,31 +284,6 @@ def recover(save_dir: str, tag: str) -> bool:
                 pass
             break
     return os.path.exists(final)
-
-
-def rotate(save_dir: str, keep_last: int, keep: str | None = None) -> list[str]:
-    """Delete all but the ``keep_last`` newest complete shardwise checkpoints in ``save_dir``
-    (never ``keep`` nor the one ``latest`` names); return the deleted tags."""
-    protected = {keep, latest_tag(save_dir)}
-    found = []
-    for name in os.listdir(save_dir):
-        path = os.path.join(save_dir, name, mf.MANIFEST)
-        if name.startswith(".") or not os.path.isfile(path):
-            continue
-        try:
-            with open(path, "rb") as f:
-                created = mf.parse(f.read(), path)["created"]
-        except (OSError, CheckpointError):
-            continue  # not ours or not complete: never delete it
-        found.append((float(created), name))
-    found.sort()
-    doomed = [name for _, name in found[: max(0, len(found) - keep_last)] if name not in protected]
-    for name in doomed:
-        # Rename first: a deletion cut short must not leave a visible, half-empty checkpoint.
-        hidden = os.path.join(save_dir, f".{name}.deleting-{os.getpid()}")
-        os.rename(os.path.join(save_dir, name), hidden)
-        shutil.rmtree(hidden, ignore_errors=True)
-    return doomed
 
 
 def latest_tag(load_dir: str) -> str | None:
@@ -340,32 +354,3 @@ def _fsync_dir(path: str) -> None:
         pass
     finally:
         os.close(fd)
-
-
-def _shared_nonce(group: Any) -> int:
-    """A random number, the same on every rank (rank 0's), naming the temporary directory."""
-    nonce = torch.randint(0, 2**62, (1,), generator=torch.Generator().manual_seed(time.time_ns()))
-    comm.broadcast(nonce, src=comm.get_global_rank(group, 0), group=group)
-    return int(nonce.item())
-
-
-def _all_gather_json(obj: Any, group: Any) -> list[Any]:
-    """Every rank's ``obj``, in rank order, sent as JSON bytes (never pickle)."""
-    data = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
-    n = comm.get_world_size(group)
-    size = torch.tensor([data.numel()], dtype=torch.int64)
-    sizes = [torch.zeros_like(size) for _ in range(n)]
-    comm.all_gather(sizes, size, group=group)
-    longest = int(max(s.item() for s in sizes))
-    padded = torch.zeros(longest, dtype=torch.uint8)
-    padded[: data.numel()] = data
-    out = [torch.empty_like(padded) for _ in range(n)]
-    comm.all_gather(out, padded, group=group)
-    return [json.loads(bytes(o[: int(s.item())].numpy())) for o, s in zip(out, sizes, strict=True)]
-
-
-def _broadcast_json(obj: Any, group: Any) -> Any:
-    """Rank 0's ``obj`` on every rank (as JSON bytes)."""
-    if comm.get_world_size(group) == 1:
-        return obj
-    return _all_gather_json(obj, group)[0]

@@ -1,4 +1,5 @@
-"""The ``checkpoint`` block: DeepSpeed's checkpoint keys, plus ``keep_last`` (shardwise's own).
+"""The ``checkpoint`` block: DeepSpeed's checkpoint keys, plus shardwise's own: ``keep_last``,
+``verify``, ``overwrite_newer`` and ``replica_check_interval`` (docs/reliability.md).
 
 DeepSpeed's keys and what they mean here:
 
@@ -41,10 +42,15 @@ class ParallelWriteConfig:
 class CheckpointConfig:
     """``"checkpoint": {"keep_last": 3}``: rotation and DeepSpeed's checkpoint keys (module doc).
 
-    ``keep_last``: after each save, delete all but the ``keep_last`` newest complete checkpoints
-    of the save directory (never the one just written nor the one ``latest`` names); null keeps
-    everything, as DeepSpeed does. ``verify``: ``load_checkpoint`` checks the CRC-32 of every
-    chunk it reads (false: sizes and headers only, about twice as fast from the page cache).
+    ``keep_last``: after each save, delete all but the ``keep_last`` checkpoints of the highest
+    steps at or below the one just written (never one of a later step, nor the one ``latest``
+    names); null keeps everything, as DeepSpeed does. ``verify``: ``load_checkpoint`` checks the
+    manifest's checksum and the CRC-32 of every chunk it reads, before it changes anything
+    (false: sizes and headers only, about twice as fast from the page cache).
+    ``overwrite_newer``: save even into a directory that holds checkpoints of later steps than
+    the run (refused otherwise, unless the engine loaded a checkpoint of that directory).
+    ``replica_check_interval``: every N optimizer steps, compare the copies of every
+    replicated tensor across the ranks and raise if they differ (null: only at each save).
     """
 
     EXAMPLE: ClassVar[str] = '{"keep_last": 3}'
@@ -54,6 +60,8 @@ class CheckpointConfig:
 
     keep_last: int | None = spec(None, ge=1)
     verify: bool = True
+    overwrite_newer: bool = False
+    replica_check_interval: int | None = spec(None, ge=1)
     tag_validation: str = "Warn"
     load_universal: bool = False
     use_node_local_storage: bool = False
