@@ -114,7 +114,7 @@ def test_packed_pieces_cut_into_plain_boxes_rebuild_the_whole_tensor(cuts):
         local = _local_packed(full, 1, rank, 6, 3).reshape(-1)
         box = packed_split_box((8, 12), 1, 3, rank, 2)
         for a, b in zip(cuts, cuts[1:], strict=False):
-            pieces.append(Piece("model/w", (8, 12), box, (a, b), local[a:b], True, (1, 3)))
+            pieces.append(Piece("model/w", (8, 12), box, (a, b), local[a:b], packed=(1, 3)))
     reader = PieceReader(plain_pieces(pieces))
     out = torch.zeros(8, 12)
     fill(reader, [Piece("model/w", (8, 12), ((0, 8), (0, 12)), None, out)])
