@@ -18,19 +18,15 @@ from shardwise import comm
 
 
 def data_or_loader(engine: Any, data_iter: Iterator | None) -> Iterator:
-    """``data_iter``, else an endless iterator over the loader given to ``initialize`` (kept
-    on the engine as ``_data_iter``, so that a checkpoint can resume its position)."""
+    """``data_iter``, else the endless iterator of the loader given to ``initialize`` (the
+    loader owns it and its position, so that a checkpoint resumes it)."""
     if data_iter is not None:
         return data_iter
     if engine.training_dataloader is None:
         from shardwise.engine import EngineError
 
         raise EngineError("train_batch() needs data_iter, or training_data given to initialize()")
-    if getattr(engine, "_data_iter", None) is None:
-        from shardwise.data import RepeatingLoader
-
-        engine._data_iter = iter(RepeatingLoader(engine.training_dataloader))
-    return engine._data_iter
+    return engine.training_dataloader.repeating()
 
 
 def loss_of(engine: Any, batch: Any) -> torch.Tensor:

@@ -292,6 +292,14 @@ class DistributedDataLoader:
         self.batch_sampler = batch_sampler
         self.collate_fn = collate_fn
         self.num_workers = num_workers
+        self._running: RepeatingLoader | None = None
+
+    def repeating(self) -> RepeatingLoader:
+        """The endless iterator ``train_batch`` draws from, one per loader: its position is
+        this loader's (``state_dict``), so a checkpoint resumes it."""
+        if self._running is None:
+            self._running = RepeatingLoader(self)
+        return self._running
 
     @property
     def epoch(self) -> int:
@@ -332,6 +340,7 @@ class DistributedDataLoader:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.batch_sampler.load_state_dict(state)
+        self._running = None  # the next repeating() starts at the resumed position
 
 
 def build_dataloader(

@@ -2,14 +2,9 @@
 
 The engine itself holds no parallelism logic. It owns the step bookkeeping (micro steps,
 accumulation boundary, global steps, skipped steps) and delegates to a gradient strategy
-``self.strategy`` (plain data parallelism, or ZeRO), which provides:
-
-    before_backward(sync) / after_backward(sync)   reduce gradients (sync = boundary)
-    owned_grads(), norm_group                      the pieces of the global gradient norm
-    step(optimizer, coef)                          the update, gradients scaled by coef
-    zero_grad(), consolidated_state_dict(module)
-
-to ``self.batches`` for whole batches (``train_batch`` / ``eval_batch``: batches.MicroBatchLoop,
+``self.strategy`` (parallel/strategy.py: ``GradientStrategy``, the whole contract, and
+parallel/strategies.py: the table that picks one from the config), ``self.batches``
+for whole batches (``train_batch`` / ``eval_batch``: batches.MicroBatchLoop,
 or the pipeline's runner, which also makes ``forward/backward/step`` refuse), and to
 ``self.scaler`` (precision.LossScaler) for fp16's loss scale. The update:
 
@@ -27,15 +22,21 @@ import logging
 import math
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from shardwise import clip
 from shardwise.checkpoint.replicas import ReplicaWatch
+from shardwise.counters import CounterField, TrainingCounters
+from shardwise.engine_accessors import ConfigAccessors
 from shardwise.monitor import Monitor, progress_line
 from shardwise.precision import LossScaler, compute_dtype
+
+if TYPE_CHECKING:  # annotations only
+    from shardwise.parallel.strategy import GradientStrategy
+    from shardwise.topology import ProcessMesh
 
 logger = logging.getLogger("shardwise")
 
@@ -44,16 +45,20 @@ class EngineError(RuntimeError):
     """A call the engine cannot honour in its current state; the message says what to do."""
 
 
-class Engine(nn.Module):
+class Engine(ConfigAccessors, nn.Module):
     """Wraps a model; ``engine(*inputs)`` runs it, ``backward``/``step`` train it."""
+
+    # DeepSpeed's counter names, views of ``self.counters`` (counters.py)
+    micro_steps, global_steps = CounterField(), CounterField()
+    global_samples, skipped_steps = CounterField(), CounterField()
 
     def __init__(
         self,
         module: nn.Module,
         optimizer: torch.optim.Optimizer | None,
         lr_scheduler: Any,
-        strategy: Any,
-        mesh: Any,
+        strategy: GradientStrategy,
+        mesh: ProcessMesh,
         config: Any,
         batch: Any,
         training_dataloader: Any = None,
@@ -76,10 +81,7 @@ class Engine(nn.Module):
         self.batch = batch
         self.training_dataloader = training_dataloader
         self.loss_fn = loss_fn
-        self.global_steps = 0
-        self.global_samples = 0
-        self.micro_steps = 0
-        self.skipped_steps = 0
+        self.counters = TrainingCounters()  # saved and loaded whole by checkpoints
         self._boundary_override: bool | None = None
         self._in_no_sync = False
         self._global_grad_norm: float | None = None
@@ -89,30 +91,6 @@ class Engine(nn.Module):
         self.replicas = ReplicaWatch(config.checkpoint.replica_check_interval)
 
     # ------------------------------------------------------------------ accessors (DeepSpeed's)
-    def train_batch_size(self) -> int:
-        return self.batch.train_batch_size
-
-    def train_micro_batch_size_per_gpu(self) -> int:
-        return self.batch.micro_batch_size
-
-    def gradient_accumulation_steps(self) -> int:
-        return self.batch.gradient_accumulation_steps
-
-    def gradient_clipping(self) -> float:
-        return self.config.gradient_clipping
-
-    def steps_per_print(self) -> int:
-        return self.config.steps_per_print
-
-    def zero_optimization_stage(self) -> int:
-        return self.config.zero_optimization.stage
-
-    def fp16_enabled(self) -> bool:
-        return self.config.fp16.enabled
-
-    def bfloat16_enabled(self) -> bool:
-        return self.config.bf16.enabled
-
     def get_lr(self) -> list[float]:
         return [g["lr"] for g in self.optimizer.param_groups] if self.optimizer else []
 
@@ -225,11 +203,12 @@ class Engine(nn.Module):
             return
         self._backwards = 0
         if self.is_gradient_accumulation_boundary():
-            self._take_model_step(lr_kwargs)
+            self.apply_update(lr_kwargs)
         self.micro_steps += 1
         self._boundary_override = None
 
-    def _take_model_step(self, lr_kwargs: dict | None) -> None:
+    def apply_update(self, lr_kwargs: dict | None = None) -> None:
+        """The update at an accumulation boundary (engine.step's, and the pipeline's)."""
         with self.monitor.section("step"):
             self._update(lr_kwargs)
         self.monitor.after_step(self)  # events, the steps_per_print lines, the flops profile
@@ -249,7 +228,6 @@ class Engine(nn.Module):
         overflow = not math.isfinite(norm)
         self._step_applied = not overflow
         if overflow:
-            self.skipped_steps += 1
             logger.info(
                 "step %d: gradient overflow, skipped (loss scale %g)", self.global_steps, scale
             )
@@ -261,8 +239,7 @@ class Engine(nn.Module):
                 self.lr_scheduler.step(**(lr_kwargs or {}))
         self.scaler.update(overflow)
         self.zero_grad()
-        self.global_steps += 1
-        self.global_samples += self.train_batch_size()
+        self.counters.count_update(self.train_batch_size(), skipped=overflow)
 
     def _write_events(self, loss: float | None = None) -> None:
         scale = self.scaler.scale if self.config.fp16.enabled else None
@@ -276,7 +253,7 @@ class Engine(nn.Module):
         """Backward inside this block accumulates locally and communicates nothing."""
         if self._in_no_sync:
             raise EngineError("engine.no_sync() is already active: it does not nest")
-        if not getattr(self.strategy, "supports_no_sync", True):
+        if not self.strategy.supports_no_sync:
             raise EngineError(
                 "no_sync is incompatible with gradient partitioning (ZeRO stage >= 2): every "
                 "micro-step must reduce-scatter; use gradient_accumulation_steps instead"
@@ -382,6 +359,10 @@ class Engine(nn.Module):
         from shardwise.checkpoint import engine_state
 
         engine_state.load_module_state_dict(self, checkpoint, strict)
+
+    def destroy(self) -> None:
+        """DeepSpeed's: take the engine's hooks off the model, so another engine can train it."""
+        self.strategy.close()
 
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes this rank holds in parameters, gradients, optimizer states (master weights

@@ -23,17 +23,17 @@ from shardwise import comm
 from shardwise.config import Config, ConfigError, parse_config
 from shardwise.engine import Engine
 from shardwise.parallel import remap
-from shardwise.parallel.data import DataParallelReducer, LocalGradients, broadcast_parameters
+from shardwise.parallel.data import broadcast_parameters
 from shardwise.parallel.hf_styles import decoder_sequence_parallel
-from shardwise.parallel.zero import ZeroStrategy
-from shardwise.precision import LossScaler, compute_dtype, fp16_master, master_dtype
+from shardwise.parallel.strategies import build_strategy
+from shardwise.parallel.strategy import StrategyContext
+from shardwise.precision import LossScaler, compute_dtype, fp16_master
 from shardwise.topology import ProcessMesh, Topology
 
 logger = logging.getLogger("shardwise")
 
 # Without an explicit reduce_bucket_size we pick buckets small enough to overlap with
 # backward (DeepSpeed's 5e8-element default would make one bucket of any model we test).
-DEFAULT_BUCKET_ELEMENTS = 2**22
 
 
 def initialize(
@@ -85,11 +85,11 @@ def initialize(
     model.to(compute_dtype(cfg))
     opt = _build_optimizer(cfg, model, optimizer, params)
     isolate = runner.tied.all_params() if runner is not None else []
-    strategy = _build_strategy(cfg, model, opt, mesh, isolate)
-    strategy.norm_skip = _counted_elsewhere(model, mesh)
-    if runner is not None:
-        runner.attach(strategy)
-    if opt is not None and getattr(strategy, "optimizer", None) is not None:
+    skip = _counted_elsewhere(model, mesh)
+    if runner is not None:  # tied copies count once, on the first stage holding them
+        skip |= frozenset(runner.tied.counted_elsewhere)
+    strategy = build_strategy(StrategyContext(cfg, model, opt, mesh, isolate, skip))
+    if opt is not None and strategy.optimizer is not None:
         opt = strategy.optimizer  # rebuilt over the master shards
     sched = _build_scheduler(cfg, opt, lr_scheduler)
     loader = _build_loader(cfg, training_data, batch, mesh, collate_fn)
@@ -115,50 +115,6 @@ def _config_source(args: Any, config: Any, config_params: Any) -> Any:
 def _build_mesh(cfg: Config, stages: int) -> ProcessMesh:
     topo = Topology.build(comm.get_world_size(), pp=stages, tp=cfg.tensor_parallel.size)
     return ProcessMesh.create(topo)
-
-
-def _build_strategy(
-    cfg: Config, model: nn.Module, opt: Any, mesh: ProcessMesh, isolate: list | None = None
-) -> Any:
-    """Plain data parallelism for fp32 stage 0; ZeRO-3 for stage 3; the sharded optimizer
-    (stages 1-2, and 16-bit stage 0) for everything else. ``isolate``: parameters that get a
-    bucket each (tied across pipeline stages: their shards must line up on every stage)."""
-    zero = cfg.zero_optimization
-    offload = zero.offload_optimizer
-    device = torch.device(offload.device) if offload is not None else None
-    bucket = _bucket_elements(cfg)
-    if zero.stage != 3 and any(p.is_meta or hasattr(p, "ds_tensor") for p in model.parameters()):
-        raise ConfigError(
-            f"zero_optimization.stage={zero.stage}: the model was built under "
-            "shardwise.zero.Init() or on the meta device, and only ZeRO stage 3 trains it "
-            'without whole parameters: set "stage": 3',
-            key="zero_optimization.stage",
-        )
-    if zero.stage == 0 and compute_dtype(cfg) == torch.float32 and device is None:
-        if mesh.topology.dp == 1:
-            return LocalGradients(model.parameters())
-        return DataParallelReducer(model.parameters(), group=mesh.dp_group, bucket_elements=bucket)
-    if opt is None:
-        raise ConfigError(
-            f"zero_optimization.stage={zero.stage} and 16-bit training keep the master weights "
-            'in the optimizer: give an "optimizer" block or pass optimizer= to initialize',
-            key="optimizer",
-        )
-    if zero.stage == 3:
-        from shardwise.parallel.zero3 import Zero3Strategy
-
-        return Zero3Strategy.from_config(
-            model, opt, zero, group=mesh.dp_group, offload_device=device
-        )
-    return ZeroStrategy(
-        opt,
-        zero.stage,
-        group=mesh.dp_group,
-        bucket_elements=bucket,
-        offload_device=device,
-        isolate=isolate or (),
-        master_dtype=master_dtype(cfg, opt),
-    )
 
 
 def _apply_tensor_parallel(
@@ -337,13 +293,6 @@ def _build_scheduler(cfg: Config, opt: Any, lr_scheduler: Any) -> Any:
     from shardwise.lr_schedules import build_scheduler
 
     return build_scheduler(cfg.scheduler, opt)
-
-
-def _bucket_elements(cfg: Config) -> int:
-    elements = DEFAULT_BUCKET_ELEMENTS
-    if "reduce_bucket_size" in cfg.raw.get("zero_optimization", {}):
-        elements = int(cfg.zero_optimization.reduce_bucket_size) or DEFAULT_BUCKET_ELEMENTS
-    return elements
 
 
 def _build_loader(

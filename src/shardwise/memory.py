@@ -51,8 +51,7 @@ def default_tensors(module: torch.nn.Module, optimizer: Any) -> dict[str, list[t
 def breakdown(module: torch.nn.Module, optimizer: Any, strategy: Any) -> dict[str, int]:
     """``{"params", "grads", "optimizer", "comm_buffers", "total"}`` in bytes, this rank."""
     tensors = default_tensors(module, optimizer)
-    if hasattr(strategy, "memory_tensors"):
-        tensors.update(strategy.memory_tensors())
+    tensors.update(strategy.memory_tensors())
     seen: set = set()
     out = {kind: _bytes(tensors.get(kind, []), seen) for kind in KINDS}
     out["total"] = sum(out.values())

@@ -42,10 +42,11 @@ from shardwise.checkpoint.rank_state import (
     source_rank,
 )
 from shardwise.checkpoint.reshard import CheckpointError, apply, check, plan
+from shardwise.counters import TrainingCounters
 
 logger = logging.getLogger("shardwise")
 
-COUNTERS = ("global_steps", "global_samples", "skipped_steps", "micro_steps")
+COUNTERS = TrainingCounters.names()
 LOADED_FROM = "_checkpoint_loaded_from"  # engine attribute: the save directory last loaded
 
 
@@ -155,11 +156,7 @@ def _check(
             raise _bad(reader, "lr_scheduler", sched, "a scheduler state dict")
         later.append(lambda: _load_scheduler(engine, sched))
 
-    def set_counters() -> None:
-        for k, v in counters.items():
-            setattr(engine, k, v)
-
-    later.append(set_counters)
+    later.append(lambda: engine.counters.load_state_dict(counters))
     data = shared.get("data")
     if data is not None and not isinstance(data, dict):
         raise _bad(reader, "data", data, "a data loader state dict")

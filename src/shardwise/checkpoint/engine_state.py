@@ -120,7 +120,7 @@ def _meta(engine: Any) -> dict[str, Any]:
             "zero_stage": engine.zero_optimization_stage(),
             "dtype": str(compute_dtype(engine.config)).removeprefix("torch."),
         },
-        "counters": {k: int(getattr(engine, k)) for k in COUNTERS},
+        "counters": engine.counters.state_dict(),
         "loss_scaler": engine.scaler.state_dict(),
         "param_groups": groups_to_json(opt) if opt is not None else None,
     }

@@ -36,6 +36,8 @@ from torch import nn
 
 from shardwise.checkpoint.pieces import Piece
 from shardwise.checkpoint.reshard import CheckpointError
+from shardwise.parallel.flat import FlatLayout
+from shardwise.parallel.masters import shares_storage  # noqa: F401 (re-exported)
 from shardwise.parallel.placement import Placement, get_placement
 
 Box = tuple[tuple[int, int], ...]
@@ -143,8 +145,9 @@ def _whole_model(module: nn.Module, namer: _Namer, skip: set[int]) -> list[Piece
     return out
 
 
-def _replicated(module: nn.Module, optimizer: Any, mesh: Any) -> Layout:
-    """LocalGradients, DataParallelReducer: whole parameters, the user's optimizer over them."""
+def replicated_layout(module: nn.Module, optimizer: Any, mesh: Any) -> Layout:
+    """Whole parameters on every data rank, the user's optimizer over them (plain data
+    parallelism): each parameter and its states are offered by one data rank."""
     namer = _Namer(module, mesh)
     slots = []
     if optimizer is not None:
@@ -154,6 +157,40 @@ def _replicated(module: nn.Module, optimizer: Any, mesh: Any) -> Layout:
                 name, save = namer.name(p), namer.offers(pl, True, p.numel(), "slot")
                 slots.append(Slot(name, pl.global_shape, pl.box, None, p, 0, None, save, pl.packed))
     return Layout(_whole_model(module, namer, set()), slots)
+
+
+@dataclass
+class FlatShard:
+    """This rank's shard ``part`` of one flat buffer (parallel/flat.py) whose optimizer state
+    lives on ``master``. ``model``: the shard of the parameters themselves when they are
+    sharded too (ZeRO-3), else None (whole parameters in the module). ``replicated``: every
+    data rank holds the same shard (one part: 16-bit stage 0, a persistent ZeRO-3 unit)."""
+
+    layout: FlatLayout
+    part: int
+    master: torch.Tensor
+    separate: bool  # the master is its own storage (16-bit or offloaded), saved as "master/"
+    replicated: bool
+    model: torch.Tensor | None = None
+
+
+def flat_layout(module: nn.Module, mesh: Any, shards: list[FlatShard]) -> Layout:
+    """ZeRO: masters and states as flat shards of each buffer; the parameters as flat shards
+    too where ``model`` is given, whole otherwise."""
+    namer = _Namer(module, mesh)
+    model, slots, managed = [], [], set()
+    for sh in shards:
+        lay = sh.layout
+        found = _flat_slots(namer, lay, sh.part, sh.master, sh.separate, sh.replicated)
+        if sh.model is not None:
+            managed.update(id(p) for p in lay.params)
+            for s in found:  # the model shard covers exactly what the master shard does
+                values = sh.model[s.offset : s.offset + s.flat[1] - s.flat[0]]
+                piece = Piece(f"model/{s.name}", s.global_shape, s.box, s.flat, values, s.save)
+                piece.packed = s.packed
+                model.append(piece)
+        slots += found
+    return Layout(model + _whole_model(module, namer, managed), slots)
 
 
 def _overlaps(
@@ -170,109 +207,26 @@ def _overlaps(
 
 def _flat_slots(
     namer: _Namer,
-    params: list,
-    shapes: list,
-    offsets: list[int],
-    shard: int,
+    lay: FlatLayout,
     part: int,
     master: torch.Tensor,
     separate: bool,
     replicated_over_dp: bool,
 ) -> list[Slot]:
-    """Slots of the parameters overlapping shard ``part`` (of ``shard`` elements) of a flat
-    buffer, whose optimizer state lives on ``master`` (this rank's shard)."""
+    """Slots of the parameters overlapping shard ``part`` of a flat buffer laid out by ``lay``,
+    whose optimizer state lives on ``master`` (this rank's shard)."""
     out = []
-    numels = [math.prod(s) for s in shapes]
-    lo = part * shard
-    for i, start, at, n in _overlaps(offsets, numels, lo, lo + shard):
-        pl = _placement(params[i], tuple(shapes[i]))
+    numels = [math.prod(s) for s in lay.shapes]
+    lo = part * lay.shard_numel
+    for i, start, at, n in _overlaps(lay.offsets, numels, lo, lo + lay.shard_numel):
+        pl = _placement(lay.params[i], tuple(lay.shapes[i]))
         values = master.detach()[at : at + n] if separate else None
-        name, save = namer.name(params[i]), namer.offers(pl, replicated_over_dp, n, "slot")
+        name, save = namer.name(lay.params[i]), namer.offers(pl, replicated_over_dp, n, "slot")
         flat = (start, start + n)
         out.append(Slot(name, pl.global_shape, pl.box, flat, master, at, values, save, pl.packed))
     return out
 
 
-def _shares(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-
-
-def _zero12(module: nn.Module, strategy: Any, mesh: Any) -> Layout:
-    """ZeroStrategy (stages 1-2, 16-bit stage 0): whole model weights on every rank, fp32
-    masters and states as flat shards of each bucket (one shard when stage 0)."""
-    namer = _Namer(module, mesh)
-    part = strategy.rank if strategy.parts > 1 else 0
-    slots = []
-    for b in strategy.buckets:
-        lay = b.layout
-        slots += _flat_slots(
-            namer,
-            lay.params,
-            [p.shape for p in lay.params],
-            lay.offsets,
-            lay.shard_numel,
-            part,
-            b.master,
-            not _shares(b.master, b.params_flat),
-            strategy.parts == 1,
-        )
-    return Layout(_whole_model(module, namer, set()), slots)
-
-
-def _zero3(module: nn.Module, strategy: Any, mesh: Any) -> Layout:
-    """Zero3Strategy: parameters, masters and states all flat shards of each unit (persistent
-    units: one whole shard, replicated over DP); parameters outside the units whole."""
-    namer = _Namer(module, mesh)
-    model, slots, managed = [], [], set()
-    for u in strategy.units:
-        lay = u.layout
-        managed.update(id(p) for p in lay.params)
-        part = 0 if u.persistent else strategy.rank
-        unit_slots = _flat_slots(
-            namer,
-            lay.params,
-            lay.shapes,
-            lay.offsets,
-            lay.shard_numel,
-            part,
-            u.master,
-            not _shares(u.master, u.shard),
-            u.persistent,
-        )
-        for s in unit_slots:  # the model shard covers exactly what the master shard does
-            values = u.shard[s.offset : s.offset + s.flat[1] - s.flat[0]]
-            model.append(
-                Piece(
-                    f"model/{s.name}",
-                    s.global_shape,
-                    s.box,
-                    s.flat,
-                    values,
-                    s.save,
-                    packed=s.packed,
-                )
-            )
-        slots += unit_slots
-    return Layout(model + _whole_model(module, namer, managed), slots)
-
-
 def layout_of(module: nn.Module, optimizer: Any, strategy: Any, mesh: Any) -> Layout:
-    """The pieces this rank holds under ``strategy`` (a strategy may describe itself with a
-    ``checkpoint_layout(module, optimizer, mesh)`` method: new layouts plug in there)."""
-    own = getattr(strategy, "checkpoint_layout", None)
-    if own is not None:
-        return own(module, optimizer, mesh)
-    from shardwise.parallel.data import DataParallelReducer, LocalGradients
-    from shardwise.parallel.zero import ZeroStrategy
-    from shardwise.parallel.zero3 import Zero3Strategy
-
-    if isinstance(strategy, (LocalGradients, DataParallelReducer)):
-        return _replicated(module, optimizer, mesh)
-    if isinstance(strategy, ZeroStrategy):
-        return _zero12(module, strategy, mesh)
-    if isinstance(strategy, Zero3Strategy):
-        return _zero3(module, strategy, mesh)
-    raise CheckpointError(
-        f"no checkpoint layout for the gradient strategy {type(strategy).__name__}: give it a "
-        "checkpoint_layout(module, optimizer, mesh) method (see checkpoint/layouts.py)"
-    )
+    """The pieces this rank holds under ``strategy``: its ``checkpoint_layout`` (strategy.py)."""
+    return strategy.checkpoint_layout(module, optimizer, mesh)

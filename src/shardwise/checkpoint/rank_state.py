@@ -68,15 +68,11 @@ def data_state(engine: Any) -> dict[str, Any] | None:
 
 
 def set_data_state(engine: Any, state: dict[str, Any] | None) -> None:
-    """Resume the training loader, and the engine's running iterator over it if any."""
+    """Resume the training loader (its running iterator restarts at the resumed position)."""
     loader = engine.training_dataloader
     if state is None or loader is None or not hasattr(loader, "load_state_dict"):
         return
-    running = getattr(engine, "_data_iter", None)
-    if running is not None and hasattr(running, "load_state_dict"):
-        running.load_state_dict(state)  # restarts its iteration at the resumed position
-    else:
-        loader.load_state_dict(state)
+    loader.load_state_dict(state)
 
 
 def source_rank(rank: int, saved_world_size: int) -> int:

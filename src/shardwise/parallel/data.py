@@ -30,7 +30,9 @@ from typing import Any
 import torch
 
 from shardwise import clip, comm
+from shardwise.checkpoint.layouts import Layout, replicated_layout
 from shardwise.parallel.flat import FlatLayout, plan_buckets
+from shardwise.parallel.strategy import StrategyContext, bucket_elements, plain_precision
 
 
 @dataclass
@@ -50,14 +52,17 @@ class DataParallelReducer:
 
     # Every rank ends the step with the same full gradient: the norm needs no communication.
     norm_group = clip.LOCAL
-    norm_skip: frozenset[int] = frozenset()
+    supports_no_sync = True
+    optimizer = None  # the user's optimizer steps the user's parameters
 
     def __init__(
         self,
         params: Iterable[torch.nn.Parameter],
         group: Any = None,
         bucket_elements: int = 2**22,
+        norm_skip: frozenset[int] = frozenset(),
     ) -> None:
+        self.norm_skip = norm_skip
         self.group = group
         self.world = comm.get_world_size(group)
         # True only inside the engine's boundary backward: a backward through this model run
@@ -166,10 +171,22 @@ class DataParallelReducer:
     def consolidated_state_dict(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:
         return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
 
-    def remove_hooks(self) -> None:
+    def close(self) -> None:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+
+    @classmethod
+    def accepts(cls, ctx: StrategyContext) -> bool:
+        return plain_precision(ctx) and ctx.mesh.topology.dp > 1
+
+    @classmethod
+    def from_context(cls, ctx: StrategyContext) -> DataParallelReducer:
+        params, group = ctx.model.parameters(), ctx.mesh.dp_group
+        return cls(params, group, bucket_elements(ctx.config), ctx.norm_skip)
+
+    def checkpoint_layout(self, module: torch.nn.Module, optimizer: Any, mesh: Any) -> Layout:
+        return replicated_layout(module, optimizer, mesh)
 
 
 def broadcast_parameters(module: torch.nn.Module, src: int, group: Any = None) -> None:
@@ -188,10 +205,31 @@ class LocalGradients:
     """
 
     norm_group = clip.LOCAL
-    norm_skip: frozenset[int] = frozenset()
+    supports_no_sync = True
+    optimizer = None  # the user's optimizer steps the user's parameters
 
-    def __init__(self, params: Iterable[torch.nn.Parameter]) -> None:
+    def __init__(
+        self, params: Iterable[torch.nn.Parameter], norm_skip: frozenset[int] = frozenset()
+    ) -> None:
         self.params = [p for p in params if p.requires_grad]
+        self.norm_skip = norm_skip
+
+    @classmethod
+    def accepts(cls, ctx: StrategyContext) -> bool:
+        return plain_precision(ctx) and ctx.mesh.topology.dp == 1
+
+    @classmethod
+    def from_context(cls, ctx: StrategyContext) -> LocalGradients:
+        return cls(ctx.model.parameters(), ctx.norm_skip)
+
+    def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
+        return {}  # the module's parameters and gradients, the optimizer's state: the defaults
+
+    def checkpoint_layout(self, module: torch.nn.Module, optimizer: Any, mesh: Any) -> Layout:
+        return replicated_layout(module, optimizer, mesh)
+
+    def close(self) -> None:
+        pass  # no hooks
 
     def before_backward(self, sync: bool) -> None:
         pass

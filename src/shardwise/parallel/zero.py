@@ -29,7 +29,6 @@ compute exactly what they compute unsharded.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,7 +36,16 @@ from typing import Any
 import torch
 
 from shardwise import clip, comm
+from shardwise.checkpoint.layouts import FlatShard, Layout, flat_layout
 from shardwise.parallel.flat import FlatLayout, plan_buckets
+from shardwise.parallel.masters import rebuild_optimizer, shares_storage
+from shardwise.parallel.strategy import (
+    StrategyContext,
+    bucket_elements,
+    offload_device,
+    require_optimizer,
+)
+from shardwise.precision import master_dtype
 
 _IN_FLIGHT = 2  # stage 2: reduce-scatters in flight before the oldest is waited for
 
@@ -58,8 +66,6 @@ class _Bucket:
 class ZeroStrategy:
     """The engine's gradient strategy for ZeRO stages 1-2 (and 16-bit stage 0)."""
 
-    norm_skip: frozenset[int] = frozenset()
-
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
@@ -69,12 +75,14 @@ class ZeroStrategy:
         offload_device: torch.device | None = None,
         isolate: Sequence[torch.nn.Parameter] = (),
         master_dtype: torch.dtype = torch.float32,
+        norm_skip: frozenset[int] = frozenset(),
     ) -> None:
         """``isolate``: parameters that get a bucket each, laid out alike on every rank that
         holds them (a weight tied across pipeline stages: shard r covers the same elements
         on each stage, so the stages can sum their shards; see ``reduced_grads``).
         ``master_dtype``: fp16 under ``fp16_master_weights_and_grads`` (precision.py)."""
         self.stage = stage
+        self.norm_skip = norm_skip
         self.master_dtype = master_dtype
         self.group = group
         self.world = comm.get_world_size(group)
@@ -100,7 +108,7 @@ class ZeroStrategy:
         )
         self.buckets = [self._make_bucket(lay) for lay in layouts]
         self._slot = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.layout.params)}
-        self.optimizer = _rebuild_optimizer(optimizer, self.buckets, group_of)
+        self.optimizer = rebuild_optimizer(optimizer, self.buckets, group_of)
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._on_grad)
             for b in self.buckets
@@ -288,7 +296,7 @@ class ZeroStrategy:
         ]
         # A master that is a view of the parameters (fp32, no offload) costs nothing extra.
         masters = [
-            b.master.data for b in self.buckets if not _shares_storage(b.master, b.params_flat)
+            b.master.data for b in self.buckets if not shares_storage(b.master, b.params_flat)
         ]
         grads = [b.grads_flat for b in self.buckets if b.grads_flat is not None and self.stage < 2]
         grads += [
@@ -305,20 +313,41 @@ class ZeroStrategy:
 
     supports_no_sync = property(lambda self: self.stage < 2)
 
+    @classmethod
+    def accepts(cls, ctx: StrategyContext) -> bool:
+        return True  # stages 1-2, and stage 0 in 16 bits or offloaded: the last of the table
 
-def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+    @classmethod
+    def from_context(cls, ctx: StrategyContext) -> ZeroStrategy:
+        cfg, opt = ctx.config, require_optimizer(ctx)
+        return cls(
+            opt,
+            cfg.zero_optimization.stage,
+            group=ctx.mesh.dp_group,
+            bucket_elements=bucket_elements(cfg),
+            offload_device=offload_device(cfg),
+            isolate=ctx.isolate,
+            master_dtype=master_dtype(cfg, opt),
+            norm_skip=ctx.norm_skip,
+        )
 
+    def checkpoint_layout(self, module: torch.nn.Module, optimizer: Any, mesh: Any) -> Layout:
+        """Whole model weights on every rank; masters and states as this rank's flat shard of
+        each bucket (the one shard, replicated, at stage 0)."""
+        part = self.rank if self.parts > 1 else 0
+        shards = [
+            FlatShard(
+                b.layout,
+                part,
+                b.master,
+                not shares_storage(b.master, b.params_flat),
+                self.parts == 1,
+            )
+            for b in self.buckets
+        ]
+        return flat_layout(module, mesh, shards)
 
-def _rebuild_optimizer(
-    optimizer: torch.optim.Optimizer, buckets: list[_Bucket], group_of: dict[int, int]
-) -> torch.optim.Optimizer:
-    """The same optimizer class and hyper-parameters, over this rank's master shards."""
-    groups = []
-    for gi, g in enumerate(optimizer.param_groups):
-        masters = [b.master for b in buckets if group_of[id(b.layout.params[0])] == gi]
-        groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": masters})
-    # Every hyper-parameter travels in the groups; the constructor only needs the ones it takes.
-    accepted = inspect.signature(type(optimizer).__init__).parameters
-    defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
-    return type(optimizer)(groups, **defaults)
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()

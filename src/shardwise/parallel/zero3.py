@@ -52,8 +52,10 @@ import torch
 from torch import nn
 
 from shardwise import clip, comm
+from shardwise.checkpoint.layouts import FlatShard, Layout, flat_layout
 from shardwise.parallel.flat import FlatLayout
-from shardwise.parallel.zero import _rebuild_optimizer, _shares_storage
+from shardwise.parallel.masters import rebuild_optimizer, shares_storage
+from shardwise.parallel.strategy import StrategyContext, offload_device, require_optimizer
 from shardwise.parallel.zero3_hooks import LiveCount, Scheduler, Unit
 from shardwise.zero import full_value, is_partitioned, materialize_meta, sync_rng, unpartition
 
@@ -62,6 +64,38 @@ class Zero3Strategy:
     """The engine's gradient strategy for ZeRO stage 3 (see engine.py for the protocol)."""
 
     supports_no_sync = False  # every micro-step must reduce-scatter: parameters are released
+    norm_skip: frozenset[int] = frozenset()  # TP with ZeRO-3 is refused: nobody else counts
+
+    @classmethod
+    def accepts(cls, ctx: StrategyContext) -> bool:
+        return ctx.config.zero_optimization.stage == 3
+
+    @classmethod
+    def from_context(cls, ctx: StrategyContext) -> Zero3Strategy:
+        opt, zero = require_optimizer(ctx), ctx.config.zero_optimization
+        device = offload_device(ctx.config)
+        return cls.from_config(ctx.model, opt, zero, ctx.mesh.dp_group, device)
+
+    def checkpoint_layout(self, module: nn.Module, optimizer: Any, mesh: Any) -> Layout:
+        """Parameters, masters and states all flat shards of each unit (a persistent unit:
+        one whole shard, replicated over DP); parameters outside the units whole."""
+        shards = [
+            FlatShard(
+                u.layout,
+                0 if u.persistent else self.rank,
+                u.master,
+                not shares_storage(u.master, u.shard),
+                u.persistent,
+                model=u.shard,
+            )
+            for u in self.units
+        ]
+        return flat_layout(module, mesh, shards)
+
+    def close(self) -> None:
+        for h in self.scheduler.handles:
+            h.remove()
+        self.scheduler.handles.clear()
 
     def __init__(
         self,
@@ -92,7 +126,7 @@ class Zero3Strategy:
             torch.set_rng_state(own_rng)
         for u in self.units:
             u.master = self._master(u.shard)
-        self.optimizer = _rebuild_optimizer(optimizer, self.units, group_of)
+        self.optimizer = rebuild_optimizer(optimizer, self.units, group_of)
         self.scheduler = Scheduler(
             module, units_of, self.units, self.world, prefetch_elements, max_live
         )
@@ -212,6 +246,15 @@ class Zero3Strategy:
             out += [u.grad_shard for u in self.units if u.persistent and u.grad_shard is not None]
         return out
 
+    def reduced_grads(self, p: nn.Parameter) -> list[torch.Tensor]:
+        """After the reduction: views of the part of ``p``'s gradient this rank's shard holds."""
+        u = p._shardwise_unit
+        i = next(j for j, q in enumerate(u.layout.params) if q is p)
+        if u.grad_shard is None:
+            return []
+        part = 0 if u.persistent else self.rank
+        return [u.grad_shard[at : at + n] for j, _, at, n in u.layout.overlaps(part) if j == i]
+
     def step(self, optimizer: Any, coef: float) -> None:
         """Step the fp32 master shards with gradients * coef; write them into the parameter
         shards. No communication: the next forward gathers the new values."""
@@ -261,7 +304,7 @@ class Zero3Strategy:
         opt_state = [
             t for s in self.optimizer.state.values() for t in s.values() if torch.is_tensor(t)
         ]
-        masters = [u.master.data for u in self.units if not _shares_storage(u.master, u.shard)]
+        masters = [u.master.data for u in self.units if not shares_storage(u.master, u.shard)]
         managed = {id(p) for u in self.units for p in u.params}
         frozen = [p.data for p in self.module.parameters() if id(p) not in managed]
         grads = [u.grad_shard for u in self.units if u.grad_shard is not None]

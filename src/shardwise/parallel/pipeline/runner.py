@@ -102,11 +102,6 @@ class PipelineRunner:
     def is_last_stage(self) -> bool:
         return self.stage_id == self.stages - 1
 
-    def attach(self, strategy: Any) -> None:
-        """Count tied copies once in the gradient norm (on the first stage holding them)."""
-        skip = frozenset(getattr(strategy, "norm_skip", frozenset()))
-        strategy.norm_skip = skip | frozenset(self.tied.counted_elsewhere)
-
     # ------------------------------------------------------------------ measuring
     def track_activations(self, enabled: bool = True) -> None:
         """Book the activations each forward stores (``peak_activation_bytes``); costs a
@@ -138,7 +133,7 @@ class PipelineRunner:
 
         def step() -> None:
             self.executor.wait_sends()  # nothing this stage sent may change under the update
-            engine._take_model_step(None)
+            engine.apply_update()
 
         record = self.executor.run(
             program,
@@ -152,7 +147,7 @@ class PipelineRunner:
                 Op.OPTIMIZER_STEP: step,
             },
         )
-        engine.micro_steps += m
+        engine.counters.micro_steps += m  # the schedule ran m micro-batches
         return self._mean_loss(record.losses)
 
     def eval_batch(

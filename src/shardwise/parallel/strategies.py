@@ -1,0 +1,33 @@
+"""The table from a configuration to its gradient strategy (strategy.py states the contract).
+
+The first class whose ``accepts(ctx)`` holds is built with ``from_context(ctx)``; the order
+makes the choice: one data rank in plain fp32 needs no reduction at all, several need the
+bucketed all-reduce, stage 3 shards parameters, and every other case (stages 1-2, 16-bit or
+offloaded stage 0) keeps fp32 master shards.
+"""
+
+from __future__ import annotations
+
+from shardwise.config.errors import ConfigError
+from shardwise.parallel.data import DataParallelReducer, LocalGradients
+from shardwise.parallel.strategy import GradientStrategy, StrategyContext
+from shardwise.parallel.zero import ZeroStrategy
+from shardwise.parallel.zero3 import Zero3Strategy
+
+STRATEGIES: tuple[type, ...] = (LocalGradients, DataParallelReducer, Zero3Strategy, ZeroStrategy)
+
+
+def build_strategy(ctx: StrategyContext) -> GradientStrategy:
+    """The first strategy of ``STRATEGIES`` that accepts ``ctx``, built from it."""
+    stage = ctx.config.zero_optimization.stage
+    if stage != 3 and any(p.is_meta or hasattr(p, "ds_tensor") for p in ctx.model.parameters()):
+        raise ConfigError(
+            f"zero_optimization.stage={stage}: the model was built under "
+            "shardwise.zero.Init() or on the meta device, and only ZeRO stage 3 trains it "
+            'without whole parameters: set "stage": 3',
+            key="zero_optimization.stage",
+        )
+    for cls in STRATEGIES:
+        if cls.accepts(ctx):
+            return cls.from_context(ctx)
+    raise AssertionError("ZeroStrategy accepts every configuration")  # the table ends with it
