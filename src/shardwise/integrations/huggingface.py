@@ -105,17 +105,19 @@ def _layers_of(model: nn.Module) -> Layers:
 
 
 def _refuse_masked_lm(model: nn.Module) -> None:
-    """A masked LM (BERT) is no causal LM, and does not fit a pipeline of whole HF modules."""
+    """A masked LM (BERT) is no causal LM, and its head does not fit TiedLayerSpec (why: the
+    error below and docs/huggingface.md)."""
     if "MaskedLM" not in type(model).__name__:
         return
     raise ValueError(
-        f"causal_lm_pipeline: {type(model).__name__} is a masked LM, not a causal LM, and no "
-        "pipeline builder takes it: its padding mask would have to travel with the hidden "
-        "states through every layer, and its tied word embedding sits inside composite modules "
-        "on both ends (the embeddings block with positions, token types and LayerNorm; the MLM "
-        "head with its transform and its own bias), which one TiedLayerSpec cannot share "
-        "under the model's names. Train it with data parallelism or ZeRO (every layout of "
-        "docs/huggingface.md), or build its PipelineModule by hand (docs/pipeline.md)"
+        f"causal_lm_pipeline: {type(model).__name__} is a masked LM, not a causal LM, and "
+        "shardwise has no pipeline builder for it: its MLM head is tied twice, the decoder's "
+        "weight to the word embeddings and the decoder's bias to a parameter of the head's "
+        "parent module (cls.predictions.bias), which a TiedLayerSpec (one shared module per "
+        "key, under each layer's name) cannot hold under the model's names; and its padding "
+        "attention mask would have to travel with the hidden states between stages. Train it "
+        "with data parallelism or ZeRO (every layout of docs/huggingface.md), or build its "
+        "PipelineModule by hand (docs/pipeline.md)"
     )
 
 
