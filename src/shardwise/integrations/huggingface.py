@@ -1,47 +1,50 @@
 """A Hugging Face decoder as a pipeline: ``causal_lm_pipeline(model, num_stages)``.
 
-A Llama-style ``*ForCausalLM`` (Llama, Mistral, Qwen2, ...: ``model.embed_tokens``,
-``model.layers[i]``, ``model.norm``, ``model.rotary_emb``, ``lm_head``) becomes a
-``PipelineModule`` whose layers are its own modules, in order:
+Two families of ``*ForCausalLM`` structure are understood (integrations/hf_layers.py has one
+adapter for each): Llama-style (Llama, Mistral, Qwen2, ...) and GPT-2 style
+(``GPT2LMHeadModel``). The model becomes a ``PipelineModule`` whose layers are its own modules,
+in order:
 
-    input_ids (B, T) -> embed_tokens -> layers[0] ... layers[L-1] -> norm -> lm_head -> logits
+    Llama-style: input_ids (B, T) -> embed_tokens -> layers[i] -> norm -> lm_head -> logits
+    GPT-2:       input_ids (B, T) -> wte -> (+ wpe positions) -> drop -> h[i] -> ln_f -> lm_head
 
 Each decoder layer is called as the model calls it, with what the model computes once for the
-whole stack and no stage boundary can carry: the rotary cos/sin of positions 0..T-1 (from the
-model's ``rotary_emb``, recomputed on each stage) and the causal mask, built for the attention
-the model uses (no KV cache: training). The loss is Hugging Face's causal-LM loss (labels
-shifted by one inside, ``-100`` ignored, the mean over labelled tokens), the value of
+whole stack and no stage boundary can carry, recomputed on each stage: positions 0..T-1, the
+rotary cos/sin (Llama-style) and the causal mask, made by transformers' own mask functions for
+the attention the model uses (no KV cache: training). The loss is Hugging Face's causal-LM loss
+(labels shifted by one inside, ``-100`` ignored, the mean over labelled tokens), the value of
 ``model(input_ids, labels=labels).loss``. Every layer keeps its name (``layer_names``), so
 checkpoints, ``consolidated_state_dict()`` and tensor-parallel plans use the model's own keys:
 the result loads back with ``model.load_state_dict`` / ``from_pretrained``.
 
 Batches for ``engine.train_batch``: ``(input_ids, labels)`` pairs.
 
-Tied input and output embeddings (``tie_word_embeddings``: ``lm_head.weight`` is
-``embed_tokens.weight``) are DeepSpeed's ``TiedLayerSpec``: the first and the last layer share
-the key ``"embed"``, the first runs the embedding, the last ``hidden @ weight.T`` (what the
-bias-free ``lm_head`` computes). Each stage holding the key keeps a copy of the weight; their
-gradients are summed over those stages before the update (pipeline/tied.py), so the copies
-stay equal to the one weight of one process. The copy sits under ``model.embed_tokens`` on the
-first stage and ``lm_head`` on the last, so the gathered state dict has both Hugging Face
-names, as ``model.state_dict()`` does; with one stage it is one weight under both names.
+Tied input and output embeddings (``tie_word_embeddings``: ``lm_head.weight`` is the input
+embedding's weight; always so for GPT-2) are DeepSpeed's ``TiedLayerSpec``: the first and the
+last layer share the key ``"embed"``, the first runs the embedding, the last
+``hidden @ weight.T`` (what the bias-free ``lm_head`` computes). Each stage holding the key
+keeps a copy of the weight; their gradients are summed over those stages before the update
+(pipeline/tied.py), so the copies stay equal to the one weight of one process. The copy sits
+under the embedding's name on the first stage (``model.embed_tokens``, ``transformer.wte``) and
+``lm_head`` on the last, so the gathered state dict has both Hugging Face names, as
+``model.state_dict()`` does; with one stage it is one weight under both names.
+
+Masked LMs (BERT) are refused: see ``_refuse_masked_lm`` and docs/huggingface.md.
 """
 
 from __future__ import annotations
 
-import types
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardwise.integrations.hf_layers import ADAPTERS, Layers
 from shardwise.parallel.pipeline.module import PipelineModule
 from shardwise.parallel.pipeline.specs import TiedLayerSpec
 
 __all__ = ["causal_lm_loss", "causal_lm_pipeline"]
-
-_INNER = "_shardwise_hf_layer_forward"
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -64,25 +67,19 @@ def causal_lm_pipeline(
 ) -> PipelineModule:
     """``model`` cut into ``num_stages`` stages (see the module doc); its modules are reused,
     not copied, so the pipeline starts from exactly its weights."""
-    base = _base_of(model)
+    layers = _layers_of(model)
     if getattr(model.config, "use_cache", False):
         model.config.use_cache = False  # training: a KV cache would only grow
-    prefix = model.base_model_prefix
-    for layer in base.layers:
-        _call_as_the_model_does(layer, base.rotary_emb)
-    embed, head = base.embed_tokens, model.lm_head
+    (_, embed), *middle, (_, head) = layers
     if _tied(embed, head):
         embed, head = _OwnTiedModule(embed), _OwnTiedModule(embed, forward_fn=_tied_head)
-    names = [f"{prefix}.embed_tokens"]
-    names += [f"{prefix}.layers.{i}" for i in range(len(base.layers))]
-    names += [f"{prefix}.norm", "lm_head"]
     pipe = PipelineModule(
-        [embed, *base.layers, base.norm, head],
+        [embed, *[module for _, module in middle], head],
         num_stages=num_stages,
         loss_fn=causal_lm_loss,
         partition_method=partition_method,
         activation_checkpoint_interval=activation_checkpoint_interval,
-        layer_names=names,
+        layer_names=[name for name, _ in layers],
         **pipeline_kwargs,
     )
     # save_16bit_model writes it as config.json, so from_pretrained loads the saved weights.
@@ -90,6 +87,38 @@ def causal_lm_pipeline(
     # patterns are relative to a model the pipeline is not.
     pipe.hf_config = model.config
     return pipe
+
+
+def _layers_of(model: nn.Module) -> Layers:
+    """The model's layers from the first adapter that knows its structure."""
+    _refuse_masked_lm(model)
+    for adapter, _ in ADAPTERS.values():
+        layers = adapter(model)
+        if layers is not None:
+            return layers
+    needs = "; ".join(f"{family}: {needed}" for family, (_, needed) in ADAPTERS.items())
+    raise ValueError(
+        f"causal_lm_pipeline: {type(model).__name__} is neither a Llama-style nor a GPT-2 "
+        f"style causal LM (it needs the modules of one: {needs}); build its PipelineModule "
+        "from a layer list by hand (docs/pipeline.md)"
+    )
+
+
+def _refuse_masked_lm(model: nn.Module) -> None:
+    """A masked LM (BERT) is no causal LM, and its head does not fit TiedLayerSpec (why: the
+    error below and docs/huggingface.md)."""
+    if "MaskedLM" not in type(model).__name__:
+        return
+    raise ValueError(
+        f"causal_lm_pipeline: {type(model).__name__} is a masked LM, not a causal LM, and "
+        "shardwise has no pipeline builder for it: its MLM head is tied twice, the decoder's "
+        "weight to the word embeddings and the decoder's bias to a parameter of the head's "
+        "parent module (cls.predictions.bias), which a TiedLayerSpec (one shared module per "
+        "key, under each layer's name) cannot hold under the model's names; and its padding "
+        "attention mask would have to travel with the hidden states between stages. Train it "
+        "with data parallelism or ZeRO (every layout of docs/huggingface.md), or build its "
+        "PipelineModule by hand (docs/pipeline.md)"
+    )
 
 
 class _OwnTiedModule(TiedLayerSpec):
@@ -121,46 +150,3 @@ def _tied(embed: nn.Module, head: nn.Module) -> bool:
             "from the tied weight; build the PipelineModule by hand (docs/pipeline.md)"
         )
     return True
-
-
-def _base_of(model: nn.Module) -> nn.Module:
-    prefix = getattr(model, "base_model_prefix", "")
-    base = getattr(model, prefix, None) if prefix else None
-    needed = ("embed_tokens", "layers", "norm", "rotary_emb")
-    if base is None or not all(hasattr(base, n) for n in needed) or not hasattr(model, "lm_head"):
-        raise ValueError(
-            f"causal_lm_pipeline: {type(model).__name__} is not a Llama-style causal LM (it "
-            f"needs {prefix or 'model'}.{{{', '.join(needed)}}} and lm_head); build its "
-            "PipelineModule from a layer list by hand (docs/pipeline.md)"
-        )
-    return base
-
-
-def _call_as_the_model_does(layer: nn.Module, rotary: nn.Module) -> None:
-    """``layer(hidden)`` -> the layer's forward with the positions, rotary cos/sin and causal
-    mask of a whole sequence starting at 0 (the instance's forward is replaced: names, hooks
-    and tensor-parallel plans keep seeing the layer itself)."""
-    if _INNER in layer.__dict__:
-        return
-    layer.__dict__[_INNER] = layer.forward
-    # The rotary module is shared by every layer and holds no parameter: keep it off the tree.
-    layer.__dict__["_shardwise_rotary"] = rotary
-    layer.forward = types.MethodType(_decoder_forward, layer)
-
-
-def _decoder_forward(self: nn.Module, hidden: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-    if args or kwargs:  # called by the Hugging Face model itself: as before
-        return self.__dict__[_INNER](hidden, *args, **kwargs)
-    b, t = hidden.shape[:2]
-    positions = torch.arange(t, device=hidden.device).unsqueeze(0).expand(b, -1)
-    cos_sin = self.__dict__["_shardwise_rotary"](hidden, positions)
-    blocked = torch.full((t, t), float("-inf"), device=hidden.device, dtype=hidden.dtype)
-    mask = blocked.triu(1)[None, None]  # (1, 1, T, T): 0 on and below the diagonal
-    out = self.__dict__[_INNER](
-        hidden,
-        attention_mask=mask,
-        position_ids=positions,
-        position_embeddings=cos_sin,
-        use_cache=False,
-    )
-    return out[0] if isinstance(out, tuple) else out
