@@ -14,8 +14,7 @@ from shardwise.launch.env import init_distributed
 from shardwise.pipe import PipelineModule
 from shardwise.spawn import spawn
 from shardwise.topology import ProcessMesh, Topology, new_subgroup
-
-__version__ = "0.1.0"
+from shardwise.version import __version__  # noqa: E402 - from the package metadata
 
 # DeepSpeed's spellings, for scripts ported by changing the import only.
 DeepSpeedEngine = Engine

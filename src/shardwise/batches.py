@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from shardwise import comm
+from shardwise.errors import EngineError
 
 
 def data_or_loader(engine: Any, data_iter: Iterator | None) -> Iterator:
@@ -23,8 +24,6 @@ def data_or_loader(engine: Any, data_iter: Iterator | None) -> Iterator:
     if data_iter is not None:
         return data_iter
     if engine.training_dataloader is None:
-        from shardwise.engine import EngineError
-
         raise EngineError("train_batch() needs data_iter, or training_data given to initialize()")
     return engine.training_dataloader.repeating()
 
@@ -81,7 +80,6 @@ def _describe(value: Any) -> str:
 
 
 def _batch_error(batch: Any, why: str) -> Exception:
-    from shardwise.engine import EngineError
 
     return EngineError(f"train_batch/eval_batch: {why} (got {_describe(batch)})")
 
@@ -109,8 +107,6 @@ class MicroBatchLoop:
     @torch.no_grad()
     def eval_batch(self, engine: Any, data_iter: Iterator, **kwargs: Any) -> torch.Tensor:
         if kwargs:
-            from shardwise.engine import EngineError
-
             raise EngineError(f"eval_batch() got {sorted(kwargs)}: only pipelines take options")
         was_training = engine.training
         engine.eval()

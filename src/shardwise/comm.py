@@ -23,14 +23,19 @@ The log also keeps the most recent calls, so a hang can name the collective it i
 from __future__ import annotations
 
 import collections
+import os
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from shardwise.config.monitor import CommsLoggerConfig
+from shardwise.launch.env import init_distributed as _init
+from shardwise.monitor.comms import CommsLogger
 
 ReduceOp = dist.ReduceOp
 _RECENT = 64
@@ -84,10 +89,6 @@ def configure(
     """DeepSpeed's ``deepspeed.comm.configure``: the comms logger from a config's
     ``comms_logger`` block (every engine calls this with its own), then any keyword given."""
     global _PROFILER
-    from dataclasses import replace
-
-    from shardwise.config.monitor import CommsLoggerConfig
-    from shardwise.monitor.comms import CommsLogger
 
     cfg = getattr(deepspeed_config, "comms_logger", deepspeed_config)
     if cfg is None:
@@ -144,7 +145,6 @@ def get_global_rank(group: Any, group_rank: int) -> int:
 
 
 def get_local_rank() -> int:
-    import os
 
     return int(os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", 0)))
 
@@ -391,6 +391,5 @@ def irecv(tensor: torch.Tensor, src: int | None = None, group: Any = None, tag: 
 
 def init_distributed(*args: Any, **kwargs: Any) -> Any:
     """DeepSpeed's ``deepspeed.comm.init_distributed``: see ``shardwise.init_distributed``."""
-    from shardwise.launch.env import init_distributed as _init
 
     return _init(*args, **kwargs)

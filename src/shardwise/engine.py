@@ -27,11 +27,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from shardwise import clip
+from shardwise import clip, comm
+from shardwise.batches import MicroBatchLoop
+from shardwise.checkpoint import engine_state
 from shardwise.checkpoint.replicas import ReplicaWatch
 from shardwise.counters import CounterField, TrainingCounters
 from shardwise.engine_accessors import ConfigAccessors
+from shardwise.errors import EngineError
+from shardwise.memory import breakdown
 from shardwise.monitor import Monitor, progress_line
+from shardwise.parallel.consolidate import consolidate_tensor_parallel
 from shardwise.precision import LossScaler, compute_dtype
 
 if TYPE_CHECKING:  # annotations only
@@ -39,10 +44,6 @@ if TYPE_CHECKING:  # annotations only
     from shardwise.topology import ProcessMesh
 
 logger = logging.getLogger("shardwise")
-
-
-class EngineError(RuntimeError):
-    """A call the engine cannot honour in its current state; the message says what to do."""
 
 
 class Engine(ConfigAccessors, nn.Module):
@@ -67,7 +68,6 @@ class Engine(ConfigAccessors, nn.Module):
         pipeline: Any = None,
     ) -> None:
         super().__init__()
-        from shardwise.batches import MicroBatchLoop
 
         self.pipeline = pipeline  # parallel/pipeline/runner.py when pipeline stages > 1
         self.batches = pipeline if pipeline is not None else MicroBatchLoop()
@@ -115,7 +115,6 @@ class Engine(ConfigAccessors, nn.Module):
 
     @property
     def local_rank(self) -> int:
-        from shardwise import comm
 
         return comm.get_local_rank()
 
@@ -292,8 +291,6 @@ class Engine(ConfigAccessors, nn.Module):
         """The full model state dict with the original keys, on CPU, identical on every rank."""
         state = self.strategy.consolidated_state_dict(self.module)
         if self.mesh.topology.tp > 1:
-            from shardwise.parallel.consolidate import consolidate_tensor_parallel
-
             state = consolidate_tensor_parallel(state, self.module, self.mesh.tp_group)
         if self.pipeline is not None:
             state = self.pipeline.consolidated_state_dict(state)
@@ -313,8 +310,6 @@ class Engine(ConfigAccessors, nn.Module):
         exclude_frozen_parameters: bool = False,
     ) -> bool:
         """Write ``save_dir/<tag>`` (default ``global_step<N>``); every rank must call it."""
-        from shardwise.checkpoint import engine_state
-
         return engine_state.save_checkpoint(
             self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters
         )
@@ -329,8 +324,6 @@ class Engine(ConfigAccessors, nn.Module):
         load_module_only: bool = False,
     ) -> tuple[str | None, dict | None]:
         """``(load_path, client_state)``, or ``(None, None)`` without ``latest`` nor tag."""
-        from shardwise.checkpoint import engine_state
-
         return engine_state.load_checkpoint(
             self,
             load_dir,
@@ -348,16 +341,12 @@ class Engine(ConfigAccessors, nn.Module):
         exclude_frozen_parameters: bool = False,
     ) -> bool:
         """The consolidated model as one file; safetensors content whatever the name."""
-        from shardwise.checkpoint import engine_state
-
         return engine_state.save_16bit_model(
             self, save_dir, save_filename, exclude_frozen_parameters
         )
 
     def load_module_state_dict(self, checkpoint: dict, strict: bool = True) -> None:
         """Load a whole-model state dict (the user's keys) into this layout."""
-        from shardwise.checkpoint import engine_state
-
         engine_state.load_module_state_dict(self, checkpoint, strict)
 
     def destroy(self) -> None:
@@ -367,7 +356,6 @@ class Engine(ConfigAccessors, nn.Module):
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes this rank holds in parameters, gradients, optimizer states (master weights
         included) and communication buffers, counted from the live tensors."""
-        from shardwise.memory import breakdown
 
         return breakdown(self.module, self.optimizer, self.strategy)
 

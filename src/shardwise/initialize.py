@@ -20,11 +20,21 @@ import torch
 from torch import nn
 
 from shardwise import comm
+from shardwise.checkpointing import refused_options
 from shardwise.config import Config, ConfigError, parse_config
+from shardwise.data import build_dataloader
 from shardwise.engine import Engine
+from shardwise.launch.env import init_distributed
+from shardwise.lr_schedules import build_scheduler
+from shardwise.optim import build_optimizer
 from shardwise.parallel import remap
+from shardwise.parallel.activation import apply_activation_checkpointing
 from shardwise.parallel.data import broadcast_parameters
 from shardwise.parallel.hf_styles import decoder_sequence_parallel
+from shardwise.parallel.parallelize import parallelize, resolve_plan
+from shardwise.parallel.pipeline import setup as pipe
+from shardwise.parallel.pipeline.setup import stage_plan
+from shardwise.parallel.placement import get_placement
 from shardwise.parallel.strategies import build_strategy
 from shardwise.parallel.strategy import StrategyContext
 from shardwise.precision import LossScaler, compute_dtype, fp16_master
@@ -64,10 +74,8 @@ def initialize(
     cfg = parse_config(_config_source(args, config, config_params))
     _refuse_unimplemented(cfg, mpu)
     params = remap.materialize(model_parameters)  # a generator is read once
-    from shardwise.launch.env import init_distributed
 
     init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
-    from shardwise.parallel.pipeline import setup as pipe
 
     model = pipe.prepare_model(cfg, model, loss_fn)
     mesh = _build_mesh(cfg, pipe.pipeline_stages(cfg, model))
@@ -134,7 +142,6 @@ def _apply_tensor_parallel(
     unused ones and leave the split layers untrained, so it is refused; a ``model_parameters``
     list (or groups) collected before the split is mapped onto the shards (parallel/remap.py),
     and returned."""
-    from shardwise.parallel.parallelize import parallelize, resolve_plan
 
     if runner is None:
         broadcast_parameters(model, src=0, group=None)
@@ -146,8 +153,6 @@ def _apply_tensor_parallel(
     if cfg.tensor_parallel.sequence_parallel:
         plan = decoder_sequence_parallel(model, plan)
     if runner is not None:
-        from shardwise.parallel.pipeline.setup import stage_plan
-
         plan = stage_plan(model, plan, mesh)
         if not plan:  # this stage has no split layer: every TP rank runs it whole
             return model_parameters
@@ -178,7 +183,6 @@ def _counted_elsewhere(model: nn.Module, mesh: ProcessMesh) -> frozenset[int]:
     tensor-parallel rank 0 only (each element of the model's gradient counts once)."""
     if mesh.topology.tp == 1 or mesh.tp_rank == 0:
         return frozenset()
-    from shardwise.parallel.placement import get_placement
 
     return frozenset(id(p) for p in model.parameters() if get_placement(p).tp_replicated)
 
@@ -227,14 +231,12 @@ def _unbuilt_options(cfg: Config) -> list[str]:
     names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
     if comm_dtype is not None and comm_dtype != names[compute_dtype(cfg)]:
         todo.append(f"communication_data_type={comm_dtype} (reductions use the compute dtype)")
-    from shardwise.checkpointing import refused_options
 
     todo += [f"activation_checkpointing.{k}" for k in refused_options(cfg.activation_checkpointing)]
     return todo
 
 
 def _apply_activation_checkpointing(cfg: Config, model: nn.Module, mesh: ProcessMesh) -> None:
-    from shardwise.parallel.activation import apply_activation_checkpointing
 
     block = cfg.activation_checkpointing
     # partition_activations with one TP rank: nothing to split over (DeepSpeed: the same).
@@ -275,7 +277,6 @@ def _build_optimizer(
         return optimizer(params)
     if cfg.optimizer is None:
         return None
-    from shardwise.optim import build_optimizer
 
     return build_optimizer(cfg.optimizer, params, cpu_adam=fp16_master(cfg))
 
@@ -290,7 +291,6 @@ def _build_scheduler(cfg: Config, opt: Any, lr_scheduler: Any) -> Any:
         return lr_scheduler
     if cfg.scheduler is None or opt is None:
         return None
-    from shardwise.lr_schedules import build_scheduler
 
     return build_scheduler(cfg.scheduler, opt)
 
@@ -300,7 +300,6 @@ def _build_loader(
 ) -> Any:
     if training_data is None:
         return None
-    from shardwise.data import build_dataloader
 
     return build_dataloader(
         training_data,

@@ -20,6 +20,9 @@ from typing import Any
 
 import torch
 
+from shardwise.config import ConfigError
+from shardwise.ops.adam import DeepSpeedCPUAdam
+
 
 def compute_dtype(config: Any) -> torch.dtype:
     """The dtype the model computes in under ``config`` (fp32 unless fp16/bf16 is enabled)."""
@@ -107,8 +110,6 @@ def master_dtype(config: Any, optimizer: Any) -> torch.dtype:
     ``DeepSpeedCPUAdam``, whose fp32 states keep the update exact where the weights are not."""
     if not fp16_master(config):
         return torch.float32
-    from shardwise.config import ConfigError
-    from shardwise.ops.adam import DeepSpeedCPUAdam
 
     if not isinstance(optimizer, DeepSpeedCPUAdam):
         name = type(optimizer).__name__

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from shardwise import comm
+from shardwise.data import RepeatingLoader
 
 logger = logging.getLogger("shardwise")
 
@@ -32,7 +33,5 @@ def set_random_seed(seed: int) -> None:
 def __getattr__(name: str) -> object:
     # RepeatingLoader lives with the data loaders; imported lazily to keep this module light.
     if name == "RepeatingLoader":
-        from shardwise.data import RepeatingLoader
-
         return RepeatingLoader
     raise AttributeError(name)

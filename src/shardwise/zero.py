@@ -46,7 +46,10 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
 from shardwise import comm
+from shardwise.config import parse_config
+from shardwise.launch.env import init_distributed
 from shardwise.parallel.flat import ceil_div
+from shardwise.precision import compute_dtype
 
 __all__ = ["GatheredParameters", "Init", "full_value", "is_partitioned"]
 
@@ -223,8 +226,6 @@ class Init:
             names = ", ".join(k for k, v in refused.items() if v)
             raise ValueError(f"shardwise.zero.Init does not support {names}; leave it unset")
         if enabled and not comm.is_initialized():
-            from shardwise.launch.env import init_distributed
-
             init_distributed()  # as DeepSpeed does: Init may come before initialize()
         self.enabled = enabled
         self.group = data_parallel_group
@@ -307,8 +308,6 @@ class Init:
 def _config_dtype(source: Any) -> torch.dtype | None:
     if source is None:
         return None
-    from shardwise.config import parse_config
-    from shardwise.precision import compute_dtype
 
     return compute_dtype(parse_config(source))
 

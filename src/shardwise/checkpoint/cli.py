@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 
+from shardwise.checkpoint.export import export_consolidated, inspect
+
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -32,7 +34,6 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> str:
     """The text the command prints (errors raise CheckpointError, a ValueError)."""
-    from shardwise.checkpoint.export import export_consolidated, inspect
 
     if args.command == "inspect":
         return inspect(args.checkpoint_dir, tag=args.tag, verify=args.verify)

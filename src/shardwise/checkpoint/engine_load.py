@@ -33,7 +33,9 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from shardwise import comm
 from shardwise.checkpoint import lock, rotation, storage
+from shardwise.checkpoint.gather import all_gather_json
 from shardwise.checkpoint.optim_state import check_groups, groups_from_json, optim_targets
 from shardwise.checkpoint.rank_state import (
     rng_state,
@@ -92,8 +94,6 @@ def load_checkpoint(
 def _agree(failure: BaseException | None) -> None:
     """Raise on every rank if the check failed on any (each rank checks what it will read,
     so a damaged shard fails only the rank that holds it); ``failure`` is this rank's."""
-    from shardwise import comm
-    from shardwise.checkpoint.gather import all_gather_json
 
     mine = "" if failure is None else f"{type(failure).__name__}: {failure}"
     if comm.is_initialized() and comm.get_world_size() > 1:
@@ -131,7 +131,7 @@ def _check(
 ) -> tuple[list[Callable[[], None]], dict]:
     """Phase one (module docstring): raise on anything wrong; return the steps that apply the
     checkpoint, in order, and the client state."""
-    from shardwise.checkpoint.engine_state import check_unexpected, frozen_names, layout
+    from shardwise.checkpoint.engine_state import check_unexpected, frozen_names, layout  # noqa: PLC0415 - engine_state imports this module
 
     lay = layout(engine)
     frozen = frozen_names(engine)

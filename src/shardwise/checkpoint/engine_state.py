@@ -21,6 +21,9 @@ import logging
 import os
 from typing import Any
 
+import torch
+from safetensors.torch import save_file
+
 from shardwise import comm
 from shardwise.checkpoint import storage
 from shardwise.checkpoint.engine_load import COUNTERS, LOADED_FROM, load_checkpoint  # noqa: F401
@@ -196,8 +199,6 @@ def _write_state(state: dict[str, Any], path: str) -> None:
     """Atomically: a reader never sees half a file."""
     tmp = f"{path}.tmp-{os.getpid()}"
     if path.endswith(".safetensors"):
-        from safetensors.torch import save_file
-
         # One storage per name: safetensors refuses tensors that share memory (tied weights).
         copies, seen = {}, set()
         for k, v in state.items():
@@ -206,7 +207,5 @@ def _write_state(state: dict[str, Any], path: str) -> None:
             seen.add(ptr)
         save_file(copies, tmp, metadata={"format": "pt"})
     else:
-        import torch
-
         torch.save(state, tmp)
     os.replace(tmp, path)

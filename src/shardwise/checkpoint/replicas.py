@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from shardwise import comm
 from shardwise.checkpoint import manifest as mf
 from shardwise.checkpoint.gather import all_gather_json
 from shardwise.checkpoint.pieces import Piece
@@ -100,7 +101,7 @@ def disagreements_in_save(infos: list[dict]) -> str:
 def check_engine(engine: Any, when: str) -> None:
     """Compare every replicated piece of ``engine``'s model, masters and optimizer states
     across all ranks; raise ``ReplicaMismatchError`` (on every rank) if copies differ."""
-    from shardwise.checkpoint.engine_state import engine_pieces
+    from shardwise.checkpoint.engine_state import engine_pieces  # noqa: PLC0415 - engine_state -> storage imports this module
 
     mine = records(engine_pieces(engine), only_unsaved=False)
     gathered = all_gather_json({"step": engine.global_steps, "records": mine})
@@ -132,6 +133,5 @@ class ReplicaWatch:
 
 
 def _world() -> int:
-    from shardwise import comm
 
     return comm.get_world_size() if comm.is_initialized() else 1

@@ -34,6 +34,7 @@ import shutil
 import time
 from typing import Any
 
+import safetensors
 import torch
 
 from shardwise import comm
@@ -46,6 +47,7 @@ from shardwise.checkpoint.reader import CheckpointReader  # noqa: F401 - part of
 from shardwise.checkpoint.rotation import rotate  # noqa: F401 - part of this API
 from shardwise.checkpoint.safetensors_file import FormatError, write_tensors
 from shardwise.checkpoint.state_codec import StateError, encode
+from shardwise.version import __version__
 
 LATEST = "latest"
 RANK_STATE_KEY = "shardwise.rank_state"
@@ -323,12 +325,9 @@ def resolve(path: str, tag: str | None = None) -> str:
 
 
 def _versions() -> dict[str, str]:
-    import safetensors
-
-    import shardwise
 
     return {
-        "shardwise": shardwise.__version__,
+        "shardwise": __version__,
         "torch": torch.__version__,
         "safetensors": safetensors.__version__,
     }

@@ -92,7 +92,7 @@ def parse_scheduler(raw: Any, notes: Notes) -> SchedulerConfig:
             "scheduler", f"expected an object like {SchedulerConfig.EXAMPLE}, got {show(raw)}"
         )
     sched = build(SchedulerConfig, raw, "scheduler", notes)
-    from shardwise.config.scheduler_params import check_scheduler_config  # lazy: imports torch
+    from shardwise.config.scheduler_params import check_scheduler_config  # lazy: imports torch  # noqa: PLC0415 - scheduler_params imports this module
 
     check_scheduler_config(sched, allow_auto=True)
     return sched

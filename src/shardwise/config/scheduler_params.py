@@ -51,7 +51,7 @@ _AUTO_SOURCES = {
 
 def scheduler_class(name: str) -> type[LRScheduler]:
     """DeepSpeed's scheduler of that name (any case), else ``torch.optim.lr_scheduler.<name>``."""
-    from shardwise.lr_schedules import (
+    from shardwise.lr_schedules import (  # noqa: PLC0415 - lr_schedules imports this module
         DEEPSPEED_SCHEDULERS,
     )  # lazy: lr_schedules imports this module
 

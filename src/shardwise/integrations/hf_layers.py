@@ -93,7 +93,7 @@ def _mask_fn(model: nn.Module, layer_idx: int) -> Callable[[torch.Tensor, torch.
     ``layer_idx``: transformers' causal mask, or its sliding-window one for a layer whose
     attention type says so (``config.layer_types``, Qwen2) or whose model has a window
     throughout (``config.sliding_window`` without layer types, Mistral)."""
-    from transformers import masking_utils as mu
+    from transformers import masking_utils as mu  # noqa: PLC0415 - transformers is an optional dependency
 
     config = model.config
     kinds = getattr(config, "layer_types", None)

@@ -18,6 +18,7 @@ import sys
 from collections.abc import Sequence
 
 from shardwise.checkpoint import cli as checkpoint_cli
+from shardwise.launch.run import launch
 from shardwise.topology import AXIS_NAMES, Topology, TopologyError
 
 # (flags, argparse options): torchrun's spelling first, then the aliases DeepSpeed users type.
@@ -174,7 +175,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command in ("inspect", "export"):
             print(checkpoint_cli.run(args))
             return 0
-        from shardwise.launch.run import launch  # imports torchrun only when launching
 
         return launch(args)
     except (ValueError, TopologyError) as e:

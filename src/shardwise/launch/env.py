@@ -22,6 +22,9 @@ import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
+import torch
+import torch.distributed as dist
+
 from shardwise.launch import slurm
 from shardwise.launch.guard import guard_worker
 
@@ -244,8 +247,6 @@ def resolve_timeout(
 
 def resolve_backend(dist_backend: str | None) -> str:
     """``nccl`` when CUDA is available, else ``gloo``; an explicit name must be usable here."""
-    import torch
-    import torch.distributed as dist
 
     has_cuda = torch.cuda.is_available()
     if dist_backend is None:
@@ -265,7 +266,6 @@ def resolve_backend(dist_backend: str | None) -> str:
 
 def _env_of_initialized_group() -> DistEnv:
     """The env of an already-initialized world; the group's rank and size are the truth."""
-    import torch.distributed as dist
 
     rank, world = dist.get_rank(), dist.get_world_size()
     try:
@@ -309,8 +309,6 @@ def _init_group(
     init_method: str | None,
     verbose: bool,
 ) -> DistEnv:
-    import torch
-    import torch.distributed as dist
 
     if backend == "nccl":
         torch.cuda.set_device(env.local_rank)  # before init: NCCL binds each rank to its device
@@ -349,7 +347,6 @@ def _collect_at_exit() -> None:
     step, 0 in 16 with the collection; benchmarks/clean_exit.py counts it). Only the world
     shardwise set up is torn down (this is registered by ``_init_group``)."""
     gc.collect()
-    import torch.distributed as dist  # noqa: PLC0415 - imported by _init_group already
 
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
@@ -378,7 +375,6 @@ def init_distributed(
     ``$SHARDWISE_TIMEOUT_S`` or 30 min. ``auto_mpi_discovery`` and ``config`` are accepted
     for DeepSpeed compatibility and unused: an mpirun launch raises (see ``detect_env``).
     """
-    import torch.distributed as dist
 
     del auto_mpi_discovery, config
     if dist.is_available() and dist.is_initialized():

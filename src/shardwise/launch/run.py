@@ -26,7 +26,12 @@ import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+import torch
+from torch.distributed import run as torchrun
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
 from shardwise.launch import hostfile, slurm
+from shardwise.launch.bound import BINDING_VAR, parse_core_list, split_cores
 from shardwise.launch.env import DEFAULT_MASTER_PORT, _get_int
 from shardwise.launch.guard import LAUNCHER_VAR
 
@@ -40,14 +45,12 @@ SHARE_STORE_VAR = (
 
 def _torchrun_flags() -> set[str]:
     """Option strings this torch's torchrun accepts (``--local-addr`` is not in every version)."""
-    from torch.distributed import run as torchrun
 
     return {s for action in torchrun.get_args_parser()._actions for s in action.option_strings}
 
 
 def default_nproc() -> int:
     """Processes per node when not given: one per CUDA device, else 1 (DeepSpeed: all devices)."""
-    import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 1
 
@@ -136,7 +139,6 @@ def _binds(args: argparse.Namespace) -> bool:
 def _core_binding(args: argparse.Namespace) -> dict[str, str]:
     """Each local rank's share of the cores (``--bind_core_list``, else the cores this process
     may use), and OMP_NUM_THREADS = one share, unless --omp-num-threads says otherwise."""
-    from shardwise.launch.bound import BINDING_VAR, parse_core_list, split_cores
 
     listed = getattr(args, "bind_core_list", None)
     cores = parse_core_list(listed) if listed else sorted(os.sched_getaffinity(0))
@@ -249,8 +251,6 @@ def resolve_slurm(
 
 def launch(args: argparse.Namespace) -> int:
     """Run the workers under torchrun's elastic agent, in this process; the exit code."""
-    from torch.distributed import run as torchrun
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     args = resolve_slurm(resolve_hosts(args), os.environ)
     argv = build_torchrun_argv(args)

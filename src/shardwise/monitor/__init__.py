@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import sys
 import weakref
 from collections.abc import Iterator
@@ -32,6 +33,11 @@ from typing import Any
 
 import torch
 
+from shardwise import comm
+from shardwise.monitor.comms import convert_size
+from shardwise.monitor.flops import FlopsProfiler
+from shardwise.monitor.profile_report import profile_report
+from shardwise.monitor.timers import WallClock
 from shardwise.monitor.writers import Event, enabled_writers
 
 logger = logging.getLogger("shardwise")
@@ -67,7 +73,6 @@ def step_line(engine: Any) -> str:
 
 def memory_line(breakdown: dict[str, int]) -> str:
     """``engine.memory_breakdown()`` on one line: ``memory | params: 6.77 KB | ...``."""
-    from shardwise.monitor.comms import convert_size
 
     return " | ".join(["memory", *(f"{k}: {convert_size(v)}" for k, v in breakdown.items())])
 
@@ -86,18 +91,13 @@ class Monitor:
     def for_engine(cls, engine: Any) -> Monitor:
         """Writers and profiler on rank 0; the clock on every rank (each times its own work,
         rank 0 reports); the comms logger configured; a pipeline's schedule timed."""
-        from shardwise import comm
 
         config, rank0 = engine.config, engine.mesh.rank == 0
         comm.configure(config)  # on, or off again, whatever an earlier engine set
         clock = profiler = None
         if config.wall_clock_breakdown:
-            from shardwise.monitor.timers import WallClock
-
             clock = WallClock()
         if config.flops_profiler.enabled and rank0:
-            from shardwise.monitor.flops import FlopsProfiler
-
             profiler = FlopsProfiler(engine.module, config.flops_profiler)
         monitor = cls(enabled_writers(config) if rank0 else [], clock, profiler)
         monitor._engine = weakref.ref(engine)
@@ -171,13 +171,10 @@ class Monitor:
 
     def print_profile(self, engine: Any) -> None:
         """The flops profile to stdout, or to ``flops_profiler.output_file``."""
-        from shardwise.monitor.profile_report import profile_report
 
         text = profile_report(self.profiler, engine, self.clock)
         path = self.profiler.cfg.output_file
         if path:
-            import os
-
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
             with open(path, "w") as f:
                 f.write(text + "\n")

@@ -14,7 +14,7 @@ Event = tuple[str, float, int]  # (tag, value, step)
 
 
 def _require(module: str, block: str, extra: str) -> Any:
-    import importlib
+    import importlib  # noqa: PLC0415 - optional dependencies, imported when enabled
 
     try:
         return importlib.import_module(module)
@@ -30,7 +30,7 @@ class TensorBoardWriter:
 
     def __init__(self, cfg: MonitorConfig) -> None:
         _require("tensorboard", "tensorboard", "tensorboard")  # torch's writer needs it
-        from torch.utils.tensorboard import SummaryWriter
+        from torch.utils.tensorboard import SummaryWriter  # noqa: PLC0415 - optional dependencies, imported when enabled
 
         self.writer = SummaryWriter(log_dir=os.path.join(cfg.output_path, cfg.job_name))
 

@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from shardwise import comm
+from shardwise.checkpointing import run_checkpointed
 from shardwise.parallel.activation import GroupRef
 from shardwise.parallel.pipeline import partition as part
 from shardwise.parallel.pipeline.specs import (
@@ -51,6 +52,7 @@ from shardwise.parallel.pipeline.specs import (
     get_attr,
     trainable,
 )
+from shardwise.utils import set_random_seed
 
 __all__ = ["LayerSpec", "PipelineModule", "TiedLayerSpec"]
 
@@ -213,8 +215,6 @@ class PipelineModule(nn.Module):
             if self.seed_fn is not None:
                 self.seed_fn(seed)
             else:
-                from shardwise.utils import set_random_seed
-
                 set_random_seed(seed)
         return spec.build()
 
@@ -353,8 +353,6 @@ class PipelineModule(nn.Module):
 
         func = self.activation_checkpoint_func
         if func is None:  # shardwise's: replays the TP trackers' streams, partitions if asked
-            from shardwise.checkpointing import run_checkpointed
-
             return run_checkpointed(run, args, {}, self.activation_partition.group)
         return func(run, *args)
 

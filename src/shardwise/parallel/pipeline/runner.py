@@ -26,6 +26,7 @@ import torch
 
 from shardwise import comm
 from shardwise.batches import data_or_loader
+from shardwise.parallel.data import broadcast_parameters
 from shardwise.parallel.pipeline.gather import gather_stages
 from shardwise.parallel.pipeline.meter import ActivationMeter
 from shardwise.parallel.pipeline.p2p import StageLink
@@ -84,7 +85,6 @@ class PipelineRunner:
     def broadcast_stage(self) -> None:
         """Every rank of this stage (its data x tensor ranks) takes the stage's first rank's
         weights: tensor parallelism must split one model, data ranks must start equal."""
-        from shardwise.parallel.data import broadcast_parameters
 
         broadcast_parameters(self.module, src=self.stage_root, group=self.stage_group)
 

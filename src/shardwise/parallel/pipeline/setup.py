@@ -17,7 +17,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardwise import comm
 from shardwise.config import Config, ConfigError
+from shardwise.parallel.parallelize import pattern_regex
 from shardwise.parallel.pipeline.module import PipelineModule
 from shardwise.parallel.pipeline.runner import PipelineRunner
 
@@ -140,8 +142,6 @@ def stage_plan(model: nn.Module, plan: dict[str, str], mesh: Any) -> dict[str, s
     A plan names modules of the whole model; a stage holds some of them. Each pattern must
     still match on some stage (a typo matches nowhere): the stages compare notes over the
     pipeline group, so every rank raises the same error."""
-    from shardwise import comm
-    from shardwise.parallel.parallelize import pattern_regex
 
     names = [name for name, _ in model.named_modules() if name]
     here = [any(pattern_regex(p).fullmatch(n) for n in names) for p in plan]
