@@ -20,6 +20,7 @@ from harness import run_distributed
 from models import example_module
 
 import shardwise
+from shardwise.config import parse_config
 from shardwise.monitor.flops import number
 
 B, T, C, L, H, V = 2, 32, 64, 2, 4, 64
@@ -80,3 +81,13 @@ def test_gpt_forward_flops_are_six_params_tokens_within_the_attention_term(tmp_p
     assert re.search(rf"\nfwd flops per GPU: +{number(g['fwd'])} *\n", text), text[:2000]
     assert "depth 3:" in text and "(attend): Attend(0 = 0% Params" in text, text
     print(f"GPT 3 x fwd FLOPs / (6 x params x tokens) = {ratio:.4f}")
+
+
+def test_a_profile_step_the_run_never_reaches_is_accepted_as_in_deepspeed():
+    # Megatron-DeepSpeed's ds_zero2_config_bf16.json ships "profile_step": -1; DeepSpeed takes it
+    # (nothing is profiled), so refusing it would stop a real script before training.
+    for step in (-1, 0):
+        cfg = parse_config(
+            {"train_batch_size": 2, "flops_profiler": {"enabled": True, "profile_step": step}}
+        )
+        assert cfg.flops_profiler.profile_step == step, f"profile_step={step}"

@@ -102,13 +102,16 @@ class CommsLoggerConfig:
 
 @dataclass(frozen=True)
 class FlopsProfilerConfig:
-    """``"flops_profiler"``: profile the forward of step ``profile_step`` on rank 0."""
+    """``"flops_profiler"``: profile the forward of step ``profile_step`` on rank 0.
+
+    ``profile_step`` is not bounded, as in DeepSpeed: a step the run never reaches (0 or a
+    negative one, such as Megatron-DeepSpeed's ``-1``) means nothing is profiled."""
 
     EXAMPLE: ClassVar[str] = '{"enabled": true, "profile_step": 1}'
 
     enabled: bool = False
     recompute_fwd_factor: float = spec(0.0, ge=0)
-    profile_step: int = spec(1, ge=0)
+    profile_step: int = 1
     module_depth: int = spec(-1, ge=-1)
     top_modules: int = spec(1, ge=1)
     detailed: bool = True
