@@ -20,7 +20,6 @@ import torch
 from torch import nn
 
 from shardwise import comm
-from shardwise.checkpointing import refused_options
 from shardwise.config import Config, ConfigError, parse_config
 from shardwise.data import build_dataloader
 from shardwise.engine import Engine
@@ -28,15 +27,16 @@ from shardwise.launch.env import init_distributed
 from shardwise.lr_schedules import build_scheduler
 from shardwise.optim import build_optimizer
 from shardwise.parallel import remap
-from shardwise.parallel.activation import apply_activation_checkpointing
-from shardwise.parallel.data import broadcast_parameters
-from shardwise.parallel.hf_styles import decoder_sequence_parallel
-from shardwise.parallel.parallelize import parallelize, resolve_plan
-from shardwise.parallel.pipeline import setup as pipe
-from shardwise.parallel.pipeline.setup import stage_plan
-from shardwise.parallel.placement import get_placement
+from shardwise.parallel.activation.recompute import refused_options
+from shardwise.parallel.activation.selective import apply_activation_checkpointing
+from shardwise.parallel.data.reducer import broadcast_parameters
+from shardwise.parallel.pipeline import prepare as pipe
+from shardwise.parallel.pipeline.prepare import stage_plan
 from shardwise.parallel.strategies import build_strategy
 from shardwise.parallel.strategy import StrategyContext
+from shardwise.parallel.tensor.hf_styles import decoder_sequence_parallel
+from shardwise.parallel.tensor.parallelize import parallelize, resolve_plan
+from shardwise.parallel.tensor.placement import get_placement
 from shardwise.precision import LossScaler, compute_dtype, fp16_master
 from shardwise.topology import ProcessMesh, Topology
 

@@ -20,7 +20,7 @@ replicas (every parameter in plain DP, model weights under ZeRO-1/2, persistent 
 ZeRO-3) by one data-parallel rank each, spread so that the ranks write as many bytes as one
 another (greedy, in model order: every replica computes the same choice, without
 communication; the model weights and the optimizer-side slots are balanced separately); a
-tensor-parallel-replicated parameter (placement.py) by tensor-parallel rank 0 only; the other
+tensor-parallel-replicated parameter (tensor/placement.py) by tensor-parallel rank 0 only; the other
 copies are compared with the saved one (replicas.py), buffers excepted. Names are the user's
 ``named_parameters()`` (a tied parameter under its first name).
 """
@@ -37,8 +37,8 @@ from torch import nn
 from shardwise.checkpoint.pieces import Piece
 from shardwise.checkpoint.reshard import CheckpointError
 from shardwise.parallel.flat import FlatLayout
-from shardwise.parallel.masters import shares_storage  # noqa: F401 (re-exported)
-from shardwise.parallel.placement import Placement, get_placement
+from shardwise.parallel.tensor.placement import Placement, get_placement
+from shardwise.parallel.zero.masters import shares_storage  # noqa: F401 (re-exported)
 
 Box = tuple[tuple[int, int], ...]
 
@@ -55,7 +55,7 @@ class Slot:
     offset: int  # where the part starts in ``owner``'s flattening (flat slots)
     master: torch.Tensor | None
     save: bool
-    packed: tuple[int, int] | None = None  # box and flat in the packed view (placement.py)
+    packed: tuple[int, int] | None = None  # box and flat in the packed view (tensor/placement.py)
 
     @property
     def first(self) -> bool:

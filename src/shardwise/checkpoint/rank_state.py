@@ -1,7 +1,7 @@
 """Per-rank state a checkpoint restores for an exact resume: random generators and data position.
 
 Random generators (python ``random``, numpy's global generator, torch's CPU generator and every
-CUDA device's when there is one, and the tensor-parallel streams of parallel/random.py's
+CUDA device's when there is one, and the tensor-parallel streams of parallel/tensor/random.py's
 tracker: "model-parallel-rng", which dropout in "split_dropout" and sequence-parallel regions
 draws from) as JSON values and tensors, no pickle. Dropout on rank r draws from rank r's
 generators, so each rank restores its own state; a rank that did not exist in the saved run
@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from shardwise.parallel.random import get_rng_tracker
+from shardwise.parallel.tensor.random import get_rng_tracker
 
 
 def rng_state() -> dict[str, Any]:

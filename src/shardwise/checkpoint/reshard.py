@@ -49,7 +49,7 @@ import torch
 from shardwise.checkpoint.manifest import CheckpointError
 from shardwise.checkpoint.pieces import Piece
 from shardwise.checkpoint.sources import saved_aliases, sources  # noqa: F401 (re-exported)
-from shardwise.parallel.placement import packed_view
+from shardwise.parallel.tensor.placement import packed_view
 
 Box = tuple[tuple[int, int], ...]
 
@@ -203,7 +203,7 @@ def _flat_index(index: list[int], shape: tuple[int, ...]) -> int:
 
 
 def plain_pieces(pieces: Iterable[Piece]) -> list[Piece]:
-    """``pieces`` with every packed one (box and flat in the packed view, placement.py) cut into
+    """``pieces`` with every packed one (box and flat in the packed view, tensor/placement.py) cut into
     plain boxes of the global tensor: one per region and part, whose tensor is a view of the
     piece's (filling it fills the parameter). A packed view's region holds parts j0..j1-1 of
     width P, columns [c0, c1) of each: part j is the plain range [j P + c0, j P + c1)."""

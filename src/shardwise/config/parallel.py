@@ -75,7 +75,7 @@ class ActivationCheckpointingConfig:
     matched one dotted component at a time; ``*`` stands for one component: "blocks.*" is every
     block, "blocks.*.mlp" every block's MLP). None (default) checkpoints nothing unless the
     model or the pipeline's ``activation_checkpoint_interval`` asks for it. Patterns are checked
-    against the model by ``shardwise.parallel.activation.apply_activation_checkpointing``.
+    against the model by ``shardwise.parallel.activation.selective.apply_activation_checkpointing``.
     """
 
     EXAMPLE: ClassVar[str] = '{"checkpoint_layers": "all"}'

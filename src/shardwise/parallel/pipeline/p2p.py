@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from shardwise import comm
-from shardwise.parallel.tensor_comm import chunk_numel, flat_chunk, unflat_gather
+from shardwise.parallel.tensor.comm import chunk_numel, flat_chunk, unflat_gather
 
 _DTYPES = [
     torch.float32,

@@ -1,10 +1,10 @@
 """Whole tensors from tensor-parallel slices: the model as one process would hold it.
 
-A split parameter's local tensor covers ``box`` of its global tensor (see placement.py). Every
+A split parameter's local tensor covers ``box`` of its global tensor (see tensor/placement.py). Every
 tensor-parallel rank holds a box of the same shape (the split rounds up and pads), so one
 all-gather of the local tensors and one of the box corners give every rank all slices; each is
 written at its corner of a padded global tensor, and the padding (indices >= the logical
-shape) is cut off. A packed tensor (q|k|v, placement.py) is assembled in its packed view, where
+shape) is cut off. A packed tensor (q|k|v, tensor/placement.py) is assembled in its packed view, where
 every rank's slice is one box, and reshaped back.
 """
 
@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from shardwise import comm
-from shardwise.parallel.placement import Placement, get_placement
+from shardwise.parallel.tensor.placement import Placement, get_placement
 
 
 def placements_by_name(module: nn.Module) -> dict[str, Placement]:

@@ -62,23 +62,23 @@ from typing import Any
 from torch import nn
 
 from shardwise import comm
-from shardwise.parallel import random as tp_random
-from shardwise.parallel.heads import HEAD_ATTRS, heads_to_divide, packs_of  # noqa: F401
-from shardwise.parallel.hf_styles import TRANSLATED, translate_hf_styles
-from shardwise.parallel.placement import get_placement
-from shardwise.parallel.plans import pattern_regex, resolve_plan  # noqa: F401 (re-exported)
-from shardwise.parallel.tensor import (
+from shardwise.parallel.tensor import random as tp_random
+from shardwise.parallel.tensor.comm import (
+    gather_from_sequence,
+    scatter_to_sequence,
+    sum_grad_over_tp,
+)
+from shardwise.parallel.tensor.heads import HEAD_ATTRS, heads_to_divide, packs_of  # noqa: F401
+from shardwise.parallel.tensor.hf_styles import TRANSLATED, translate_hf_styles
+from shardwise.parallel.tensor.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     SharedInput,
     linear_dims,
 )
-from shardwise.parallel.tensor_comm import (
-    gather_from_sequence,
-    scatter_to_sequence,
-    sum_grad_over_tp,
-)
-from shardwise.parallel.vocab import VocabParallelCrossEntropyLoss, VocabParallelEmbedding
+from shardwise.parallel.tensor.placement import get_placement
+from shardwise.parallel.tensor.plans import pattern_regex, resolve_plan  # noqa: F401 (re-exported)
+from shardwise.parallel.tensor.vocab import VocabParallelCrossEntropyLoss, VocabParallelEmbedding
 
 STYLES = {
     "colwise": (nn.Linear,),

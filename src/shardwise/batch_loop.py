@@ -3,7 +3,7 @@
 ``MicroBatchLoop`` is the engine's batch strategy without a pipeline: GAS micro-batches, each
 ``loss_fn(module(inputs), labels)`` (or the module's own loss), through the engine's
 ``backward`` and ``step``, so every rule of those calls holds. With a pipeline the engine holds
-a ``PipelineRunner`` instead (parallel/pipeline/runner.py), which answers the same two calls
+a ``PipelineRunner`` instead (parallel/pipeline/train_batch.py), which answers the same two calls
 by running a schedule.
 """
 

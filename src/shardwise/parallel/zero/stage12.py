@@ -38,13 +38,13 @@ import torch
 from shardwise import clip, comm
 from shardwise.checkpoint.layouts import FlatShard, Layout, flat_layout
 from shardwise.parallel.flat import FlatLayout, plan_buckets
-from shardwise.parallel.masters import rebuild_optimizer, shares_storage
 from shardwise.parallel.strategy import (
     StrategyContext,
     bucket_elements,
     offload_device,
     require_optimizer,
 )
+from shardwise.parallel.zero.masters import rebuild_optimizer, shares_storage
 from shardwise.precision import master_dtype
 
 _IN_FLIGHT = 2  # stage 2: reduce-scatters in flight before the oldest is waited for

@@ -29,8 +29,8 @@ from torch import nn
 
 from shardwise import comm
 from shardwise.parallel.flat import ceil_div
-from shardwise.parallel.placement import set_placement, split_box
-from shardwise.parallel.tensor_comm import reduce_from_tp
+from shardwise.parallel.tensor.comm import reduce_from_tp
+from shardwise.parallel.tensor.placement import set_placement, split_box
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -3,7 +3,7 @@
 Each module's direct parameters (``module.parameters(recurse=False)``) that the optimizer
 trains form units, one per optimizer group and dtype: a flat buffer of P elements padded to a
 multiple of N and split on its only axis into N shards; rank r keeps shard r of the
-parameters, of the gradient and of the optimizer state (zero3_hooks.py has the layout and the
+parameters, of the gradient and of the optimizer state (zero/gathering.py has the layout and the
 gather/release schedule). Per rank, for Psi parameters with Adam (ZeRO, arXiv 1910.02054, 5.3):
 
     bf16 + fp32 master:  (2 + 2 + 12) Psi / N     (shard, gradient shard, master + 2 states)
@@ -54,10 +54,16 @@ from torch import nn
 from shardwise import clip, comm
 from shardwise.checkpoint.layouts import FlatShard, Layout, flat_layout
 from shardwise.parallel.flat import FlatLayout
-from shardwise.parallel.masters import rebuild_optimizer, shares_storage
 from shardwise.parallel.strategy import StrategyContext, offload_device, require_optimizer
-from shardwise.parallel.zero3_hooks import LiveCount, Scheduler, Unit
-from shardwise.zero import full_value, is_partitioned, materialize_meta, sync_rng, unpartition
+from shardwise.parallel.zero.gathering import GatherScheduler, LiveCount, Unit
+from shardwise.parallel.zero.masters import rebuild_optimizer, shares_storage
+from shardwise.parallel.zero.partition import (
+    full_value,
+    is_partitioned,
+    materialize_meta,
+    sync_rng,
+    unpartition,
+)
 
 
 class Zero3Strategy:
@@ -93,9 +99,9 @@ class Zero3Strategy:
         return flat_layout(module, mesh, shards)
 
     def close(self) -> None:
-        for h in self.scheduler.handles:
+        for h in self.gather_scheduler.handles:
             h.remove()
-        self.scheduler.handles.clear()
+        self.gather_scheduler.handles.clear()
 
     def __init__(
         self,
@@ -127,7 +133,7 @@ class Zero3Strategy:
         for u in self.units:
             u.master = self._master(u.shard)
         self.optimizer = rebuild_optimizer(optimizer, self.units, group_of)
-        self.scheduler = Scheduler(
+        self.gather_scheduler = GatherScheduler(
             module, units_of, self.units, self.world, prefetch_elements, max_live
         )
         self.zero_grad()
@@ -231,7 +237,7 @@ class Zero3Strategy:
     def after_backward(self, sync: bool) -> None:
         """Finish this micro-step's reduce-scatters and release every gathered unit; on the
         boundary, all-reduce the persistent gradients (accumulated whole until then)."""
-        self.scheduler.finish_backward()
+        self.gather_scheduler.finish_backward()
         if sync:
             for u in self.units:
                 if u.persistent:

@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-from shardwise.parallel import random as tp_random
-from shardwise.parallel.tensor_comm import flat_chunk, unflat_gather
+from shardwise.parallel.tensor import random as tp_random
+from shardwise.parallel.tensor.comm import flat_chunk, unflat_gather
 
 
 def partitioned_checkpoint(

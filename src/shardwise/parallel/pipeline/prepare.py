@@ -19,9 +19,9 @@ from torch import nn
 
 from shardwise import comm
 from shardwise.config import Config, ConfigError
-from shardwise.parallel.parallelize import pattern_regex
 from shardwise.parallel.pipeline.module import PipelineModule
-from shardwise.parallel.pipeline.runner import PipelineRunner
+from shardwise.parallel.pipeline.train_batch import PipelineRunner
+from shardwise.parallel.tensor.parallelize import pattern_regex
 
 logger = logging.getLogger("shardwise")
 

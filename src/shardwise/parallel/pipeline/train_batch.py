@@ -3,7 +3,7 @@
 One ``train_batch`` on stage s of p, with m = gradient_accumulation_steps micro-batches:
 
     program = make_schedule(name, p, s, m)       # pure data (schedule.py)
-    executor.run(program)                        # forwards, backwards, p2p (runtime.py)
+    executor.run(program)                        # forwards, backwards, p2p (executor.py)
         ... REDUCE_GRADS   data-parallel reduction (the engine's gradient strategy)
             REDUCE_TIED    tied weights summed over their stages (tied.py)
             OPTIMIZER_STEP the engine's step: global norm over every stage, clip, update
@@ -25,12 +25,12 @@ from typing import Any
 import torch
 
 from shardwise import comm
-from shardwise.batches import data_or_loader
-from shardwise.parallel.data import broadcast_parameters
+from shardwise.batch_loop import data_or_loader
+from shardwise.parallel.data.reducer import broadcast_parameters
+from shardwise.parallel.pipeline.executor import StageExecutor
 from shardwise.parallel.pipeline.gather import gather_stages
 from shardwise.parallel.pipeline.meter import ActivationMeter
 from shardwise.parallel.pipeline.p2p import StageLink
-from shardwise.parallel.pipeline.runtime import StageExecutor
 from shardwise.parallel.pipeline.schedule import Op, inference, make_schedule
 from shardwise.parallel.pipeline.tied import TiedWeights
 

@@ -36,7 +36,7 @@ A = [Q | K | V]; a column layer splits each part, rank r holds [Q_r | K_r | V_r]
 q_r | k_r | v_r, which the attention reshapes into its local heads. GPT-2's ``Conv1D`` stores A
 itself (in, out) rather than W = A^T: ``transposed`` layers keep that storage.
 
-Every parameter records which box of the global (unsplit) tensor it holds (placement.py; a
+Every parameter records which box of the global (unsplit) tensor it holds (tensor/placement.py; a
 packed one, which is not one box, in the packed view).
 """
 
@@ -53,8 +53,7 @@ from torch import nn
 
 from shardwise import comm
 from shardwise.parallel.flat import ceil_div
-from shardwise.parallel.placement import packed_split_box, set_placement, split_box
-from shardwise.parallel.tensor_comm import (
+from shardwise.parallel.tensor.comm import (
     copy_to_tp,
     gather_from_sequence,
     gather_from_tp,
@@ -63,6 +62,7 @@ from shardwise.parallel.tensor_comm import (
     scatter_to_tp,
     sum_grad_over_tp,
 )
+from shardwise.parallel.tensor.placement import packed_split_box, set_placement, split_box
 
 
 class SharedInput:
