@@ -21,7 +21,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -40,7 +40,11 @@ from shardwise.parallel.tensor.consolidate import consolidate_tensor_parallel
 from shardwise.precision import LossScaler, compute_dtype
 
 if TYPE_CHECKING:  # annotations only
+    from shardwise.config import BatchSizes, Config
+    from shardwise.data import DistributedDataLoader
+    from shardwise.parallel.pipeline.train_batch import PipelineRunner
     from shardwise.parallel.strategy import GradientStrategy
+    from shardwise.precision import LossScaler
     from shardwise.topology import ProcessMesh
 
 logger = logging.getLogger("shardwise")
@@ -60,12 +64,12 @@ class Engine(ConfigAccessors, nn.Module):
         lr_scheduler: Any,
         strategy: GradientStrategy,
         mesh: ProcessMesh,
-        config: Any,
-        batch: Any,
-        training_dataloader: Any = None,
-        loss_fn: Any = None,
-        scaler: Any = None,
-        pipeline: Any = None,
+        config: Config,
+        batch: BatchSizes,
+        training_dataloader: DistributedDataLoader | None = None,
+        loss_fn: Callable[..., Any] | None = None,
+        scaler: LossScaler | None = None,
+        pipeline: PipelineRunner | None = None,
     ) -> None:
         super().__init__()
 
@@ -304,7 +308,7 @@ class Engine(ConfigAccessors, nn.Module):
     def save_checkpoint(
         self,
         save_dir: str,
-        tag: Any = None,
+        tag: str | int | None = None,
         client_state: dict | None = None,
         save_latest: bool = True,
         exclude_frozen_parameters: bool = False,
@@ -317,7 +321,7 @@ class Engine(ConfigAccessors, nn.Module):
     def load_checkpoint(
         self,
         load_dir: str,
-        tag: Any = None,
+        tag: str | int | None = None,
         load_module_strict: bool = True,
         load_optimizer_states: bool = True,
         load_lr_scheduler_states: bool = True,

@@ -14,10 +14,11 @@ from __future__ import annotations
 import argparse
 import logging
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.optim import Optimizer
 
 from shardwise import comm
 from shardwise.config import Config, ConfigError, parse_config
@@ -39,6 +40,9 @@ from shardwise.parallel.tensor.parallelize import parallelize, resolve_plan
 from shardwise.parallel.tensor.placement import get_placement
 from shardwise.precision import LossScaler, compute_dtype, fp16_master
 from shardwise.topology import ProcessMesh, Topology
+
+if TYPE_CHECKING:  # annotations only
+    from torch.optim import Optimizer
 
 logger = logging.getLogger("shardwise")
 
@@ -129,7 +133,7 @@ def _apply_tensor_parallel(
     cfg: Config,
     model: nn.Module,
     mesh: ProcessMesh,
-    optimizer: Any,
+    optimizer: Optimizer,
     runner: Any = None,
     model_parameters: list | None = None,
 ) -> list | None:
@@ -266,7 +270,7 @@ def _log_start(cfg: Config, mesh: ProcessMesh, batch: Any) -> None:
 
 
 def _build_optimizer(
-    cfg: Config, model: nn.Module, optimizer: Any, model_parameters: Iterable | None
+    cfg: Config, model: nn.Module, optimizer: Optimizer, model_parameters: Iterable | None
 ) -> torch.optim.Optimizer | None:
     params = list(model_parameters) if model_parameters is not None else None
     if params is None:
@@ -281,7 +285,7 @@ def _build_optimizer(
     return build_optimizer(cfg.optimizer, params, cpu_adam=fp16_master(cfg))
 
 
-def _build_scheduler(cfg: Config, opt: Any, lr_scheduler: Any) -> Any:
+def _build_scheduler(cfg: Config, opt: Optimizer, lr_scheduler: Any) -> Any:
     if lr_scheduler is not None:
         if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
             return lr_scheduler(opt)

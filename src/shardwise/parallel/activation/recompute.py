@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -40,6 +40,9 @@ from shardwise import comm
 from shardwise.config import ActivationCheckpointingConfig, Config, ConfigError, parse_config
 from shardwise.parallel.tensor import partitioned_activations as partitioned
 from shardwise.parallel.tensor import random as tp_random
+
+if TYPE_CHECKING:  # annotations only
+    from torch.distributed import ProcessGroup
 
 __all__ = [
     "checkpoint",
@@ -79,7 +82,10 @@ def checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
 
 
 def run_checkpointed(
-    function: Callable[..., Any], args: tuple, kwargs: dict, partition_group: Any = None
+    function: Callable[..., Any],
+    args: tuple,
+    kwargs: dict,
+    partition_group: ProcessGroup | None = None,
 ) -> Any:
     """:func:`checkpoint` with the group to partition the kept inputs over given explicitly
     (None, or a group of one rank: inputs kept whole)."""

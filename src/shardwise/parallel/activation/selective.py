@@ -23,13 +23,16 @@ from __future__ import annotations
 
 import fnmatch
 import types
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
 from shardwise.config import ConfigError
 from shardwise.parallel.activation.recompute import run_checkpointed
 from shardwise.rank_log import log_dist
+
+if TYPE_CHECKING:  # annotations only
+    from torch.distributed import ProcessGroup
 
 _INNER = "_shardwise_checkpointed_forward"  # the original forward, kept on the instance
 _GROUP = "_shardwise_checkpoint_group"  # partition_activations' group (or None), on the instance
@@ -39,7 +42,7 @@ def apply_activation_checkpointing(
     model: nn.Module,
     checkpoint_layers: str | list[str | int] | None,
     key: str = "checkpoint_layers",
-    partition_group: Any = None,
+    partition_group: ProcessGroup | None = None,
 ) -> list[str]:
     """Checkpoint the modules ``checkpoint_layers`` chooses; returns their names, in model order.
 
@@ -98,7 +101,7 @@ def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
 class GroupRef:
     """A process group held by a module: ``deepcopy(model)`` shares it (groups are not copied)."""
 
-    def __init__(self, group: Any) -> None:
+    def __init__(self, group: ProcessGroup | None) -> None:
         self.group = group
 
     def __deepcopy__(self, memo: dict) -> GroupRef:

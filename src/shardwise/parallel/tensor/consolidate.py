@@ -10,13 +10,16 @@ every rank's slice is one box, and reshaped back.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from shardwise import comm
 from shardwise.parallel.tensor.placement import Placement, get_placement
+
+if TYPE_CHECKING:  # annotations only
+    from torch.distributed import ProcessGroup
 
 
 def placements_by_name(module: nn.Module) -> dict[str, Placement]:
@@ -29,7 +32,9 @@ def placements_by_name(module: nn.Module) -> dict[str, Placement]:
     return out
 
 
-def gather_whole(local: torch.Tensor, placement: Placement, group: Any) -> torch.Tensor:
+def gather_whole(
+    local: torch.Tensor, placement: Placement, group: ProcessGroup | None
+) -> torch.Tensor:
     """The global tensor of ``placement.global_shape`` from every rank's box of it (assembled
     in the packed view when the tensor packs parts, then reshaped)."""
     world = comm.get_world_size(group)
@@ -49,7 +54,7 @@ def gather_whole(local: torch.Tensor, placement: Placement, group: Any) -> torch
 
 
 def consolidate_tensor_parallel(
-    state: dict[str, torch.Tensor], module: nn.Module, group: Any
+    state: dict[str, torch.Tensor], module: nn.Module, group: ProcessGroup | None
 ) -> dict[str, torch.Tensor]:
     """``state`` (a state dict of ``module`` on one TP rank) with every split entry whole."""
     placements = placements_by_name(module)

@@ -45,7 +45,7 @@ from __future__ import annotations
 import math
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -63,6 +63,9 @@ from shardwise.parallel.tensor.comm import (
     sum_grad_over_tp,
 )
 from shardwise.parallel.tensor.placement import packed_split_box, set_placement, split_box
+
+if TYPE_CHECKING:  # annotations only
+    from torch.distributed import ProcessGroup
 
 
 class SharedInput:
@@ -153,7 +156,9 @@ class _ParallelLinear(nn.Module):
 
     split_dim = 0  # the dimension of W (out, in) this layer splits
 
-    def _setup(self, group: Any, in_f: int, out_f: int, bias: bool, factory: dict) -> None:
+    def _setup(
+        self, group: ProcessGroup | None, in_f: int, out_f: int, bias: bool, factory: dict
+    ) -> None:
         self.group, self.tp, self.tp_rank = group, comm.get_world_size(group), comm.get_rank(group)
         self.in_features, self.out_features = in_f, out_f
         full = (out_f, in_f)
@@ -178,7 +183,9 @@ class _ParallelLinear(nn.Module):
         return self.weight.t() if self.transposed else self.weight
 
     @classmethod
-    def from_linear(cls, linear: nn.Module, group: Any, **kwargs: Any) -> _ParallelLinear:
+    def from_linear(
+        cls, linear: nn.Module, group: ProcessGroup | None, **kwargs: Any
+    ) -> _ParallelLinear:
         """This rank's slice of ``linear`` (an nn.Linear or a Conv1D; weights copied)."""
         dims = linear_dims(linear)
         if dims is None:
@@ -262,7 +269,7 @@ class ColumnParallelLinear(_ParallelLinear):
         out_features: int,
         bias: bool = True,
         *,
-        group: Any = None,
+        group: ProcessGroup | None = None,
         gather_output: bool = False,
         sequence_parallel: bool = False,
         seq_dim: int = 1,
@@ -270,7 +277,7 @@ class ColumnParallelLinear(_ParallelLinear):
         shared_input: SharedInput | None = None,
         packs: int = 1,
         transposed: bool = False,
-        device: Any = None,
+        device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         name: str = "ColumnParallelLinear",
     ) -> None:
@@ -330,12 +337,12 @@ class RowParallelLinear(_ParallelLinear):
         out_features: int,
         bias: bool = True,
         *,
-        group: Any = None,
+        group: ProcessGroup | None = None,
         input_is_parallel: bool = True,
         sequence_parallel: bool = False,
         seq_dim: int = 1,
         transposed: bool = False,
-        device: Any = None,
+        device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         name: str = "RowParallelLinear",
     ) -> None:

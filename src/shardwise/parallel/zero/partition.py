@@ -38,11 +38,12 @@ How ``Init`` partitions (and what it means for the random number generator):
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.distributed import ProcessGroup
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
@@ -51,6 +52,9 @@ from shardwise.config import parse_config
 from shardwise.launch.env import init_distributed
 from shardwise.parallel.flat import ceil_div
 from shardwise.precision import compute_dtype
+
+if TYPE_CHECKING:  # annotations only
+    from torch.distributed import ProcessGroup
 
 __all__ = ["GatheredParameters", "Init", "full_value", "is_partitioned"]
 
@@ -61,7 +65,9 @@ def is_partitioned(p: torch.Tensor) -> bool:
     return hasattr(p, "ds_tensor")
 
 
-def partition(p: nn.Parameter, group: Any = None, dtype: torch.dtype | None = None) -> None:
+def partition(
+    p: nn.Parameter, group: ProcessGroup | None = None, dtype: torch.dtype | None = None
+) -> None:
     """Keep only this rank's shard of ``p`` (see the module docstring for the layout)."""
     if is_partitioned(p):
         return
@@ -104,7 +110,7 @@ def _repartition(p: nn.Parameter) -> None:
 
 
 # ----------------------------------------------------------------------------- RNG, meta
-def sync_rng(group: Any = None) -> torch.Tensor | None:
+def sync_rng(group: ProcessGroup | None = None) -> torch.Tensor | None:
     """Every rank takes the CPU RNG state of the group's rank 0. Returns this rank's previous
     state if it differed (so that a caller can give it back), else None."""
     if comm.get_world_size(group) == 1:
@@ -152,7 +158,7 @@ def materialize_meta(module: nn.Module, device: torch.device | None = None) -> N
 _INPLACE_DUNDERS = {"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__"}
 
 
-def _writes(func: Any) -> bool:
+def _writes(func: Callable[..., Any]) -> bool:
     """In-place by PyTorch's naming: ``normal_``, ``Tensor.fill_``, ``p[i] = x``..."""
     name = getattr(func, "__name__", "")
     return name in _INPLACE_DUNDERS or (name.endswith("_") and not name.startswith("_"))
@@ -169,7 +175,7 @@ class _WriteThrough(TorchFunctionMode):
     numbers; only writes are caught (a read on one rank alone must not start a collective)."""
 
     def __torch_function__(
-        self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
+        self, func: Callable[..., Any], types: Any, args: tuple = (), kwargs: dict | None = None
     ) -> Any:
         kwargs = kwargs or {}
         hit = list({id(t): t for t in tree_leaves((args, kwargs)) if _released(t)}.values())
@@ -199,7 +205,7 @@ class Init:
     def __init__(
         self,
         module: nn.Module | None = None,
-        data_parallel_group: Any = None,
+        data_parallel_group: ProcessGroup | None = None,
         mem_efficient_linear: bool = True,
         remote_device: str | None = None,
         pin_memory: bool = False,
@@ -208,10 +214,10 @@ class Init:
         enabled: bool = True,
         dtype: torch.dtype | None = None,
         mpu: Any = None,
-        zero_param_parallel_group: Any = None,
+        zero_param_parallel_group: ProcessGroup | None = None,
         zero_quantized_weights: bool = False,
         zero_quantized_nontrainable_weights: bool = False,
-        sequence_data_parallel_group: Any = None,
+        sequence_data_parallel_group: ProcessGroup | None = None,
         param_swapper: Any = None,
     ) -> None:
         refused = {
@@ -315,7 +321,7 @@ def _config_dtype(source: Any) -> torch.dtype | None:
     return compute_dtype(parse_config(source))
 
 
-def _gathered_apply(self: nn.Module, fn: Any) -> nn.Module:
+def _gathered_apply(self: nn.Module, fn: Callable[..., Any]) -> nn.Module:
     """``nn.Module.apply`` under ``Init``: each module's own parameters are whole around
     ``fn(module)``; every rank computes the same values and keeps its shard of them."""
     for child in self.children():

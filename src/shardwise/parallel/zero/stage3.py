@@ -46,7 +46,7 @@ forward hooks again, which gather the units it needs (tests/test_activation_chec
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -65,6 +65,13 @@ from shardwise.parallel.zero.partition import (
     unpartition,
 )
 
+if TYPE_CHECKING:  # annotations only
+    from torch.distributed import ProcessGroup
+    from torch.optim import Optimizer
+
+    from shardwise.config.zero import ZeroConfig
+    from shardwise.topology import ProcessMesh
+
 
 class Zero3Strategy:
     """The engine's gradient strategy for ZeRO stage 3 (see engine.py for the protocol)."""
@@ -82,7 +89,9 @@ class Zero3Strategy:
         device = offload_device(ctx.config)
         return cls.from_config(ctx.model, opt, zero, ctx.mesh.dp_group, device)
 
-    def checkpoint_layout(self, module: nn.Module, optimizer: Any, mesh: Any) -> Layout:
+    def checkpoint_layout(
+        self, module: nn.Module, optimizer: Optimizer, mesh: ProcessMesh
+    ) -> Layout:
         """Parameters, masters and states all flat shards of each unit (a persistent unit:
         one whole shard, replicated over DP); parameters outside the units whole."""
         shards = [
@@ -107,7 +116,7 @@ class Zero3Strategy:
         self,
         module: nn.Module,
         optimizer: torch.optim.Optimizer,
-        group: Any = None,
+        group: ProcessGroup | None = None,
         offload_device: torch.device | None = None,
         param_offload_device: torch.device | None = None,
         pin_memory: bool = False,
@@ -143,8 +152,8 @@ class Zero3Strategy:
         cls,
         module: nn.Module,
         optimizer: torch.optim.Optimizer,
-        zero: Any,
-        group: Any = None,
+        zero: ZeroConfig,
+        group: ProcessGroup | None = None,
         offload_device: torch.device | None = None,
     ) -> Zero3Strategy:
         """From the ``zero_optimization`` block (config.zero.ZeroConfig)."""
@@ -261,7 +270,7 @@ class Zero3Strategy:
         part = 0 if u.persistent else self.rank
         return [u.grad_shard[at : at + n] for j, _, at, n in u.layout.overlaps(part) if j == i]
 
-    def step(self, optimizer: Any, coef: float) -> None:
+    def step(self, optimizer: Optimizer, coef: float) -> None:
         """Step the fp32 master shards with gradients * coef; write them into the parameter
         shards. No communication: the next forward gathers the new values."""
         for u in self.units:
