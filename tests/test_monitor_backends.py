@@ -77,14 +77,17 @@ def wandb_records(path: str) -> list:
 
 
 def _records_with_run(path: str, wait_s: float = 20.0) -> list:
-    """The file's records once its run record is there: wandb's service process writes the
-    transaction log, and on a loaded machine it was seen to land after ``finish()`` returned."""
+    """The file's records once the run's exit record is there: wandb's service process writes
+    the transaction log, and on a loaded machine the records were seen to land after
+    ``finish()`` returned."""
     deadline = time.monotonic() + wait_s
     while True:
         records = wandb_records(path)
         kinds = [r.WhichOneof("record_type") for r in records]
-        if "run" in kinds or time.monotonic() > deadline:
-            assert "run" in kinds, f"{path}: {os.path.getsize(path)} bytes, records {kinds}"
+        if "exit" in kinds or time.monotonic() > deadline:
+            assert "run" in kinds and "exit" in kinds, (
+                f"{path}: {os.path.getsize(path)} bytes, records {kinds}"
+            )
             return records
         time.sleep(0.5)
 
