@@ -15,6 +15,7 @@ reaches the master and says so.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 
@@ -51,7 +52,12 @@ def _run_two_hosts(hosts, out, nproc: int, extra: tuple, flavour: str) -> list[s
         cmd = hosts.command(i, argv, flavour)
         procs.append(
             subprocess.Popen(
-                cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+                cmd,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                start_new_session=True,  # a timeout kills the host's launcher and workers
             )
         )
     logs = []
@@ -60,7 +66,7 @@ def _run_two_hosts(hosts, out, nproc: int, extra: tuple, flavour: str) -> list[s
             logs.append(p.communicate(timeout=300)[0])
         except subprocess.TimeoutExpired:
             for q in procs:
-                q.kill()
+                os.killpg(q.pid, signal.SIGKILL)
             raise
     codes = [p.returncode for p in procs]
     assert codes == [0, 0], f"exit codes {codes}:\n" + "\n---\n".join(x[-3000:] for x in logs)
