@@ -13,8 +13,10 @@ does one that silently started over, since the log must name the checkpoint it r
   run and named in every message; ``SHARDWISE_PREEMPT_SEED`` replays a draw.
 * SIGTERM to the launcher: the workers finish their step, save it, and the launcher exits 75
   with one line, no traceback; the same command resumes from that step.
+* SIGKILL to the launcher: its workers get SIGTERM (their parent-death signal) and save.
 * SIGTERM to one worker only: every rank stops after the same step (they agree by an
   all-reduce), and the launcher still exits 75.
+* SIGTERM to workers that cannot save (no engine): the launcher exits 143, in one line.
 """
 
 from __future__ import annotations
@@ -134,6 +136,25 @@ def test_sigterm_to_the_launcher_saves_the_step_and_exits_75(tmp_path):
     assert again.returncode == 0, again.stderr[-3000:]
     assert _resumed_from(again.stderr, folder) == [step], again.stderr[-3000:]
     _same_weights(folder, f"dp2, SIGTERM to the launcher at step {at_signal}")
+
+
+def test_the_workers_of_a_sigkilled_launcher_save_their_step(tmp_path):
+    """Their parent-death signal is SIGTERM (launch/guard.py): with a save_dir they save the
+    step it interrupts (no interval saves here: any checkpoint is that one)."""
+    folder = tmp_path / "dp2"
+    args = [str(tmp_path), "dp2", "--steps", "40", "--interval", "1000", "--sleep", "0.2"]
+    launcher = subprocess.Popen(_cmd(*args), env=_env(), stderr=subprocess.DEVNULL)
+    try:
+        at_kill = _wait_for_step(folder / "progress", 3, launcher, 90)
+    finally:
+        launcher.kill()
+        launcher.wait(10)
+    latest = folder / "ckpts" / "latest"
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not latest.exists():
+        time.sleep(0.1)
+    saved = latest.read_text() if latest.exists() else "nothing"
+    assert saved in {f"global_step{s}" for s in range(at_kill, 40)}, f"killed at step {at_kill}"
 
 
 def test_sigterm_to_one_worker_stops_every_rank_after_the_same_step(tmp_path):
