@@ -22,7 +22,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import shardwise
-from shardwise.parallel.random import get_rng_tracker
+from shardwise.parallel.tensor.random import get_rng_tracker
 
 SAMPLES = 20  # a few global batches: every run below crosses an epoch boundary
 

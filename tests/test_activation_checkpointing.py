@@ -27,9 +27,10 @@ from torch import nn
 
 import shardwise
 from shardwise.checkpointing import checkpoint
-from shardwise.parallel import random as tp_random
-from shardwise.parallel.activation import apply_activation_checkpointing, is_checkpointed
-from shardwise.parallel.random import TP_STREAM, RNGStatesTracker
+from shardwise.parallel.activation import recompute  # configure() keeps its state there
+from shardwise.parallel.activation.selective import apply_activation_checkpointing, is_checkpointed
+from shardwise.parallel.tensor import random as tp_random
+from shardwise.parallel.tensor.random import TP_STREAM, RNGStatesTracker
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "gpt"))
 from model import GPT, GPTConfig  # noqa: E402
@@ -221,7 +222,7 @@ def test_deepspeed_seeding_names_reach_the_tracker(monkeypatch, default_tracker)
     import shardwise.checkpointing as ckpt
 
     assert ckpt.get_cuda_rng_tracker() is default_tracker
-    monkeypatch.setattr(ckpt, "_state", {"block": None, "mpu": None})
+    monkeypatch.setattr(recompute, "_state", {"block": None, "mpu": None})
     tracker = ckpt.get_cuda_rng_tracker()
     want = torch.Generator().manual_seed(5 + tp_random.TP_SEED_OFFSET + 1).get_state()
     ckpt.model_parallel_cuda_manual_seed(5, tp_rank=1)
@@ -235,8 +236,8 @@ def test_deepspeed_seeding_names_reach_the_tracker(monkeypatch, default_tracker)
     ckpt.model_parallel_cuda_manual_seed(5)
     assert torch.equal(tracker.get_states()[TP_STREAM]["cpu"], want), "rank from configure(mpu)"
     ckpt.configure(None)
-    monkeypatch.setattr(ckpt.dist, "is_initialized", lambda: True)
-    monkeypatch.setattr(ckpt.dist, "get_world_size", lambda: 4)
+    monkeypatch.setattr(recompute.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(recompute.dist, "get_world_size", lambda: 4)
     with pytest.raises(ValueError, match="tp_rank=engine.mesh.tp_rank"):
         ckpt.model_parallel_cuda_manual_seed(5)
 
@@ -421,7 +422,7 @@ def test_partition_activations_with_one_tensor_parallel_rank_changes_nothing():
 def test_configure_takes_deepspeeds_arguments_and_refuses_what_it_lacks(monkeypatch):
     import shardwise.checkpointing as ckpt
 
-    monkeypatch.setattr(ckpt, "_state", {"block": None, "mpu": None})
+    monkeypatch.setattr(recompute, "_state", {"block": None, "mpu": None})
     assert not ckpt.is_configured()
     config = {
         "train_batch_size": 8,
@@ -431,8 +432,8 @@ def test_configure_takes_deepspeeds_arguments_and_refuses_what_it_lacks(monkeypa
         None, deepspeed_config=config, num_checkpoints=4, synchronize=True, profile=False
     )
     assert ckpt.is_configured()
-    assert ckpt._state["block"].number_checkpoints == 4
-    assert ckpt._state["block"].contiguous_memory_optimization
+    assert recompute._state["block"].number_checkpoints == 4
+    assert recompute._state["block"].contiguous_memory_optimization
     ckpt.reset()
     with pytest.raises(shardwise.ConfigError, match="checkpoint_in_cpu") as err:
         ckpt.configure(None, checkpoint_in_cpu=True)
@@ -443,6 +444,6 @@ def test_configure_takes_deepspeeds_arguments_and_refuses_what_it_lacks(monkeypa
         )
     # Accepted; without an mpu there is no group to split over (test_partition_activations.py).
     ckpt.configure(None, partition_activations=True)
-    assert ckpt._state["block"].partition_activations
+    assert recompute._state["block"].partition_activations
     with pytest.raises(shardwise.ConfigError, match="number_checkpoints"):
         ckpt.configure(None, num_checkpoints=0)

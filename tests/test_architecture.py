@@ -5,6 +5,9 @@
   with the world's timeout and a name for errors.
 * No import cycle between shardwise modules (module-level imports): a cycle makes import order
   matter and pushes imports into functions.
+* The mechanism lives in ``parallel/`` (one folder per capability); the DeepSpeed-named modules at
+  the root (``zero``, ``checkpointing``, ``pipe``, ``utils``, ``runtime``) only give it DeepSpeed's
+  names, so ``parallel/`` never imports them (else the surface and the mechanism would tangle).
 """
 
 from __future__ import annotations
@@ -109,4 +112,55 @@ def test_every_process_group_is_made_in_topology():
     assert set(makers) == {"shardwise.topology"}, (
         f"process groups made outside topology.py: {sorted(set(makers) - {'shardwise.topology'})}"
         " (ask the ProcessMesh: group_of, stage_group, tied_group)"
+    )
+
+
+DEEPSPEED_SURFACE = (
+    "shardwise.zero",
+    "shardwise.checkpointing",
+    "shardwise.pipe",
+    "shardwise.utils",
+    "shardwise.runtime",
+)
+CAPABILITIES = ("data", "zero", "tensor", "pipeline", "activation")
+
+
+def _deps_of(prefix: str) -> dict[str, set[str]]:
+    mods = _modules()
+    known = set(mods)
+    return {
+        mod: {d for node in ast.walk(tree) for d in _imported(mod, path, node, known)}
+        for mod, (path, tree) in mods.items()
+        if mod.startswith(prefix)
+    }
+
+
+def test_parallel_never_imports_the_deepspeed_named_surface():
+    bad = {
+        mod: sorted(d for d in deps if d.startswith(DEEPSPEED_SURFACE))
+        for mod, deps in _deps_of("shardwise.parallel").items()
+    }
+    bad = {mod: deps for mod, deps in bad.items() if deps}
+    assert not bad, f"parallel/ imports the DeepSpeed-named surface (import the mechanism): {bad}"
+
+
+def test_surface_modules_only_re_export():
+    """The DeepSpeed-named root modules define no function or class of their own."""
+    for name in ("zero", "checkpointing", "utils"):
+        tree = ast.parse((PACKAGE / f"{name}.py").read_text())
+        defined = [
+            node.name
+            for node in tree.body
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef))
+        ]
+        assert not defined, f"shardwise/{name}.py defines {defined}: move them into the mechanism"
+
+
+def test_parallel_is_one_folder_per_capability():
+    folders = sorted(p.name for p in (PACKAGE / "parallel").iterdir() if p.is_dir())
+    folders = [f for f in folders if f != "__pycache__"]
+    assert folders == sorted(CAPABILITIES), f"parallel/ holds {folders}"
+    loose = sorted(p.name for p in (PACKAGE / "parallel").glob("*.py"))
+    assert loose == ["__init__.py", "flat.py", "remap.py", "strategies.py", "strategy.py"], (
+        f"parallel/ files outside a capability folder: {loose} (only what several capabilities share stays)"
     )

@@ -15,7 +15,7 @@ checkpointing.py's PipelineModule ("pipe"), whose single-process side is the sam
 stage; PP x TP rows split its blocks by PIPE_PLAN. Adding a layout or a pair is one line.
 
 Also here: each rank reads only its shard (ZeRO-3 on 4 ranks reads a quarter), and tensor-
-parallel boxes (placement.py) load into the whole tensor and back, without processes.
+parallel boxes (tensor/placement.py) load into the whole tensor and back, without processes.
 """
 
 import json
@@ -31,9 +31,9 @@ from shardwise.checkpoint.layouts import layout_of
 from shardwise.checkpoint.optim_state import optim_pieces, optim_targets
 from shardwise.checkpoint.pieces import Piece
 from shardwise.checkpoint.reshard import PieceReader, fill
-from shardwise.parallel.data import LocalGradients
-from shardwise.parallel.placement import set_placement
-from shardwise.parallel.zero import ZeroStrategy
+from shardwise.parallel.data.reducer import LocalGradients
+from shardwise.parallel.tensor.placement import set_placement
+from shardwise.parallel.zero.stage12 import ZeroStrategy
 
 BF16 = {"enabled": True}
 Z3 = {"stage": 3, "stage3_param_persistence_threshold": 40}  # biases whole, weights sharded

@@ -84,7 +84,7 @@ def test_heads_inferred_from_local_weight():
 
 
 def test_tp_plan_names_real_modules():
-    from shardwise.parallel.parallelize import STYLES, match_plan
+    from shardwise.parallel.tensor.parallelize import STYLES, match_plan
 
     model = tiny()
     names = {n for n, _ in model.named_modules()}
@@ -122,7 +122,7 @@ def test_pipeline_form_is_the_gpt():
 
 def test_pipeline_tp_plan_names_real_modules():
     """GPT.tp_plan renamed for the pipeline hits the same modules, one pattern each."""
-    from shardwise.parallel.parallelize import match_plan
+    from shardwise.parallel.tensor.parallelize import match_plan
 
     model = tiny()
     on_gpt = match_plan(model, M.GPT.tp_plan)

@@ -7,6 +7,7 @@ environment says every rank is here, never over the user's own choice, never for
 """
 
 import os
+import socket
 import subprocess
 import sys
 
@@ -56,3 +57,20 @@ def test_init_distributed_pins_before_the_first_group():
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == LO, f"one process, no launcher: {out.stdout!r}"
+
+
+@pytest.mark.parametrize("one_node", [True, False], ids=["one node", "several nodes"])
+def test_the_launcher_asks_dns_for_its_name_at_most_once(monkeypatch, one_node):
+    """torchrun's agent stamps each event with a reverse lookup of the host name (seven per
+    two-worker launch); ``shardwise run`` makes that one lookup, or none on one node."""
+    from torch.distributed.elastic.agent.server import api as agent_api
+
+    from shardwise.launch.hostname import resolve_hostname_once
+
+    lookups = []
+    monkeypatch.setattr(agent_api, "_get_fq_hostname", lambda: lookups.append(1) or "n1.example")
+    assert resolve_hostname_once(one_node=one_node), "this torch's agent has the helper"
+    names = {agent_api._get_fq_hostname() for _ in range(7)}
+    want = {socket.gethostname()} if one_node else {"n1.example"}
+    assert names == want, f"one_node={one_node}: {names}"
+    assert len(lookups) == (0 if one_node else 1), f"one_node={one_node}: {len(lookups)} lookups"

@@ -14,6 +14,7 @@ import glob
 import json
 import os
 import sys
+import time
 import zipfile
 
 import pytest
@@ -75,6 +76,22 @@ def wandb_records(path: str) -> list:
     return records
 
 
+def _records_with_run(path: str, wait_s: float = 20.0) -> list:
+    """The file's records once the run's exit record is there: wandb's service process writes
+    the transaction log, and on a loaded machine the records were seen to land after
+    ``finish()`` returned."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        records = wandb_records(path)
+        kinds = [r.WhichOneof("record_type") for r in records]
+        if "exit" in kinds or time.monotonic() > deadline:
+            assert "run" in kinds and "exit" in kinds, (
+                f"{path}: {os.path.getsize(path)} bytes, records {kinds}"
+            )
+            return records
+        time.sleep(0.5)
+
+
 def test_wandb_writes_deepspeeds_events_to_an_offline_run(tmp_path):
     pytest.importorskip("wandb", reason="wandb is not installed (pip install shardwise[wandb])")
     block = {"wandb": {"enabled": True, "project": "proj", "group": "grp", "team": "team-a"}}
@@ -83,7 +100,7 @@ def test_wandb_writes_deepspeeds_events_to_an_offline_run(tmp_path):
     assert [g["writers"] for g in got] == [1, 0], "rank 0 alone writes"
     runs = glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb"))
     assert len(runs) == 1, runs
-    records = wandb_records(runs[0])
+    records = _records_with_run(runs[0])
     run = next(r.run for r in records if r.WhichOneof("record_type") == "run")
     assert (run.project, run.run_group, run.entity) == ("proj", "grp", "team-a")
     rows = [

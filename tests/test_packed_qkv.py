@@ -5,7 +5,7 @@ GPT-2 stores its layers as ``Conv1D`` (weight A of shape (in, out), y = x A + b)
 k and v with one of them, ``c_attn``, whose 3C outputs are q | k | v end to end. Split by plain
 columns, TP rank 0 would get q and half of k; ``packed_colwise`` gives every rank the same slice
 of each part (q_r | k_r | v_r), which is not one box of the global tensor. Such a parameter
-records its place in the *packed view* (placement.py: the out dimension 3C seen as (3, C)),
+records its place in the *packed view* (tensor/placement.py: the out dimension 3C seen as (3, C)),
 and checkpoints cut it into plain boxes (``reshard.plain_pieces``), so a checkpoint saved
 under one layout loads into any other, and exports are the model's own tensors.
 
@@ -30,8 +30,8 @@ from models import rank_slice  # noqa: E402
 import shardwise  # noqa: E402
 from shardwise.checkpoint.pieces import Piece  # noqa: E402
 from shardwise.checkpoint.reshard import PieceReader, fill, plain_pieces  # noqa: E402
-from shardwise.parallel.placement import packed_split_box  # noqa: E402
-from shardwise.parallel.tensor import _local_packed  # noqa: E402
+from shardwise.parallel.tensor.layers import _local_packed  # noqa: E402
+from shardwise.parallel.tensor.placement import packed_split_box  # noqa: E402
 
 ROWS, LR, STEPS = 4, 0.1, 3  # ROWS: the global batch of every step, in every layout
 # name: (processes, tensor-parallel size, zero stage)

@@ -28,9 +28,9 @@ from models import example_module
 from torch import nn
 
 from shardwise import comm
-from shardwise.parallel import random as tp_random
-from shardwise.parallel.parallelize import match_plan, parallelize, resolve_plan
-from shardwise.parallel.placement import get_placement
+from shardwise.parallel.tensor import random as tp_random
+from shardwise.parallel.tensor.parallelize import match_plan, parallelize, resolve_plan
+from shardwise.parallel.tensor.placement import get_placement
 
 ATOL = 2e-6
 B, T, V = 2, 8, 13  # V divisible by neither 2 nor 4: the vocabulary padding is exercised

@@ -20,9 +20,9 @@ from models import example_module
 
 import shardwise
 from shardwise import comm
-from shardwise.parallel import random as tp_random
-from shardwise.parallel.activation import apply_activation_checkpointing
-from shardwise.parallel.parallelize import parallelize
+from shardwise.parallel.activation.selective import apply_activation_checkpointing
+from shardwise.parallel.tensor import random as tp_random
+from shardwise.parallel.tensor.parallelize import parallelize
 
 B, T, C, LAYERS = 2, 8, 16, 3
 MODES = ("no checkpointing", "checkpointing", "partitioned")
@@ -154,8 +154,9 @@ class _Mpu:
 def deepspeed_style(partition: bool) -> dict:
     """DeepSpeed's call path: configure(mpu, partition_activations=...), then checkpoint()."""
     import shardwise.checkpointing as ckpt
+    from shardwise.parallel.activation import recompute  # where configure() keeps its state
 
-    before = dict(ckpt._state)
+    before = dict(recompute._state)
     try:
         ckpt.configure(_Mpu(), partition_activations=partition)
         torch.manual_seed(0)
@@ -166,7 +167,7 @@ def deepspeed_style(partition: bool) -> dict:
         gathers = comm.stats().get("all_gather", {}).get("calls", 0)
         return {"gathers": gathers, "grad": x.grad}
     finally:
-        ckpt._state.update(before)
+        recompute._state.update(before)
 
 
 def deepspeed_style_on_and_off() -> tuple:

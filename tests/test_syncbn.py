@@ -21,7 +21,11 @@ from harness import run_distributed
 from torch import nn
 
 from shardwise import comm
-from shardwise.parallel.syncbn import SyncBatchNorm, _SyncBatchNormFunction, convert_sync_batchnorm
+from shardwise.parallel.data.syncbn import (
+    SyncBatchNorm,
+    _SyncBatchNormFunction,
+    convert_sync_batchnorm,
+)
 from shardwise.topology import new_subgroup
 
 BN = {2: nn.BatchNorm1d, 3: nn.BatchNorm1d, 4: nn.BatchNorm2d, 5: nn.BatchNorm3d}

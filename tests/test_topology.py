@@ -272,7 +272,7 @@ def _group_timeouts() -> dict:
 
     mesh = ProcessMesh.create(Topology.build(4, tp=2))
     out = {"world": world_timeout().total_seconds()}
-    for axis in ("dp", "tp", "mp"):
+    for axis in ("dp", "tp", "model_parallel"):
         group = mesh.groups[axis]
         backend = group._get_backend(torch.device("cpu"))
         out[axis] = (backend.options._timeout.total_seconds(), group.group_desc)
@@ -286,7 +286,7 @@ def test_every_mesh_group_has_the_worlds_timeout_and_a_name():
     for rank, got in enumerate(run_distributed(_group_timeouts, 4)):
         world = got.pop("world")
         assert world < 1800, f"rank {rank}: the harness gives its world a short timeout: {world}"
-        names = {"dp": "data", "tp": "tensor", "mp": "model-parallel"}
+        names = {"dp": "data", "tp": "tensor", "model_parallel": "model-parallel"}
         for axis, (timeout, name) in got.items():
             assert timeout == world, (
                 f"rank {rank} {axis} group: timeout {timeout} s, world {world} s"

@@ -20,8 +20,8 @@ from hf_models import decay_groups, make_hf_model  # noqa: E402
 from test_hf_models import CLIP, LR, MB, assert_matches, reference, train_engine  # noqa: E402
 
 import shardwise  # noqa: E402
-from shardwise.parallel.hf_styles import REFUSED, TRANSLATED  # noqa: E402
-from shardwise.parallel.parallelize import STYLES, match_plan, resolve_plan  # noqa: E402
+from shardwise.parallel.tensor.hf_styles import REFUSED, TRANSLATED  # noqa: E402
+from shardwise.parallel.tensor.parallelize import STYLES, match_plan, resolve_plan  # noqa: E402
 
 DECAY = 0.01  # hf_models.decay_groups' default
 PARAM_LISTS = {

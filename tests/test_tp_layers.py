@@ -21,9 +21,9 @@ import torch.nn.functional as F
 from harness import run_distributed
 
 from shardwise import comm
-from shardwise.parallel.placement import get_placement
-from shardwise.parallel.tensor import ColumnParallelLinear, RowParallelLinear
-from shardwise.parallel.vocab import (
+from shardwise.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
+from shardwise.parallel.tensor.placement import get_placement
+from shardwise.parallel.tensor.vocab import (
     VocabParallelCrossEntropyLoss,
     VocabParallelEmbedding,
     vocab_parallel_cross_entropy,

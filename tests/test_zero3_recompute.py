@@ -120,7 +120,7 @@ def train(kind: str, flavour: str) -> dict:
             total = loss.detach().clone()
             shardwise.comm.all_reduce(total, group=engine.mesh.dp_group)
             losses.append(total.item() / n)
-            held.append(sum(u.full is not None for u in engine.strategy.scheduler.units))
+            held.append(sum(u.full is not None for u in engine.strategy.gather_scheduler.units))
     params = engine.consolidated_state_dict()
     return {"losses": losses, "held": held, "params": params}
 
@@ -194,7 +194,7 @@ def test_checkpoint_layers_turns_hugging_face_kv_cache_off():
     """A recompute with ``use_cache`` on would append every key/value a second time: 16 tokens
     end with 32 cached positions. Checkpointing sets it off, as Hugging Face does, and the
     gradients equal the run without checkpointing (bit for bit: same kernels, same inputs)."""
-    from shardwise.parallel.activation import apply_activation_checkpointing
+    from shardwise.parallel.activation.selective import apply_activation_checkpointing
 
     data = batch("llama", 0, slice(0, ROWS))
     plain, ckpt = make_model("llama"), make_model("llama")

@@ -21,7 +21,7 @@ from torch.utils.data import Subset, TensorDataset
 
 import shardwise
 from shardwise.metrics import Accuracy, MeanMetric
-from shardwise.parallel.syncbn import SyncBatchNorm, convert_sync_batchnorm
+from shardwise.parallel.data.syncbn import SyncBatchNorm, convert_sync_batchnorm
 
 
 def parse_args() -> argparse.Namespace:

@@ -130,7 +130,7 @@ class Block(nn.Module):
 
 class GPT(nn.Module):
     # Tensor-parallel plan, Hugging Face style: module-name pattern -> style ("*" is a block
-    # index), applied by shardwise.parallel.parallelize. q/k/v split their output features
+    # index), applied by shardwise.parallel.tensor.parallelize. q/k/v split their output features
     # (each rank whole heads, see CausalSelfAttention), the output projections their input
     # features (then one all-reduce per sublayer); the embedding and the head split the
     # vocabulary, and the loss works on vocabulary-split logits without gathering them.

@@ -13,11 +13,15 @@ min(1, max_norm / (||g|| + 1e-6)), as torch.nn.utils.clip_grad_norm_ does.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
+from torch.distributed import ProcessGroup
 
 from shardwise import comm
+
+if TYPE_CHECKING:  # annotations only
+    from torch.distributed import ProcessGroup
 
 # The norm group of gradients that are complete on every rank: nothing to sum across ranks.
 LOCAL = "local"
@@ -36,7 +40,9 @@ def local_sq_sum(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
 
 
 def global_grad_norm(
-    owned: Iterable[torch.Tensor], group: Any = None, model_group: Any = None
+    owned: Iterable[torch.Tensor],
+    group: ProcessGroup | None = None,
+    model_group: ProcessGroup | None = None,
 ) -> float:
     """sqrt of the sum over ``group`` of each rank's owned squared gradient elements.
 

@@ -26,7 +26,7 @@ import collections
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -38,6 +38,8 @@ from shardwise.launch.env import init_distributed as _init
 from shardwise.monitor.comms import CommsLogger
 
 ReduceOp = dist.ReduceOp
+Group = dist.ProcessGroup | None  # None: the default group
+Op = ReduceOp.RedOpType  # ReduceOp.SUM, .MAX, ...
 _RECENT = 64
 
 
@@ -79,7 +81,7 @@ def reset_stats() -> None:
 
 
 def configure(
-    deepspeed_config: Any = None,
+    deepspeed_config: object = None,
     enabled: bool | None = None,
     prof_all: bool | None = None,
     prof_ops: list[str] | None = None,
@@ -93,10 +95,8 @@ def configure(
     cfg = getattr(deepspeed_config, "comms_logger", deepspeed_config)
     if cfg is None:
         cfg = _PROFILER.config if _PROFILER is not None else CommsLoggerConfig()
-    given = dict(
-        enabled=enabled, prof_all=prof_all, prof_ops=prof_ops, verbose=verbose, debug=debug
-    )
-    cfg = replace(cfg, **{k: v for k, v in given.items() if v is not None})
+    given = dict(enabled=enabled, prof_all=prof_all, prof_ops=prof_ops, verbose=verbose)
+    cfg = replace(cfg, **{k: v for k, v in {**given, "debug": debug}.items() if v is not None})
     kept = _PROFILER.records if _PROFILER is not None else {}
     _PROFILER = CommsLogger(cfg, kept) if cfg.enabled else None
 
@@ -129,15 +129,15 @@ def is_initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def get_world_size(group: Any = None) -> int:
+def get_world_size(group: Group = None) -> int:
     return dist.get_world_size(group) if is_initialized() else 1
 
 
-def get_rank(group: Any = None) -> int:
+def get_rank(group: Group = None) -> int:
     return dist.get_rank(group) if is_initialized() else 0
 
 
-def get_global_rank(group: Any, group_rank: int) -> int:
+def get_global_rank(group: Group, group_rank: int) -> int:
     """The global rank of ``group_rank`` inside ``group``."""
     if not is_initialized() or group is None:
         return group_rank
@@ -149,7 +149,7 @@ def get_local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", 0)))
 
 
-def barrier(group: Any = None) -> None:
+def barrier(group: Group = None) -> None:
     if get_world_size(group) > 1:
         _LOG.record("barrier", 0, 0, get_world_size(group))
         _issue("barrier", 0, get_world_size(group), False, dist.barrier, group=group)
@@ -169,12 +169,14 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _trivial(group: Any) -> tuple[bool, int]:
+def _trivial(group: Group) -> tuple[bool, int]:
     n = get_world_size(group)
     return n == 1, n
 
 
-def _issue(name: str, size: int, n: int, async_op: bool, fn: Any, /, *args: Any, **kw: Any) -> Any:
+def _issue(
+    name: str, size: int, n: int, async_op: bool, fn: Callable, /, *args: Any, **kw: Any
+) -> Any:
     """Call ``fn``; under the comms logger (``configure``), a profiled op runs blocking and its
     latency is booked (shardwise.monitor.comms), as DeepSpeed's ``timed_op`` does."""
     if async_op:
@@ -195,7 +197,7 @@ def _issue(name: str, size: int, n: int, async_op: bool, fn: Any, /, *args: Any,
 
 
 def all_reduce(
-    tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Any = None, async_op: bool = False
+    tensor: torch.Tensor, op: Op = ReduceOp.SUM, group: Group = None, async_op: bool = False
 ) -> Any:
     """In place: every rank ends with the reduction of all ranks' ``tensor``."""
     trivial, n = _trivial(group)
@@ -206,7 +208,7 @@ def all_reduce(
     return _issue("all_reduce", s, n, async_op, dist.all_reduce, tensor, op=op, group=group)
 
 
-def broadcast(tensor: torch.Tensor, src: int, group: Any = None, async_op: bool = False) -> Any:
+def broadcast(tensor: torch.Tensor, src: int, group: Group = None, async_op: bool = False) -> Any:
     """In place: every rank ends with global rank ``src``'s ``tensor``."""
     trivial, n = _trivial(group)
     if trivial:
@@ -219,8 +221,8 @@ def broadcast(tensor: torch.Tensor, src: int, group: Any = None, async_op: bool 
 def reduce(
     tensor: torch.Tensor,
     dst: int,
-    op: Any = ReduceOp.SUM,
-    group: Any = None,
+    op: Op = ReduceOp.SUM,
+    group: Group = None,
     async_op: bool = False,
 ) -> Any:
     """In place on global rank ``dst``: the reduction of all ranks' ``tensor``."""
@@ -233,7 +235,7 @@ def reduce(
 
 
 def all_gather_into_tensor(
-    output: torch.Tensor, input: torch.Tensor, group: Any = None, async_op: bool = False
+    output: torch.Tensor, input: torch.Tensor, group: Group = None, async_op: bool = False
 ) -> Any:
     """``output`` (N * input.numel()) = concatenation of every rank's ``input``, rank order."""
     trivial, n = _trivial(group)
@@ -247,7 +249,10 @@ def all_gather_into_tensor(
 
 
 def all_gather(
-    tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: Any = None, async_op: bool = False
+    tensor_list: list[torch.Tensor],
+    tensor: torch.Tensor,
+    group: Group = None,
+    async_op: bool = False,
 ) -> Any:
     """``tensor_list[i]`` = rank i's ``tensor``."""
     trivial, n = _trivial(group)
@@ -262,8 +267,8 @@ def all_gather(
 def reduce_scatter_tensor(
     output: torch.Tensor,
     input: torch.Tensor,
-    op: Any = ReduceOp.SUM,
-    group: Any = None,
+    op: Op = ReduceOp.SUM,
+    group: Group = None,
     async_op: bool = False,
 ) -> Any:
     """``output`` = rank r's 1/N slice of the reduction of every rank's ``input``."""
@@ -280,8 +285,8 @@ def reduce_scatter_tensor(
 def reduce_scatter(
     output: torch.Tensor,
     input_list: list[torch.Tensor],
-    op: Any = ReduceOp.SUM,
-    group: Any = None,
+    op: Op = ReduceOp.SUM,
+    group: Group = None,
     async_op: bool = False,
 ) -> Any:
     """``output`` = the reduction over ranks of their ``input_list[r]``."""
@@ -308,7 +313,7 @@ def gather(
     tensor: torch.Tensor,
     gather_list: list[torch.Tensor] | None = None,
     dst: int = 0,
-    group: Any = None,
+    group: Group = None,
 ) -> None:
     """On global rank ``dst``: ``gather_list[i]`` = rank i's ``tensor``."""
     trivial, n = _trivial(group)
@@ -326,7 +331,7 @@ def scatter(
     tensor: torch.Tensor,
     scatter_list: list[torch.Tensor] | None = None,
     src: int = 0,
-    group: Any = None,
+    group: Group = None,
 ) -> None:
     """Rank i receives ``scatter_list[i]`` of global rank ``src`` into ``tensor``."""
     trivial, n = _trivial(group)
@@ -347,7 +352,7 @@ def all_to_all_single(
     input: torch.Tensor,
     output_split_sizes: Sequence[int] | None = None,
     input_split_sizes: Sequence[int] | None = None,
-    group: Any = None,
+    group: Group = None,
     async_op: bool = False,
 ) -> Any:
     """Rank r sends its i-th chunk of ``input`` to rank i and receives into ``output``."""
@@ -366,25 +371,25 @@ def all_to_all_single(
 # ----------------------------------------------------------------------------- point to point
 
 
-def send(tensor: torch.Tensor, dst: int, group: Any = None, tag: int = 0) -> None:
+def send(tensor: torch.Tensor, dst: int, group: Group = None, tag: int = 0) -> None:
     """Blocking send to global rank ``dst``."""
     _LOG.record("send", _nbytes(tensor), _nbytes(tensor), 2)
     _issue("send", _nbytes(tensor), 2, False, dist.send, tensor, dst, group, tag)
 
 
-def recv(tensor: torch.Tensor, src: int | None = None, group: Any = None, tag: int = 0) -> int:
+def recv(tensor: torch.Tensor, src: int | None = None, group: Group = None, tag: int = 0) -> int:
     """Blocking receive from global rank ``src`` into ``tensor``; returns the sender."""
     _LOG.record("recv", _nbytes(tensor), 0, 2)
     return _issue("recv", _nbytes(tensor), 2, False, dist.recv, tensor, src, group, tag)
 
 
-def isend(tensor: torch.Tensor, dst: int, group: Any = None, tag: int = 0) -> Any:
+def isend(tensor: torch.Tensor, dst: int, group: Group = None, tag: int = 0) -> Any:
     _LOG.record("send", _nbytes(tensor), _nbytes(tensor), 2)
     # Timed to its posting only (comms_logger): waiting at once could deadlock a pipeline.
     return _issue("send", _nbytes(tensor), 2, False, dist.isend, tensor, dst, group, tag)
 
 
-def irecv(tensor: torch.Tensor, src: int | None = None, group: Any = None, tag: int = 0) -> Any:
+def irecv(tensor: torch.Tensor, src: int | None = None, group: Group = None, tag: int = 0) -> Any:
     _LOG.record("recv", _nbytes(tensor), 0, 2)
     return _issue("recv", _nbytes(tensor), 2, False, dist.irecv, tensor, src, group, tag)
 

@@ -3,8 +3,8 @@
 The engine itself holds no parallelism logic. It owns the step bookkeeping (micro steps,
 accumulation boundary, global steps, skipped steps) and delegates to a gradient strategy
 ``self.strategy`` (parallel/strategy.py: ``GradientStrategy``, the whole contract, and
-parallel/strategies.py: the table that picks one from the config), ``self.batches``
-for whole batches (``train_batch`` / ``eval_batch``: batches.MicroBatchLoop,
+parallel/strategies.py: the table that picks one from the config), ``self.batch_strategy``
+for whole batches (``train_batch`` / ``eval_batch``: batch_loop.MicroBatchLoop,
 or the pipeline's runner, which also makes ``forward/backward/step`` refuse), and to
 ``self.scaler`` (precision.LossScaler) for fp16's loss scale. The update:
 
@@ -21,14 +21,14 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from shardwise import clip, comm
-from shardwise.batches import MicroBatchLoop
+from shardwise.batch_loop import MicroBatchLoop
 from shardwise.checkpoint import engine_state
 from shardwise.checkpoint.autosave import AutoSave
 from shardwise.checkpoint.replicas import ReplicaWatch
@@ -37,11 +37,15 @@ from shardwise.engine_accessors import ConfigAccessors
 from shardwise.errors import EngineError
 from shardwise.memory import breakdown
 from shardwise.monitor import Monitor, progress_line
-from shardwise.parallel.consolidate import consolidate_tensor_parallel
+from shardwise.parallel.tensor.consolidate import consolidate_tensor_parallel
 from shardwise.precision import LossScaler, compute_dtype
 
 if TYPE_CHECKING:  # annotations only
+    from shardwise.config import BatchSizes, Config
+    from shardwise.data import DistributedDataLoader
+    from shardwise.parallel.pipeline.train_batch import PipelineRunner
     from shardwise.parallel.strategy import GradientStrategy
+    from shardwise.precision import LossScaler
     from shardwise.topology import ProcessMesh
 
 logger = logging.getLogger("shardwise")
@@ -61,17 +65,17 @@ class Engine(ConfigAccessors, nn.Module):
         lr_scheduler: Any,
         strategy: GradientStrategy,
         mesh: ProcessMesh,
-        config: Any,
-        batch: Any,
-        training_dataloader: Any = None,
-        loss_fn: Any = None,
-        scaler: Any = None,
-        pipeline: Any = None,
+        config: Config,
+        batch: BatchSizes,
+        training_dataloader: DistributedDataLoader | None = None,
+        loss_fn: Callable[..., Any] | None = None,
+        scaler: LossScaler | None = None,
+        pipeline: PipelineRunner | None = None,
     ) -> None:
         super().__init__()
 
-        self.pipeline = pipeline  # parallel/pipeline/runner.py when pipeline stages > 1
-        self.batches = pipeline if pipeline is not None else MicroBatchLoop()
+        self.pipeline = pipeline  # parallel/pipeline/train_batch.py when pipeline stages > 1
+        self.batch_strategy = pipeline if pipeline is not None else MicroBatchLoop()
         self.module = module
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
@@ -272,10 +276,10 @@ class Engine(ConfigAccessors, nn.Module):
     def train_batch(self, data_iter: Iterator | None = None) -> torch.Tensor:
         """One optimizer step over GAS micro-batches from ``data_iter``; the mean loss,
         averaged over the data-parallel group (the same value on every rank). Run by the
-        batch strategy: batches.MicroBatchLoop, or the pipeline's schedule. Every
+        batch strategy: batch_loop.MicroBatchLoop, or the pipeline's schedule. Every
         ``steps_per_print`` steps rank 0 logs DeepSpeed's line: steps, loss, time, samples/s."""
         start = time.perf_counter()
-        loss = self.batches.train_batch(self, data_iter)
+        loss = self.batch_strategy.train_batch(self, data_iter)
         if self.pipeline is not None:
             self._write_events(loss.item())
             self.replicas.after_batch(self)
@@ -290,7 +294,7 @@ class Engine(ConfigAccessors, nn.Module):
     def eval_batch(self, data_iter: Iterator | None, **kwargs: Any) -> Any:
         """The mean loss of GAS micro-batches without training, averaged over data ranks.
         With a pipeline: ``return_logits`` and ``num_micro_batches`` as DeepSpeed's."""
-        return self.batches.eval_batch(self, data_iter, **kwargs)
+        return self.batch_strategy.eval_batch(self, data_iter, **kwargs)
 
     # ------------------------------------------------------------------ state
     def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
@@ -310,7 +314,7 @@ class Engine(ConfigAccessors, nn.Module):
     def save_checkpoint(
         self,
         save_dir: str,
-        tag: Any = None,
+        tag: str | int | None = None,
         client_state: dict | None = None,
         save_latest: bool = True,
         exclude_frozen_parameters: bool = False,
@@ -323,7 +327,7 @@ class Engine(ConfigAccessors, nn.Module):
     def load_checkpoint(
         self,
         load_dir: str,
-        tag: Any = None,
+        tag: str | int | None = None,
         load_module_strict: bool = True,
         load_optimizer_states: bool = True,
         load_lr_scheduler_states: bool = True,

@@ -14,13 +14,13 @@ from __future__ import annotations
 import argparse
 import logging
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.optim import Optimizer
 
 from shardwise import comm
-from shardwise.checkpointing import refused_options
 from shardwise.config import Config, ConfigError, parse_config
 from shardwise.data import build_dataloader
 from shardwise.engine import Engine
@@ -28,17 +28,21 @@ from shardwise.launch.env import init_distributed
 from shardwise.lr_schedules import build_scheduler
 from shardwise.optim import build_optimizer
 from shardwise.parallel import remap
-from shardwise.parallel.activation import apply_activation_checkpointing
-from shardwise.parallel.data import broadcast_parameters
-from shardwise.parallel.hf_styles import decoder_sequence_parallel
-from shardwise.parallel.parallelize import parallelize, resolve_plan
-from shardwise.parallel.pipeline import setup as pipe
-from shardwise.parallel.pipeline.setup import stage_plan
-from shardwise.parallel.placement import get_placement
+from shardwise.parallel.activation.recompute import refused_options
+from shardwise.parallel.activation.selective import apply_activation_checkpointing
+from shardwise.parallel.data.reducer import broadcast_parameters
+from shardwise.parallel.pipeline import prepare as pipe
+from shardwise.parallel.pipeline.prepare import stage_plan
 from shardwise.parallel.strategies import build_strategy
 from shardwise.parallel.strategy import StrategyContext
+from shardwise.parallel.tensor.hf_styles import decoder_sequence_parallel
+from shardwise.parallel.tensor.parallelize import parallelize, resolve_plan
+from shardwise.parallel.tensor.placement import get_placement
 from shardwise.precision import LossScaler, compute_dtype, fp16_master
 from shardwise.topology import ProcessMesh, Topology
+
+if TYPE_CHECKING:  # annotations only
+    from torch.optim import Optimizer
 
 logger = logging.getLogger("shardwise")
 
@@ -130,7 +134,7 @@ def _apply_tensor_parallel(
     cfg: Config,
     model: nn.Module,
     mesh: ProcessMesh,
-    optimizer: Any,
+    optimizer: Optimizer,
     runner: Any = None,
     model_parameters: list | None = None,
 ) -> list | None:
@@ -267,7 +271,7 @@ def _log_start(cfg: Config, mesh: ProcessMesh, batch: Any) -> None:
 
 
 def _build_optimizer(
-    cfg: Config, model: nn.Module, optimizer: Any, model_parameters: Iterable | None
+    cfg: Config, model: nn.Module, optimizer: Optimizer, model_parameters: Iterable | None
 ) -> torch.optim.Optimizer | None:
     params = list(model_parameters) if model_parameters is not None else None
     if params is None:
@@ -282,7 +286,7 @@ def _build_optimizer(
     return build_optimizer(cfg.optimizer, params, cpu_adam=fp16_master(cfg))
 
 
-def _build_scheduler(cfg: Config, opt: Any, lr_scheduler: Any) -> Any:
+def _build_scheduler(cfg: Config, opt: Optimizer, lr_scheduler: Any) -> Any:
     if lr_scheduler is not None:
         if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
             return lr_scheduler(opt)

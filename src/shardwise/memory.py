@@ -12,9 +12,14 @@ formulas for Psi parameters on N ranks with Adam are then met up to padding:
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:  # annotations only
+    from torch.optim import Optimizer
+
+    from shardwise.parallel.strategy import GradientStrategy
 
 KINDS = ("params", "grads", "optimizer", "comm_buffers")
 
@@ -38,7 +43,7 @@ def _bytes(tensors: Iterable[torch.Tensor], seen: set) -> int:
     return total
 
 
-def default_tensors(module: torch.nn.Module, optimizer: Any) -> dict[str, list[torch.Tensor]]:
+def default_tensors(module: torch.nn.Module, optimizer: Optimizer) -> dict[str, list[torch.Tensor]]:
     """Model states when the user's optimizer steps the user's parameters."""
     params = [p.data for p in module.parameters()]
     grads = [p.grad for p in module.parameters() if p.grad is not None]
@@ -48,7 +53,9 @@ def default_tensors(module: torch.nn.Module, optimizer: Any) -> dict[str, list[t
     return {"params": params, "grads": grads, "optimizer": state, "comm_buffers": []}
 
 
-def breakdown(module: torch.nn.Module, optimizer: Any, strategy: Any) -> dict[str, int]:
+def breakdown(
+    module: torch.nn.Module, optimizer: Optimizer, strategy: GradientStrategy
+) -> dict[str, int]:
     """``{"params", "grads", "optimizer", "comm_buffers", "total"}`` in bytes, this rank."""
     tensors = default_tensors(module, optimizer)
     tensors.update(strategy.memory_tensors())

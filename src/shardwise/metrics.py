@@ -11,38 +11,45 @@ copies (metrics carry no gradient); the caller's tensor is never modified.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from shardwise import comm
 
+if TYPE_CHECKING:  # annotations only
+    from torch.distributed import ProcessGroup
+
 Number = int | float
 
 
-def _device(group: Any) -> torch.device:
+def _device(group: ProcessGroup | None) -> torch.device:
     """Where a reduction buffer must live for the group's backend (NCCL needs the GPU)."""
     if comm.is_initialized() and dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 
-def _as_buffer(value: Any, group: Any) -> torch.Tensor:
+def _as_buffer(value: object, group: ProcessGroup | None) -> torch.Tensor:
     if isinstance(value, torch.Tensor):
         dtype = value.dtype if value.is_floating_point() else torch.float64
         return value.detach().to(device=_device(group), dtype=dtype, copy=True)
     return torch.tensor(float(value), dtype=torch.float64, device=_device(group))
 
 
-def all_reduce_sum(value: Number | torch.Tensor, group: Any = None) -> float | torch.Tensor:
+def all_reduce_sum(
+    value: Number | torch.Tensor, group: ProcessGroup | None = None
+) -> float | torch.Tensor:
     """sum over ranks of ``value``: a float for a number, a new tensor for a tensor."""
     t = _as_buffer(value, group)
     comm.all_reduce(t, group=group)
     return t.to(value.device) if isinstance(value, torch.Tensor) else t.item()
 
 
-def all_reduce_mean(value: Number | torch.Tensor, group: Any = None) -> float | torch.Tensor:
+def all_reduce_mean(
+    value: Number | torch.Tensor, group: ProcessGroup | None = None
+) -> float | torch.Tensor:
     """(1/N) * sum over the N ranks of ``value``: the unweighted mean of per-rank values.
 
     With uneven shards the mean of per-rank means is not the global mean; use ``MeanMetric``
@@ -75,7 +82,7 @@ class _Ratio:
         """(numerator, denominator) of this rank alone."""
         return float(self._num), float(self._den)
 
-    def compute(self, group: Any = None) -> float:
+    def compute(self, group: ProcessGroup | None = None) -> float:
         """The global ratio over every rank of ``group`` (a collective; ``nan`` if empty)."""
         device = _device(group)
         pair = torch.stack(

@@ -105,7 +105,7 @@ def optimizer_class(name: str) -> type[Optimizer]:
     )
 
 
-def _is_optimizer(obj: Any) -> bool:
+def _is_optimizer(obj: object) -> bool:
     return inspect.isclass(obj) and issubclass(obj, Optimizer) and obj is not Optimizer
 
 

@@ -16,15 +16,20 @@ doubles.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from shardwise.config import ConfigError
 from shardwise.ops.adam import DeepSpeedCPUAdam
 
+if TYPE_CHECKING:  # annotations only
+    from torch.optim import Optimizer
 
-def compute_dtype(config: Any) -> torch.dtype:
+    from shardwise.config import Config
+
+
+def compute_dtype(config: Config) -> torch.dtype:
     """The dtype the model computes in under ``config`` (fp32 unless fp16/bf16 is enabled)."""
     if config.bf16.enabled:
         return torch.bfloat16
@@ -56,7 +61,7 @@ class LossScaler:
         self.last_overflow_iter = -1
 
     @classmethod
-    def from_config(cls, config: Any) -> LossScaler:
+    def from_config(cls, config: Config) -> LossScaler:
         fp16 = config.fp16
         if not fp16.enabled:
             return cls()  # bf16 and fp32: a static scale of 1
@@ -97,13 +102,13 @@ class LossScaler:
             setattr(self, k, v)
 
 
-def fp16_master(config: Any) -> bool:
+def fp16_master(config: Config) -> bool:
     """``fp16.fp16_master_weights_and_grads`` in force (it means nothing without fp16, as in
     DeepSpeed, which reads it only from an enabled fp16 block)."""
     return config.fp16.enabled and config.fp16.fp16_master_weights_and_grads
 
 
-def master_dtype(config: Any, optimizer: Any) -> torch.dtype:
+def master_dtype(config: Config, optimizer: Optimizer) -> torch.dtype:
     """The dtype of the master weights and gradient shards the optimizer steps: fp32, or fp16
     under ``fp16_master_weights_and_grads``. DeepSpeed's rules for that (v0.16.5): ZeRO stage 2
     only, with the optimizer offloaded to the CPU (both checked by the config) and stepped by

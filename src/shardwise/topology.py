@@ -190,7 +190,7 @@ class ProcessMesh:
             whole = len(members) == topology.world_size
             group = None if whole else new_group(members, "model-parallel")
             if rank in members:
-                mesh.groups["mp"] = group if group is not None else dist.group.WORLD
+                mesh.groups["model_parallel"] = group if group is not None else dist.group.WORLD
         return mesh
 
     @property
@@ -259,7 +259,7 @@ class ProcessMesh:
     @property
     def model_parallel_group(self) -> Any:
         """The pipeline x tensor ranks of this rank's model replica (None: not distributed)."""
-        return self.groups.get("mp")
+        return self.groups.get("model_parallel")
 
     @property
     def model_parallel_size(self) -> int:

@@ -27,10 +27,14 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING
 
 from shardwise.checkpoint import rotation, storage
 from shardwise.launch.preempt import PREEMPTED_EXIT_CODE, Preempted, SignalFlag, agree, write_report
+
+if TYPE_CHECKING:  # annotations only
+    from shardwise.config.checkpoint import CheckpointConfig
+    from shardwise.engine import Engine
 
 logger = logging.getLogger("shardwise")
 
@@ -38,7 +42,7 @@ logger = logging.getLogger("shardwise")
 class AutoSave:
     """What the engine does at the end of each step with the config's save keys (module doc)."""
 
-    def __init__(self, options: Any) -> None:
+    def __init__(self, options: CheckpointConfig) -> None:
         self.save_dir: str | None = options.save_dir
         self.interval: int | None = options.save_interval_steps
         self.auto_resume: bool = options.auto_resume
@@ -46,7 +50,7 @@ class AutoSave:
         self.resumed_from: str | None = None  # the checkpoint auto_resume loaded
         self._saved_step: int | None = None
 
-    def resume(self, engine: Any) -> str | None:
+    def resume(self, engine: Engine) -> str | None:
         """With ``auto_resume``: load the newest checkpoint of ``save_dir`` (module doc); its
         path, or None when there is none yet (a first start)."""
         if not self.auto_resume or self.save_dir is None:
@@ -59,7 +63,7 @@ class AutoSave:
         _say(engine, f"auto_resume: resumed from {self.resumed_from} (step {engine.global_steps})")
         return self.resumed_from
 
-    def after_step(self, engine: Any) -> None:
+    def after_step(self, engine: Engine) -> None:
         """At the end of an optimizer step: the interval save, then the preemption check."""
         if self.save_dir is None:
             return
@@ -72,7 +76,7 @@ class AutoSave:
         if stopping:
             self._stop(engine, step, stopping)
 
-    def _stop(self, engine: Any, step: int, ranks: int) -> None:
+    def _stop(self, engine: Engine, step: int, ranks: int) -> None:
         path = os.path.join(self.save_dir, f"global_step{step}")
         _say(
             engine,
@@ -102,6 +106,6 @@ def newest_tag(save_dir: str) -> str | None:
     return newest.tag
 
 
-def _say(engine: Any, line: str) -> None:
+def _say(engine: Engine, line: str) -> None:
     if engine.global_rank == 0:
         print(f"[shardwise] {line}", file=sys.stderr, flush=True)

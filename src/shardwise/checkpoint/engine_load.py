@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from shardwise import comm
 from shardwise.checkpoint import lock, rotation, storage
@@ -46,6 +46,10 @@ from shardwise.checkpoint.rank_state import (
 from shardwise.checkpoint.reshard import CheckpointError, apply, check, plan
 from shardwise.counters import TrainingCounters
 
+if TYPE_CHECKING:  # annotations only
+    from shardwise.checkpoint.reader import CheckpointReader
+    from shardwise.engine import Engine
+
 logger = logging.getLogger("shardwise")
 
 COUNTERS = TrainingCounters.names()
@@ -53,9 +57,9 @@ LOADED_FROM = "_checkpoint_loaded_from"  # engine attribute: the save directory 
 
 
 def load_checkpoint(
-    engine: Any,
+    engine: Engine,
     load_dir: str,
-    tag: Any = None,
+    tag: str | int | None = None,
     load_module_strict: bool = True,
     load_optimizer_states: bool = True,
     load_lr_scheduler_states: bool = True,
@@ -122,8 +126,8 @@ def _warn_nothing_to_load(load_dir: str) -> None:
 
 
 def _check(
-    engine: Any,
-    reader: Any,
+    engine: Engine,
+    reader: CheckpointReader,
     module_only: bool,
     strict: bool,
     load_optimizer: bool,
@@ -169,7 +173,7 @@ def _check(
     return [*steps, lambda: set_rng_state(rng)], dict(client)
 
 
-def _optimizer_steps(engine: Any, reader: Any, lay: Any, copies: list) -> list:
+def _optimizer_steps(engine: Engine, reader: CheckpointReader, lay: Any, copies: list) -> list:
     """Check the optimizer's part (adding its copies to ``copies``); the steps that apply it
     once ``copies`` are made."""
     meta, optimizer = reader.meta, engine.optimizer
@@ -188,7 +192,7 @@ def _optimizer_steps(engine: Any, reader: Any, lay: Any, copies: list) -> list:
     return [*steps, lambda: engine.scaler.load_state_dict(scaler)]
 
 
-def _counters(reader: Any, meta: dict) -> dict[str, int]:
+def _counters(reader: CheckpointReader, meta: dict) -> dict[str, int]:
     counters = meta.get("counters")
     if not isinstance(counters, dict) or not all(
         isinstance(counters.get(k), int) for k in COUNTERS
@@ -197,7 +201,7 @@ def _counters(reader: Any, meta: dict) -> dict[str, int]:
     return {k: int(counters[k]) for k in COUNTERS}
 
 
-def _check_rng(reader: Any, rng: Any) -> None:
+def _check_rng(reader: CheckpointReader, rng: Any) -> None:
     """Set the saved random state and put the current one back: what fails, fails now."""
     current = rng_state()
     try:
@@ -208,7 +212,7 @@ def _check_rng(reader: Any, rng: Any) -> None:
         set_rng_state(current)
 
 
-def _bad(reader: Any, what: str, value: Any, expected: str) -> CheckpointError:
+def _bad(reader: CheckpointReader, what: str, value: object, expected: str) -> CheckpointError:
     shown = repr(value)
     shown = shown if len(shown) < 80 else shown[:77] + "..."
     return CheckpointError(
@@ -218,7 +222,7 @@ def _bad(reader: Any, what: str, value: Any, expected: str) -> CheckpointError:
     )
 
 
-def _load_scheduler(engine: Any, state: dict) -> None:
+def _load_scheduler(engine: Engine, state: dict) -> None:
     """The schedule's position, and its current lr in the optimizer (a scheduler's
     load_state_dict does not set it; the optimizer's groups may not have been loaded)."""
     sched = engine.lr_scheduler

@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors.torch import save_file
+from torch import nn
 
 from shardwise import comm
 from shardwise.checkpoint import storage
@@ -35,19 +36,23 @@ from shardwise.checkpoint.rank_state import data_state, rng_state
 from shardwise.checkpoint.reshard import CheckpointError, PieceReader, fill, plain_pieces
 from shardwise.precision import compute_dtype
 
+if TYPE_CHECKING:  # annotations only
+    from shardwise.checkpoint.reader import CheckpointReader
+    from shardwise.engine import Engine
+
 logger = logging.getLogger("shardwise")
 
 
-def layout(engine: Any) -> Layout:
+def layout(engine: Engine) -> Layout:
     """What this rank of ``engine`` holds, as checkpoint pieces (layouts.py)."""
     return layout_of(engine.module, engine.optimizer, engine.strategy, engine.mesh)
 
 
-def frozen_names(engine: Any) -> set[str]:
+def frozen_names(engine: Engine) -> set[str]:
     return {f"{MODEL}{n}" for n, p in engine.module.named_parameters() if not p.requires_grad}
 
 
-def engine_pieces(engine: Any) -> list[Piece]:
+def engine_pieces(engine: Engine) -> list[Piece]:
     """Every piece this rank holds: weights, fp32 masters, optimizer states."""
     lay = layout(engine)
     pieces = lay.model + lay.master_pieces()
@@ -57,9 +62,9 @@ def engine_pieces(engine: Any) -> list[Piece]:
 
 
 def save_checkpoint(
-    engine: Any,
+    engine: Engine,
     save_dir: str,
-    tag: Any = None,
+    tag: str | int | None = None,
     client_state: dict | None = None,
     save_latest: bool = True,
     exclude_frozen_parameters: bool = False,
@@ -98,7 +103,7 @@ def save_checkpoint(
     return True
 
 
-def tied_aliases(module: Any, saved: set[str]) -> dict[str, str]:
+def tied_aliases(module: nn.Module, saved: set[str]) -> dict[str, str]:
     """``{alias: name}`` for every parameter reachable under two names (tied weights, such as a
     language model head sharing the embedding): the checkpoint stores the tensor once, under
     ``name``, and export writes it under both names, as ``module.state_dict()`` has them."""
@@ -112,7 +117,7 @@ def tied_aliases(module: Any, saved: set[str]) -> dict[str, str]:
     return aliases
 
 
-def _meta(engine: Any) -> dict[str, Any]:
+def _meta(engine: Engine) -> dict[str, Any]:
     topo = engine.mesh.topology
     opt = engine.optimizer
     return {
@@ -129,7 +134,7 @@ def _meta(engine: Any) -> dict[str, Any]:
     }
 
 
-def _load_model(engine: Any, reader: Any, lay: Layout, strict: bool) -> None:
+def _load_model(engine: Engine, reader: CheckpointReader, lay: Layout, strict: bool) -> None:
     """Weights and masters; frozen parameters absent from the checkpoint (saved with
     exclude_frozen_parameters) keep their values. ``strict`` also refuses saved weights this
     model has no place for."""
@@ -140,7 +145,7 @@ def _load_model(engine: Any, reader: Any, lay: Layout, strict: bool) -> None:
         check_unexpected(engine, reader)
 
 
-def check_unexpected(engine: Any, reader: Any) -> None:
+def check_unexpected(engine: Engine, reader: CheckpointReader) -> None:
     """Refuse saved weights this model has no place for (with one pipeline stage: a stage
     holds part of the names, so nothing is refused)."""
     if engine.mesh.topology.pp != 1:
@@ -157,13 +162,13 @@ def check_unexpected(engine: Any, reader: Any) -> None:
         )
 
 
-def load_module_state_dict(engine: Any, state_dict: dict, strict: bool = True) -> None:
+def load_module_state_dict(engine: Engine, state_dict: dict, strict: bool = True) -> None:
     """Load a whole-model state dict (the user's keys) into any layout; fp32 masters follow."""
     _load_model(engine, PieceReader.from_state_dict(state_dict), layout(engine), strict)
 
 
 def save_16bit_model(
-    engine: Any,
+    engine: Engine,
     save_dir: str,
     save_filename: str = "pytorch_model.bin",
     exclude_frozen_parameters: bool = False,

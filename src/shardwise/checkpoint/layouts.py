@@ -20,7 +20,7 @@ replicas (every parameter in plain DP, model weights under ZeRO-1/2, persistent 
 ZeRO-3) by one data-parallel rank each, spread so that the ranks write as many bytes as one
 another (greedy, in model order: every replica computes the same choice, without
 communication; the model weights and the optimizer-side slots are balanced separately); a
-tensor-parallel-replicated parameter (placement.py) by tensor-parallel rank 0 only; the other
+tensor-parallel-replicated parameter (tensor/placement.py) by tensor-parallel rank 0 only; the other
 copies are compared with the saved one (replicas.py), buffers excepted. Names are the user's
 ``named_parameters()`` (a tied parameter under its first name).
 """
@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -37,8 +37,14 @@ from torch import nn
 from shardwise.checkpoint.pieces import Piece
 from shardwise.checkpoint.reshard import CheckpointError
 from shardwise.parallel.flat import FlatLayout
-from shardwise.parallel.masters import shares_storage  # noqa: F401 (re-exported)
-from shardwise.parallel.placement import Placement, get_placement
+from shardwise.parallel.tensor.placement import Placement, get_placement
+from shardwise.parallel.zero.masters import shares_storage  # noqa: F401 (re-exported)
+
+if TYPE_CHECKING:  # annotations only
+    from torch.optim import Optimizer
+
+    from shardwise.parallel.strategy import GradientStrategy
+    from shardwise.topology import ProcessMesh
 
 Box = tuple[tuple[int, int], ...]
 
@@ -55,7 +61,7 @@ class Slot:
     offset: int  # where the part starts in ``owner``'s flattening (flat slots)
     master: torch.Tensor | None
     save: bool
-    packed: tuple[int, int] | None = None  # box and flat in the packed view (placement.py)
+    packed: tuple[int, int] | None = None  # box and flat in the packed view (tensor/placement.py)
 
     @property
     def first(self) -> bool:
@@ -98,7 +104,7 @@ def _placement(p: torch.Tensor, shape: tuple[int, ...]) -> Placement:
 
 
 class _Namer:
-    def __init__(self, module: nn.Module, mesh: Any) -> None:
+    def __init__(self, module: nn.Module, mesh: ProcessMesh) -> None:
         self.names = {id(p): n for n, p in module.named_parameters()}
         self.dp_rank, self.tp0 = mesh.dp_rank, mesh.tp_rank == 0
         self.loads = {kind: [0] * mesh.topology.dp for kind in ("model", "slot")}
@@ -145,7 +151,7 @@ def _whole_model(module: nn.Module, namer: _Namer, skip: set[int]) -> list[Piece
     return out
 
 
-def replicated_layout(module: nn.Module, optimizer: Any, mesh: Any) -> Layout:
+def replicated_layout(module: nn.Module, optimizer: Optimizer, mesh: ProcessMesh) -> Layout:
     """Whole parameters on every data rank, the user's optimizer over them (plain data
     parallelism): each parameter and its states are offered by one data rank."""
     namer = _Namer(module, mesh)
@@ -174,7 +180,7 @@ class FlatShard:
     model: torch.Tensor | None = None
 
 
-def flat_layout(module: nn.Module, mesh: Any, shards: list[FlatShard]) -> Layout:
+def flat_layout(module: nn.Module, mesh: ProcessMesh, shards: list[FlatShard]) -> Layout:
     """ZeRO: masters and states as flat shards of each buffer; the parameters as flat shards
     too where ``model`` is given, whole otherwise."""
     namer = _Namer(module, mesh)
@@ -227,6 +233,8 @@ def _flat_slots(
     return out
 
 
-def layout_of(module: nn.Module, optimizer: Any, strategy: Any, mesh: Any) -> Layout:
+def layout_of(
+    module: nn.Module, optimizer: Optimizer, strategy: GradientStrategy, mesh: ProcessMesh
+) -> Layout:
     """The pieces this rank holds under ``strategy``: its ``checkpoint_layout`` (strategy.py)."""
     return strategy.checkpoint_layout(module, optimizer, mesh)

@@ -220,14 +220,14 @@ def _check_files(files: dict, world_size: int) -> None:
             _crcs(crcs)
 
 
-def _ranges(value: Any) -> tuple[tuple[int, int], ...]:
+def _ranges(value: object) -> tuple[tuple[int, int], ...]:
     out = tuple((int(a), int(b)) for a, b in value)
     if any(not 0 <= a <= b for a, b in out):
         raise ValueError(f"bad ranges {value!r}")
     return out
 
 
-def _crcs(value: Any) -> tuple[int, ...]:
+def _crcs(value: object) -> tuple[int, ...]:
     if not isinstance(value, list) or not value or not all(isinstance(v, int) for v in value):
         raise ValueError(f"checksums {value!r} are not a list of integers")
     return tuple(value)

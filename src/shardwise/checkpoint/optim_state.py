@@ -13,13 +13,18 @@ the checkpoint lacks (a run saved before its first step) starts fresh as it woul
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from shardwise.checkpoint.layouts import Layout, Slot
 from shardwise.checkpoint.pieces import Piece
 from shardwise.checkpoint.reshard import CheckpointError
+
+if TYPE_CHECKING:  # annotations only
+    from torch.optim import Optimizer
+
+    from shardwise.checkpoint.reader import CheckpointReader
 
 
 def _name(key: str, slot: Slot) -> str:
@@ -47,7 +52,7 @@ def _piece(key: str, slot: Slot, value: torch.Tensor) -> Piece:
     )
 
 
-def optim_pieces(layout: Layout, optimizer: Any) -> list[Piece]:
+def optim_pieces(layout: Layout, optimizer: Optimizer) -> list[Piece]:
     """This rank's pieces of the optimizer state (to save)."""
     out = []
     for slot in layout.slots:
@@ -63,7 +68,7 @@ def optim_pieces(layout: Layout, optimizer: Any) -> list[Piece]:
     return out
 
 
-def _saved_keys(reader: Any) -> dict[str, torch.dtype | None]:
+def _saved_keys(reader: CheckpointReader) -> dict[str, torch.dtype | None]:
     """State keys in the checkpoint: the dtype of 0-dim ones, None for tensors."""
     keys: dict[str, torch.dtype | None] = {}
     for name in reader.names():
@@ -89,7 +94,7 @@ def _state_tensor(old: Any, owner: torch.Tensor, dtype: torch.dtype | None) -> t
 
 
 def optim_targets(
-    layout: Layout, optimizer: Any, reader: Any
+    layout: Layout, optimizer: Optimizer, reader: CheckpointReader
 ) -> tuple[list[Piece], Callable[[], None]]:
     """The pieces to fill, in a new state for every owner with the checkpoint's keys, and the
     function that installs that state once filled (it also folds the per-parameter 0-dim
@@ -123,7 +128,7 @@ def optim_targets(
     return targets, commit
 
 
-def groups_to_json(optimizer: Any) -> list[dict[str, Any]]:
+def groups_to_json(optimizer: Optimizer) -> list[dict[str, Any]]:
     """Hyper-parameters of each parameter group (tensors as numbers, tuples as lists)."""
     out = []
     for g in optimizer.param_groups:
@@ -138,7 +143,7 @@ def groups_to_json(optimizer: Any) -> list[dict[str, Any]]:
     return out
 
 
-def check_groups(optimizer: Any, saved: Any) -> None:
+def check_groups(optimizer: Optimizer, saved: Any) -> None:
     """Raise unless ``saved`` (the meta's param_groups) fits this optimizer's groups."""
     if not isinstance(saved, list) or not all(isinstance(g, dict) for g in saved):
         raise CheckpointError(
@@ -153,7 +158,7 @@ def check_groups(optimizer: Any, saved: Any) -> None:
         )
 
 
-def groups_from_json(optimizer: Any, saved: list[dict[str, Any]]) -> None:
+def groups_from_json(optimizer: Optimizer, saved: list[dict[str, Any]]) -> None:
     """Restore the hyper-parameters, keeping each value's current type (tuple, tensor)."""
     check_groups(optimizer, saved)
     for g, entry in zip(optimizer.param_groups, saved, strict=True):

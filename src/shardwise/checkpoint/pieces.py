@@ -16,7 +16,7 @@ tensor a local tensor holds, so that any other layout can find the parts it need
                   (a, b): ``tensor`` is 1-D, elements a..b-1 of the row-major flattening of
                   the box tensor (a ZeRO shard of a possibly tensor-parallel parameter)
     tensor        the data (to save), or the destination to fill (to load)
-    packed        None, or (d, k) for a tensor of k parts packed along d (placement.py): box
+    packed        None, or (d, k) for a tensor of k parts packed along d (tensor/placement.py): box
                   and flat are then in the packed view; ``reshard.plain_pieces`` turns such a
                   piece into plain boxes (views of its tensor) before it is saved or filled,
                   so checkpoints hold plain boxes only, whatever the layout

@@ -1,7 +1,7 @@
 """Per-rank state a checkpoint restores for an exact resume: random generators and data position.
 
 Random generators (python ``random``, numpy's global generator, torch's CPU generator and every
-CUDA device's when there is one, and the tensor-parallel streams of parallel/random.py's
+CUDA device's when there is one, and the tensor-parallel streams of parallel/tensor/random.py's
 tracker: "model-parallel-rng", which dropout in "split_dropout" and sequence-parallel regions
 draws from) as JSON values and tensors, no pickle. Dropout on rank r draws from rank r's
 generators, so each rank restores its own state; a rank that did not exist in the saved run
@@ -16,12 +16,15 @@ in the epoch, which is layout-independent; every rank saves it, and every rank l
 from __future__ import annotations
 
 import random
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from shardwise.parallel.random import get_rng_tracker
+from shardwise.parallel.tensor.random import get_rng_tracker
+
+if TYPE_CHECKING:  # annotations only
+    from shardwise.engine import Engine
 
 
 def rng_state() -> dict[str, Any]:
@@ -59,7 +62,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
         tracker.set_states(streams)
 
 
-def data_state(engine: Any) -> dict[str, Any] | None:
+def data_state(engine: Engine) -> dict[str, Any] | None:
     """The training loader's position (None without a resumable loader)."""
     loader = engine.training_dataloader
     if loader is None or not hasattr(loader, "state_dict"):
@@ -67,7 +70,7 @@ def data_state(engine: Any) -> dict[str, Any] | None:
     return loader.state_dict()
 
 
-def set_data_state(engine: Any, state: dict[str, Any] | None) -> None:
+def set_data_state(engine: Engine, state: dict[str, Any] | None) -> None:
     """Resume the training loader (its running iterator restarts at the resumed position)."""
     loader = engine.training_dataloader
     if state is None or loader is None or not hasattr(loader, "load_state_dict"):

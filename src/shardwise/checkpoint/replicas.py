@@ -23,13 +23,16 @@ design (each rank's BatchNorm running statistics, without SyncBatchNorm).
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from shardwise import comm
 from shardwise.checkpoint import manifest as mf
 from shardwise.checkpoint.gather import all_gather_json
 from shardwise.checkpoint.pieces import Piece
 from shardwise.checkpoint.safetensors_file import tensor_crcs
+
+if TYPE_CHECKING:  # annotations only
+    from shardwise.engine import Engine
 
 logger = logging.getLogger("shardwise")
 
@@ -98,7 +101,7 @@ def disagreements_in_save(infos: list[dict]) -> str:
     return disagreements(per_rank)
 
 
-def check_engine(engine: Any, when: str) -> None:
+def check_engine(engine: Engine, when: str) -> None:
     """Compare every replicated piece of ``engine``'s model, masters and optimizer states
     across all ranks; raise ``ReplicaMismatchError`` (on every rank) if copies differ."""
     from shardwise.checkpoint.engine_state import engine_pieces  # noqa: PLC0415 - engine_state -> storage imports this module
@@ -118,14 +121,14 @@ class ReplicaWatch:
         self.interval = interval
         self.reductions = 0  # backward passes that reduced gradients (equal on every rank)
 
-    def before_backward(self, engine: Any, sync: bool) -> None:
+    def before_backward(self, engine: Engine, sync: bool) -> None:
         if not sync or not self.interval:
             return
         done, self.reductions = self.reductions, self.reductions + 1
         if done and done % self.interval == 0 and _world() > 1:
             check_engine(engine, f"replica check after {done} gradient reductions")
 
-    def after_batch(self, engine: Any) -> None:
+    def after_batch(self, engine: Engine) -> None:
         """With a pipeline: every rank runs each train_batch together."""
         steps = engine.global_steps
         if self.interval and steps % self.interval == 0 and _world() > 1:

@@ -42,14 +42,17 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from shardwise.checkpoint.manifest import CheckpointError
 from shardwise.checkpoint.pieces import Piece
 from shardwise.checkpoint.sources import saved_aliases, sources  # noqa: F401 (re-exported)
-from shardwise.parallel.placement import packed_view
+from shardwise.parallel.tensor.placement import packed_view
+
+if TYPE_CHECKING:  # annotations only
+    from shardwise.checkpoint.reader import CheckpointReader
 
 Box = tuple[tuple[int, int], ...]
 
@@ -158,7 +161,7 @@ class Copy:
         first, last = _first_last(region, part)
         return region.flat_offset + first, region.flat_offset + last + 1
 
-    def read(self, reader: Any) -> None:
+    def read(self, reader: CheckpointReader) -> None:
         """Read the elements into ``out``, straight from the file when the layouts agree (no
         intermediate copy)."""
         region, part, out, saved = self.region, self.part, self.out, self.saved
@@ -203,7 +206,7 @@ def _flat_index(index: list[int], shape: tuple[int, ...]) -> int:
 
 
 def plain_pieces(pieces: Iterable[Piece]) -> list[Piece]:
-    """``pieces`` with every packed one (box and flat in the packed view, placement.py) cut into
+    """``pieces`` with every packed one (box and flat in the packed view, tensor/placement.py) cut into
     plain boxes of the global tensor: one per region and part, whose tensor is a view of the
     piece's (filling it fills the parameter). A packed view's region holds parts j0..j1-1 of
     width P, columns [c0, c1) of each: part j is the plain range [j P + c0, j P + c1)."""
@@ -226,7 +229,7 @@ def plain_pieces(pieces: Iterable[Piece]) -> list[Piece]:
 
 
 def plan(
-    reader: Any,
+    reader: CheckpointReader,
     targets: Iterable[Piece],
     strict: bool = True,
     optional: Callable[[str], bool] | None = None,
@@ -257,7 +260,7 @@ def plan(
     return copies, used
 
 
-def check(reader: Any, copies: list[Copy]) -> None:
+def check(reader: CheckpointReader, copies: list[Copy]) -> None:
     """Check the checksums of everything the copies will read (when the reader checks: a file
     reader with ``verify``), reading it once and keeping nothing."""
     check_range = getattr(reader, "check", None)
@@ -266,7 +269,7 @@ def check(reader: Any, copies: list[Copy]) -> None:
             check_range(c.saved, *c.span())
 
 
-def apply(reader: Any, copies: list[Copy]) -> None:
+def apply(reader: CheckpointReader, copies: list[Copy]) -> None:
     """Make the copies (read into the targets)."""
     with torch.no_grad():
         for c in copies:
@@ -274,7 +277,7 @@ def apply(reader: Any, copies: list[Copy]) -> None:
 
 
 def fill(
-    reader: Any,
+    reader: CheckpointReader,
     targets: Iterable[Piece],
     strict: bool = True,
     optional: Callable[[str], bool] | None = None,

@@ -8,11 +8,14 @@ any "<kind>/<p>"      also "<kind>/<name>" when the checkpoint stored <p> as an 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from shardwise.checkpoint.pieces import Piece
+
+if TYPE_CHECKING:  # annotations only
+    from shardwise.checkpoint.reader import CheckpointReader
 
 
 def sources(target: Piece, aliases: dict[str, str] | None = None) -> list[str]:
@@ -31,7 +34,7 @@ def sources(target: Piece, aliases: dict[str, str] | None = None) -> list[str]:
     return names
 
 
-def saved_aliases(reader: Any) -> dict[str, str]:
+def saved_aliases(reader: CheckpointReader) -> dict[str, str]:
     """``{alias: saved name}`` the checkpoint records (none for a state dict)."""
     meta = getattr(reader, "meta", None)
     aliases = meta.get("aliases") if isinstance(meta, dict) else None

@@ -31,7 +31,7 @@ class StateError(ValueError):
     """A value that cannot be stored without pickle, or a stored value we cannot decode."""
 
 
-def encode(value: Any, tensors: dict[str, torch.Tensor], path: str = "rank_state") -> Any:
+def encode(value: object, tensors: dict[str, torch.Tensor], path: str = "rank_state") -> Any:
     """JSON-able form of ``value``; tensors and arrays are added to ``tensors``."""
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
@@ -75,7 +75,7 @@ def _encode_dict(value: dict, tensors: dict[str, torch.Tensor], path: str) -> An
     }
 
 
-def decode(value: Any, tensor: Callable[[str], torch.Tensor]) -> Any:
+def decode(value: object, tensor: Callable[[str], torch.Tensor]) -> Any:
     """Inverse of ``encode``; ``tensor(key)`` reads a stored tensor."""
     if isinstance(value, list):
         return [decode(v, tensor) for v in value]

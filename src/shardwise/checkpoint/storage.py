@@ -32,7 +32,7 @@ import os
 import re
 import shutil
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 import safetensors
 import torch
@@ -49,6 +49,9 @@ from shardwise.checkpoint.safetensors_file import FormatError, write_tensors
 from shardwise.checkpoint.state_codec import StateError, encode
 from shardwise.version import __version__
 
+if TYPE_CHECKING:  # annotations only
+    from torch.distributed import ProcessGroup
+
 LATEST = "latest"
 RANK_STATE_KEY = "shardwise.rank_state"
 logger = logging.getLogger("shardwise")
@@ -63,7 +66,7 @@ def save_pieces(
     rank_state: dict,
     meta: dict,
     *,
-    group: Any = None,
+    group: ProcessGroup | None = None,
     save_latest: bool = True,
     keep_last: int | None = None,
     tag_validation: str = "Warn",
@@ -125,7 +128,7 @@ def _prepare(save_dir: str, tag: str, step: int | None, allow_newer: bool) -> st
     return ""
 
 
-def _agreed_tag(tag: str, mode: str, group: Any, save_dir: str = "") -> str:
+def _agreed_tag(tag: str, mode: str, group: ProcessGroup | None, save_dir: str = "") -> str:
     """Rank 0's tag on every rank, after comparing the others' with it (``mode``). The save
     directories must be one: ranks writing to different directories would each publish a part
     of a checkpoint that no load finds whole, so that fails on every rank, naming both."""

@@ -78,7 +78,7 @@ class CheckpointConfig:
     writer: dict[str, Any] | None = None
 
 
-def parse_checkpoint(raw: Any, notes: Notes) -> CheckpointConfig:
+def parse_checkpoint(raw: object, notes: Notes) -> CheckpointConfig:
     """Build ``CheckpointConfig``; ``tag_validation`` in any case; refuse what cannot work."""
     path = "checkpoint"
     if not isinstance(raw, dict):

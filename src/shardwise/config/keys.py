@@ -8,8 +8,6 @@ written as ``{"enabled": false}`` (or ``false``) is accepted as ignored. docs/co
 
 from __future__ import annotations
 
-from typing import Any
-
 IGNORED: dict[str, str] = {
     "dump_state": "debug print of the engine state",
     "timers": "timer configuration",
@@ -45,7 +43,7 @@ UNSUPPORTED: dict[str, str] = {
 }
 
 
-def is_disabled(value: Any) -> bool:
+def is_disabled(value: object) -> bool:
     """``false``, ``null`` or an object with ``"enabled": false``: the feature is off."""
     if value is False or value is None:
         return True

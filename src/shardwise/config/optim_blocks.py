@@ -53,7 +53,7 @@ class SchedulerConfig:
     params: dict[str, Any] = field(default_factory=dict)
 
 
-def parse_optimizer(raw: Any, notes: Notes) -> OptimizerConfig:
+def parse_optimizer(raw: object, notes: Notes) -> OptimizerConfig:
     """Build and check the optimizer block (see the module docstring for what is checked)."""
     if not isinstance(raw, dict):
         raise fail(
@@ -85,7 +85,7 @@ def check_optimizer_params(params: dict[str, Any], path: str) -> None:
         check_bounds(value, bounds, key)
 
 
-def parse_scheduler(raw: Any, notes: Notes) -> SchedulerConfig:
+def parse_scheduler(raw: object, notes: Notes) -> SchedulerConfig:
     """Build the scheduler block; its type must exist and its params must fit that scheduler."""
     if not isinstance(raw, dict):
         raise fail(

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import ClassVar, Literal
 
 from shardwise.config.errors import Notes, fail, join, show
 from shardwise.config.schema import build, spec
@@ -75,7 +75,7 @@ class ActivationCheckpointingConfig:
     matched one dotted component at a time; ``*`` stands for one component: "blocks.*" is every
     block, "blocks.*.mlp" every block's MLP). None (default) checkpoints nothing unless the
     model or the pipeline's ``activation_checkpoint_interval`` asks for it. Patterns are checked
-    against the model by ``shardwise.parallel.activation.apply_activation_checkpointing``.
+    against the model by ``shardwise.parallel.activation.selective.apply_activation_checkpointing``.
     """
 
     EXAMPLE: ClassVar[str] = '{"checkpoint_layers": "all"}'
@@ -89,7 +89,7 @@ class ActivationCheckpointingConfig:
     checkpoint_layers: list[str | int] | Literal["all"] | None = None
 
 
-def parse_pipeline(raw: Any, notes: Notes) -> PipelineConfig:
+def parse_pipeline(raw: object, notes: Notes) -> PipelineConfig:
     """Build ``PipelineConfig``; accepts ``partition_method`` for ``partition``; checks the method."""
     path = "pipeline"
     if not isinstance(raw, dict):
@@ -125,7 +125,7 @@ def _check_partition(method: str, path: str) -> None:
         )
 
 
-def parse_activation_checkpointing(raw: Any, notes: Notes) -> ActivationCheckpointingConfig:
+def parse_activation_checkpointing(raw: object, notes: Notes) -> ActivationCheckpointingConfig:
     """Build ``ActivationCheckpointingConfig`` and check the form of ``checkpoint_layers``."""
     path = "activation_checkpointing"
     if not isinstance(raw, dict):

@@ -70,7 +70,7 @@ def allows_auto(tp: Any) -> bool:
     return False
 
 
-def convert(value: Any, tp: Any, path: str, notes: Notes | None = None) -> Any:
+def convert(value: object, tp: Any, path: str, notes: Notes | None = None) -> Any:
     """Check ``value`` against the annotation ``tp`` and return it in canonical form (2e8 -> 200000000)."""
     origin = get_origin(tp)
     if origin in (Union, types.UnionType):
@@ -90,7 +90,7 @@ def convert(value: Any, tp: Any, path: str, notes: Notes | None = None) -> Any:
     return _convert_scalar(value, tp, path)
 
 
-def _convert_scalar(value: Any, tp: type, path: str) -> Any:
+def _convert_scalar(value: object, tp: type, path: str) -> Any:
     expected = f"expected {describe(tp)}, got {show(value)}"
     if tp is bool:
         if isinstance(value, bool):
@@ -115,7 +115,7 @@ def _convert_scalar(value: Any, tp: type, path: str) -> Any:
     raise fail(path, expected)
 
 
-def _convert_union(value: Any, tp: Any, path: str, notes: Notes | None) -> Any:
+def _convert_union(value: object, tp: Any, path: str, notes: Notes | None) -> Any:
     options = [o for o in get_args(tp) if o is not type(None)]
     if value is None and len(options) < len(get_args(tp)):
         return None
@@ -134,7 +134,7 @@ def _convert_union(value: Any, tp: Any, path: str, notes: Notes | None) -> Any:
     raise fail(path, f"expected {describe(tp)}, got {show(value)}{hint}")
 
 
-def _convert_literal(value: Any, tp: Any, path: str) -> Any:
+def _convert_literal(value: object, tp: Any, path: str) -> Any:
     choices = get_args(tp)
     for choice in choices:
         if type(value) is type(choice) and value == choice:
@@ -147,7 +147,7 @@ def _convert_literal(value: Any, tp: Any, path: str) -> Any:
     raise fail(path, f"expected {describe(tp)}, got {show(value)}{hint}")
 
 
-def _convert_list(value: Any, tp: Any, path: str, notes: Notes | None) -> Any:
+def _convert_list(value: object, tp: Any, path: str, notes: Notes | None) -> Any:
     if not isinstance(value, (list, tuple)):
         raise fail(path, f"expected {describe(tp)}, got {show(value)}")
     args = get_args(tp)
@@ -165,7 +165,7 @@ def _convert_list(value: Any, tp: Any, path: str, notes: Notes | None) -> Any:
     return tuple(items) if get_origin(tp) is tuple else items
 
 
-def _convert_dict(value: Any, tp: Any, path: str, notes: Notes | None) -> Any:
+def _convert_dict(value: object, tp: Any, path: str, notes: Notes | None) -> Any:
     if not isinstance(value, dict):
         raise fail(path, f"expected an object, got {show(value)}")
     args = get_args(tp)
@@ -174,7 +174,7 @@ def _convert_dict(value: Any, tp: Any, path: str, notes: Notes | None) -> Any:
     return {str(k): convert(v, args[1], join(path, str(k)), notes) for k, v in value.items()}
 
 
-def check_bounds(value: Any, meta: Mapping[str, Any], path: str) -> None:
+def check_bounds(value: object, meta: Mapping[str, Any], path: str) -> None:
     """Apply ``ge``/``gt``/``le`` from field metadata to a number (strings like "auto" pass)."""
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         return

@@ -112,7 +112,7 @@ class ZeroConfig:
     log_trace_cache_warnings: bool = False
 
 
-def parse_zero(raw: Any, notes: Notes) -> ZeroConfig:
+def parse_zero(raw: object, notes: Notes) -> ZeroConfig:
     """Build ``ZeroConfig`` from the ``zero_optimization`` value (an object, or the old bool form)."""
     path = "zero_optimization"
     if isinstance(raw, bool):
@@ -158,7 +158,7 @@ def _rename_deprecated(raw: dict[str, Any], notes: Notes) -> dict[str, Any]:
     return raw
 
 
-def _parse_offload(value: Any, key: str, notes: Notes) -> Any:
+def _parse_offload(value: object, key: str, notes: Notes) -> Any:
     """The offload block as a dataclass, None for absent / ``device: "none"``; nvme is refused."""
     path = join("zero_optimization", key)
     if value == AUTO:

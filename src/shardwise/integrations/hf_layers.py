@@ -84,7 +84,7 @@ ADAPTERS: dict[str, tuple[Callable[[nn.Module], Layers | None], str]] = {
 }
 
 
-def _has(obj: Any, *names: str) -> bool:
+def _has(obj: object, *names: str) -> bool:
     return obj is not None and all(hasattr(obj, n) for n in names)
 
 

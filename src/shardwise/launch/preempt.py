@@ -32,7 +32,7 @@ import os
 import signal
 import threading
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import FrameType
 from typing import Any
 
@@ -80,7 +80,10 @@ class SignalFlag:
             signal.signal(self.signum, self._previous)
 
 
-def _handler(flag: weakref.ref, previous: Any) -> Any:
+Handler = Callable[[int, FrameType | None], Any]
+
+
+def _handler(flag: weakref.ref[SignalFlag], previous: Handler | int | None) -> Handler:
     def handle(signum: int, frame: FrameType | None) -> None:
         live = flag()
         if live is not None and not live.closed:
@@ -94,7 +97,7 @@ def _handler(flag: weakref.ref, previous: Any) -> Any:
     return handle
 
 
-def agree(received: bool, group: Any = None) -> int:
+def agree(received: bool, group: comm.Group = None) -> int:
     """How many ranks of ``group`` (default: the world) received the signal; the same number on
     every rank. One all-reduce of 4 bytes."""
     count = torch.tensor([int(received)], dtype=torch.int32)

@@ -41,6 +41,7 @@ from shardwise.launch import hostfile, slurm
 from shardwise.launch.bound import BINDING_VAR, parse_core_list, split_cores
 from shardwise.launch.env import DEFAULT_MASTER_PORT, _get_int
 from shardwise.launch.guard import LAUNCHER_VAR
+from shardwise.launch.hostname import resolve_hostname_once
 from shardwise.launch.preempt import PREEMPTED_EXIT_CODE, REPORT_DIR_VAR, read_reports
 
 LOOPBACK = "127.0.0.1"
@@ -270,6 +271,7 @@ def launch(args: argparse.Namespace) -> int:
         raise ValueError(f"script {args.script!r} not found (give a path, or -m for a module)")
     os.environ.update(updates)
     os.environ[LAUNCHER_VAR] = str(os.getpid())  # workers die with this process (launch/guard.py)
+    resolve_hostname_once(one_node=(args.nnodes or 1) == 1)  # not one DNS lookup per agent event
     reports = os.environ[REPORT_DIR_VAR] = tempfile.mkdtemp(prefix="shardwise-run-")
     try:
         torchrun.main(argv)

@@ -29,7 +29,7 @@ import os
 import sys
 import weakref
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -39,6 +39,11 @@ from shardwise.monitor.flops import FlopsProfiler
 from shardwise.monitor.profile_report import profile_report
 from shardwise.monitor.timers import WallClock
 from shardwise.monitor.writers import Event, enabled_writers
+
+if TYPE_CHECKING:  # annotations only
+    from shardwise.engine import Engine
+    from shardwise.monitor.flops import FlopsProfiler
+    from shardwise.monitor.timers import WallClock
 
 logger = logging.getLogger("shardwise")
 _OFF = contextlib.nullcontext()
@@ -60,7 +65,7 @@ def progress_line(steps: int, loss: float, seconds: float, batch: int) -> str:
     )
 
 
-def step_line(engine: Any) -> str:
+def step_line(engine: Engine) -> str:
     """The engine's own line every ``steps_per_print`` steps: step, skips, LR, norm, scale."""
     lrs = ", ".join(f"{lr:.3g}" for lr in engine.get_lr())
     norm = engine.get_global_grad_norm()
@@ -80,7 +85,12 @@ def memory_line(breakdown: dict[str, int]) -> str:
 class Monitor:
     """What the config turned on (module doc); built by the engine with ``for_engine``."""
 
-    def __init__(self, writers: list[Any], clock: Any = None, profiler: Any = None) -> None:
+    def __init__(
+        self,
+        writers: list[Any],
+        clock: WallClock | None = None,
+        profiler: FlopsProfiler | None = None,
+    ) -> None:
         self.writers = writers
         self.clock = clock  # timers.WallClock with wall_clock_breakdown
         self.profiler = profiler  # flops.FlopsProfiler with flops_profiler, rank 0
@@ -88,7 +98,7 @@ class Monitor:
         self._engine: Any = None  # weakref.ref to the engine (profile_step is read off it)
 
     @classmethod
-    def for_engine(cls, engine: Any) -> Monitor:
+    def for_engine(cls, engine: Engine) -> Monitor:
         """Writers and profiler on rank 0; the clock on every rank (each times its own work,
         rank 0 reports); the comms logger configured; a pipeline's schedule timed."""
 
@@ -145,7 +155,7 @@ class Monitor:
             writer.write_events(events)
 
     # ------------------------------------------------------------------ after a step
-    def after_step(self, engine: Any) -> None:
+    def after_step(self, engine: Engine) -> None:
         """Events (a pipeline writes its own after the schedule: its loss is known then), and
         on rank 0 every ``steps_per_print`` steps: the step line, the timers, the memory; and
         the flops profile after ``profile_step``."""
@@ -169,7 +179,7 @@ class Monitor:
         if engine.config.memory_breakdown:
             logger.info(memory_line(engine.memory_breakdown()))
 
-    def print_profile(self, engine: Any) -> None:
+    def print_profile(self, engine: Engine) -> None:
         """The flops profile to stdout, or to ``flops_profiler.output_file``."""
 
         text = profile_report(self.profiler, engine, self.clock)

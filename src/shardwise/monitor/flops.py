@@ -30,7 +30,14 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 from shardwise.config.monitor import FlopsProfilerConfig
 
 
-def _cpu_sdpa_flops(q: Any, k: Any, v: Any, *args: Any, out_val: Any = None, **kw: Any) -> int:
+def _cpu_sdpa_flops(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *args: Any,
+    out_val: torch.Tensor = None,
+    **kw: Any,
+) -> int:
     return sdpa_flop_count(q, k, v)  # shapes: FlopCounterMode passes shapes, not tensors
 
 

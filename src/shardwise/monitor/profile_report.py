@@ -8,9 +8,13 @@ recompute_fwd_factor) x forward FLOPs).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from shardwise.monitor.flops import FlopsProfiler, number
+
+if TYPE_CHECKING:  # annotations only
+    from shardwise.engine import Engine
+    from shardwise.monitor.timers import WallClock
 
 _RULE = "-" * 78
 _NOTATIONS = (
@@ -23,11 +27,11 @@ _NOTATIONS = (
 )
 
 
-def _row(label: str, value: Any) -> str:
+def _row(label: str, value: object) -> str:
     return f"{label:<70}  {value!s:<8}"
 
 
-def _timings(prof: FlopsProfiler, engine: Any, clock: Any, fwd: float) -> list[str]:
+def _timings(prof: FlopsProfiler, engine: Engine, clock: WallClock | None, fwd: float) -> list[str]:
     """DeepSpeed's backward / step / iteration lines (with wall_clock_breakdown only)."""
     if clock is None or not clock.last.get("bwd"):
         return []
@@ -56,7 +60,7 @@ def _timings(prof: FlopsProfiler, engine: Any, clock: Any, fwd: float) -> list[s
     ]
 
 
-def profile_report(prof: FlopsProfiler, engine: Any, clock: Any = None) -> str:
+def profile_report(prof: FlopsProfiler, engine: Engine, clock: WallClock | None = None) -> str:
     """The whole report: summary, aggregated profile, and the module tree when detailed."""
     mp = engine.mesh.model_parallel_size
     flops, params = prof.get_total_flops(), prof.get_total_params()

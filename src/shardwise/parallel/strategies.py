@@ -9,10 +9,10 @@ offloaded stage 0) keeps fp32 master shards.
 from __future__ import annotations
 
 from shardwise.config.errors import ConfigError
-from shardwise.parallel.data import DataParallelReducer, LocalGradients
+from shardwise.parallel.data.reducer import DataParallelReducer, LocalGradients
 from shardwise.parallel.strategy import GradientStrategy, StrategyContext
-from shardwise.parallel.zero import ZeroStrategy
-from shardwise.parallel.zero3 import Zero3Strategy
+from shardwise.parallel.zero.stage3 import Zero3Strategy
+from shardwise.parallel.zero.stage12 import ZeroStrategy
 
 STRATEGIES: tuple[type, ...] = (LocalGradients, DataParallelReducer, Zero3Strategy, ZeroStrategy)
 
@@ -23,7 +23,7 @@ def build_strategy(ctx: StrategyContext) -> GradientStrategy:
     if stage != 3 and any(p.is_meta or hasattr(p, "ds_tensor") for p in ctx.model.parameters()):
         raise ConfigError(
             f"zero_optimization.stage={stage}: the model was built under "
-            "shardwise.zero.Init() or on the meta device, and only ZeRO stage 3 trains it "
+            "shardwise.parallel.zero.partition.Init() or on the meta device, and only ZeRO stage 3 trains it "
             'without whole parameters: set "stage": 3',
             key="zero_optimization.stage",
         )

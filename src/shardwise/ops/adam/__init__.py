@@ -19,7 +19,7 @@ DeepSpeed refuses it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -56,7 +56,7 @@ class FusedAdam(torch.optim.Optimizer):
         self.set_grad_none = set_grad_none
 
     @torch.no_grad()
-    def step(self, closure: Any = None) -> Any:
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
         loss = None
         if closure is not None:
             with torch.enable_grad():

@@ -1,2 +1,2 @@
 """Pipeline parallelism: module.py (PipelineModule, specs), partition.py, schedule.py
-(schedules as data), runtime.py (the executor), runner.py (the engine's pipeline strategy)."""
+(schedules as data), executor.py (the executor), train_batch.py (the engine's pipeline strategy)."""

@@ -11,11 +11,14 @@ in stage order, with the names of a ``num_stages=1`` PipelineModule.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from shardwise import comm
+
+if TYPE_CHECKING:  # annotations only
+    from torch.distributed import ProcessGroup
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -25,7 +28,7 @@ def _dtype(name: str) -> torch.dtype:
     return dtype
 
 
-def _all_gather_bytes(data: bytes, group: Any) -> list[bytes]:
+def _all_gather_bytes(data: bytes, group: ProcessGroup | None) -> list[bytes]:
     """Every rank's ``data`` (variable lengths), in group order."""
     world = comm.get_world_size(group)
     length = torch.tensor([len(data)], dtype=torch.int64)
@@ -40,7 +43,10 @@ def _all_gather_bytes(data: bytes, group: Any) -> list[bytes]:
 
 
 def gather_stages(
-    state: dict[str, torch.Tensor], group: Any, stage_ranks: list[int], stage_id: int
+    state: dict[str, torch.Tensor],
+    group: ProcessGroup | None,
+    stage_ranks: list[int],
+    stage_id: int,
 ) -> dict[str, torch.Tensor]:
     """The union of every stage's ``state`` (tensors on CPU), the same on every rank."""
     entries = [[k, str(v.dtype).removeprefix("torch."), list(v.shape)] for k, v in state.items()]

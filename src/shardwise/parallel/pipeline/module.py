@@ -41,8 +41,8 @@ import torch
 from torch import nn
 
 from shardwise import comm
-from shardwise.checkpointing import run_checkpointed
-from shardwise.parallel.activation import GroupRef
+from shardwise.parallel.activation.recompute import run_checkpointed
+from shardwise.parallel.activation.selective import GroupRef
 from shardwise.parallel.pipeline import partition as part
 from shardwise.parallel.pipeline.specs import (
     LayerSpec,
@@ -52,7 +52,7 @@ from shardwise.parallel.pipeline.specs import (
     get_attr,
     trainable,
 )
-from shardwise.utils import set_random_seed
+from shardwise.seeding import set_random_seed
 
 __all__ = ["LayerSpec", "PipelineModule", "TiedLayerSpec"]
 

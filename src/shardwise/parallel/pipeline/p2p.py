@@ -33,12 +33,16 @@ for activations; for gradients one small flag message precedes the link's first 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.distributed import ProcessGroup
 
 from shardwise import comm
-from shardwise.parallel.tensor_comm import chunk_numel, flat_chunk, unflat_gather
+from shardwise.parallel.tensor.comm import chunk_numel, flat_chunk, unflat_gather
+
+if TYPE_CHECKING:  # annotations only
+    from torch.distributed import ProcessGroup
 
 _DTYPES = [
     torch.float32,
@@ -91,8 +95,8 @@ class StageLink:
         next: int | None,
         dynamic_shape: bool = False,
         virtual: int = 0,
-        act_group: Any = None,
-        grad_group: Any = None,
+        act_group: ProcessGroup | None = None,
+        grad_group: ProcessGroup | None = None,
     ) -> None:
         """``act_group`` / ``grad_group``: the tensor-parallel group over which activations /
         gradients are sent partitioned (None: whole)."""
@@ -185,7 +189,9 @@ class StageLink:
                 grads.append(self._recv(t.shape, t.dtype, self.next, self.grad_in, group))
         return grads
 
-    def _recv(self, shape: Any, dtype: torch.dtype, src: int, tag: int, group: Any) -> torch.Tensor:
+    def _recv(
+        self, shape: Any, dtype: torch.dtype, src: int, tag: int, group: ProcessGroup | None
+    ) -> torch.Tensor:
         """A tensor of ``shape`` from ``src``: whole, or this rank's chunk then all-gathered."""
         if not _split(torch.Size(shape).numel(), group):
             t = torch.empty(shape, dtype=dtype)
@@ -201,16 +207,18 @@ class StageLink:
         self._pending.clear()
 
 
-def _split(numel: int, group: Any) -> bool:
+def _split(numel: int, group: ProcessGroup | None) -> bool:
     """Whether a tensor of ``numel`` elements travels partitioned over ``group``."""
     return group is not None and numel >= comm.get_world_size(group) > 1
 
 
-def _outgoing(t: torch.Tensor, group: Any) -> torch.Tensor:
+def _outgoing(t: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     return flat_chunk(t, group) if _split(t.numel(), group) else t
 
 
-def _decide(tensors: tuple[torch.Tensor, ...], group: Any, key: str, peer: int | None) -> bool:
+def _decide(
+    tensors: tuple[torch.Tensor, ...], group: ProcessGroup | None, key: str, peer: int | None
+) -> bool:
     """Whether this link sends in 1/N chunks over ``group``: only if every rank of it holds
     the same ``tensors`` (a collective over ``group``, compared through a checksum per tensor:
     its sum and sum of squares in float64). Otherwise a warning, and whole tensors."""

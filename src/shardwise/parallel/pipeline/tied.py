@@ -23,17 +23,22 @@ Norm: each tied parameter counts once in the global gradient norm, on its first 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
 
 from shardwise import comm
+
+if TYPE_CHECKING:  # annotations only
+    from shardwise.parallel.strategy import GradientStrategy
+    from shardwise.topology import ProcessMesh
 
 
 class TiedWeights:
     """This rank's tied parameters and their groups (see the module docstring)."""
 
-    def __init__(self, module: Any, mesh: Any) -> None:
+    def __init__(self, module: nn.Module, mesh: ProcessMesh) -> None:
         self.module = module
         self.groups: dict[str, tuple[Any, int]] = {}  # key -> (group, rank of its first stage)
         for key in sorted(module.tied_stages):
@@ -70,7 +75,7 @@ class TiedWeights:
                 for _, p in self.params[key]:
                     comm.broadcast(p.data, src=src, group=group)
 
-    def reduce(self, strategy: Any) -> None:
+    def reduce(self, strategy: GradientStrategy) -> None:
         """Sum the reduced gradient pieces of each tied parameter over the stages holding it."""
         for key, (group, _) in sorted(self.groups.items()):
             for _, p in self.params[key]:

@@ -1,7 +1,7 @@
 """``apply_activation_checkpointing(model, checkpoint_layers)``: recompute chosen blocks in backward.
 
 Each chosen module keeps its place and its name: its ``forward`` is replaced, on the instance, by
-one that runs the original under ``shardwise.checkpointing.checkpoint``. No wrapper module is
+one that runs the original under ``shardwise.parallel.activation.recompute.checkpoint``. No wrapper module is
 inserted, so ``named_parameters``, ``state_dict`` keys, checkpoints and TP plans that name
 modules are unchanged, and the module's own hooks still fire once per call (its children's fire
 again in the recompute).
@@ -12,7 +12,7 @@ L*X, plus the A of one block while that block is recomputed in backward. For the
 block, A is about 20 times X (tests/test_activation_checkpointing.py measures it).
 
 With ``partition_group`` (``partition_activations``), each tensor-parallel rank keeps 1/N of a
-chosen module's inputs instead of all of it (``shardwise.parallel.partitioned_checkpoint``).
+chosen module's inputs instead of all of it (``shardwise.parallel.tensor.partitioned_activations``).
 
 Applied after tensor parallelism (so a block recomputes its sharded layers and their
 collectives) and before the precision cast and ZeRO-3 (whose hooks then fire inside the
@@ -23,13 +23,16 @@ from __future__ import annotations
 
 import fnmatch
 import types
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from shardwise.checkpointing import run_checkpointed
 from shardwise.config import ConfigError
-from shardwise.utils import log_dist
+from shardwise.parallel.activation.recompute import run_checkpointed
+from shardwise.rank_log import log_dist
+
+if TYPE_CHECKING:  # annotations only
+    from torch.distributed import ProcessGroup
 
 _INNER = "_shardwise_checkpointed_forward"  # the original forward, kept on the instance
 _GROUP = "_shardwise_checkpoint_group"  # partition_activations' group (or None), on the instance
@@ -39,7 +42,7 @@ def apply_activation_checkpointing(
     model: nn.Module,
     checkpoint_layers: str | list[str | int] | None,
     key: str = "checkpoint_layers",
-    partition_group: Any = None,
+    partition_group: ProcessGroup | None = None,
 ) -> list[str]:
     """Checkpoint the modules ``checkpoint_layers`` chooses; returns their names, in model order.
 
@@ -98,7 +101,7 @@ def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
 class GroupRef:
     """A process group held by a module: ``deepcopy(model)`` shares it (groups are not copied)."""
 
-    def __init__(self, group: Any) -> None:
+    def __init__(self, group: ProcessGroup | None) -> None:
         self.group = group
 
     def __deepcopy__(self, memo: dict) -> GroupRef:

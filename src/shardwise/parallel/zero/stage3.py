@@ -3,7 +3,7 @@
 Each module's direct parameters (``module.parameters(recurse=False)``) that the optimizer
 trains form units, one per optimizer group and dtype: a flat buffer of P elements padded to a
 multiple of N and split on its only axis into N shards; rank r keeps shard r of the
-parameters, of the gradient and of the optimizer state (zero3_hooks.py has the layout and the
+parameters, of the gradient and of the optimizer state (zero/gathering.py has the layout and the
 gather/release schedule). Per rank, for Psi parameters with Adam (ZeRO, arXiv 1910.02054, 5.3):
 
     bf16 + fp32 master:  (2 + 2 + 12) Psi / N     (shard, gradient shard, master + 2 states)
@@ -46,7 +46,7 @@ forward hooks again, which gather the units it needs (tests/test_activation_chec
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -54,10 +54,23 @@ from torch import nn
 from shardwise import clip, comm
 from shardwise.checkpoint.layouts import FlatShard, Layout, flat_layout
 from shardwise.parallel.flat import FlatLayout
-from shardwise.parallel.masters import rebuild_optimizer, shares_storage
 from shardwise.parallel.strategy import StrategyContext, offload_device, require_optimizer
-from shardwise.parallel.zero3_hooks import LiveCount, Scheduler, Unit
-from shardwise.zero import full_value, is_partitioned, materialize_meta, sync_rng, unpartition
+from shardwise.parallel.zero.gathering import GatherScheduler, LiveCount, Unit
+from shardwise.parallel.zero.masters import rebuild_optimizer, shares_storage
+from shardwise.parallel.zero.partition import (
+    full_value,
+    is_partitioned,
+    materialize_meta,
+    sync_rng,
+    unpartition,
+)
+
+if TYPE_CHECKING:  # annotations only
+    from torch.distributed import ProcessGroup
+    from torch.optim import Optimizer
+
+    from shardwise.config.zero import ZeroConfig
+    from shardwise.topology import ProcessMesh
 
 
 class Zero3Strategy:
@@ -76,7 +89,9 @@ class Zero3Strategy:
         device = offload_device(ctx.config)
         return cls.from_config(ctx.model, opt, zero, ctx.mesh.dp_group, device)
 
-    def checkpoint_layout(self, module: nn.Module, optimizer: Any, mesh: Any) -> Layout:
+    def checkpoint_layout(
+        self, module: nn.Module, optimizer: Optimizer, mesh: ProcessMesh
+    ) -> Layout:
         """Parameters, masters and states all flat shards of each unit (a persistent unit:
         one whole shard, replicated over DP); parameters outside the units whole."""
         shards = [
@@ -93,15 +108,15 @@ class Zero3Strategy:
         return flat_layout(module, mesh, shards)
 
     def close(self) -> None:
-        for h in self.scheduler.handles:
+        for h in self.gather_scheduler.handles:
             h.remove()
-        self.scheduler.handles.clear()
+        self.gather_scheduler.handles.clear()
 
     def __init__(
         self,
         module: nn.Module,
         optimizer: torch.optim.Optimizer,
-        group: Any = None,
+        group: ProcessGroup | None = None,
         offload_device: torch.device | None = None,
         param_offload_device: torch.device | None = None,
         pin_memory: bool = False,
@@ -127,7 +142,7 @@ class Zero3Strategy:
         for u in self.units:
             u.master = self._master(u.shard)
         self.optimizer = rebuild_optimizer(optimizer, self.units, group_of)
-        self.scheduler = Scheduler(
+        self.gather_scheduler = GatherScheduler(
             module, units_of, self.units, self.world, prefetch_elements, max_live
         )
         self.zero_grad()
@@ -137,8 +152,8 @@ class Zero3Strategy:
         cls,
         module: nn.Module,
         optimizer: torch.optim.Optimizer,
-        zero: Any,
-        group: Any = None,
+        zero: ZeroConfig,
+        group: ProcessGroup | None = None,
         offload_device: torch.device | None = None,
     ) -> Zero3Strategy:
         """From the ``zero_optimization`` block (config.zero.ZeroConfig)."""
@@ -231,7 +246,7 @@ class Zero3Strategy:
     def after_backward(self, sync: bool) -> None:
         """Finish this micro-step's reduce-scatters and release every gathered unit; on the
         boundary, all-reduce the persistent gradients (accumulated whole until then)."""
-        self.scheduler.finish_backward()
+        self.gather_scheduler.finish_backward()
         if sync:
             for u in self.units:
                 if u.persistent:
@@ -255,7 +270,7 @@ class Zero3Strategy:
         part = 0 if u.persistent else self.rank
         return [u.grad_shard[at : at + n] for j, _, at, n in u.layout.overlaps(part) if j == i]
 
-    def step(self, optimizer: Any, coef: float) -> None:
+    def step(self, optimizer: Optimizer, coef: float) -> None:
         """Step the fp32 master shards with gradients * coef; write them into the parameter
         shards. No communication: the next forward gathers the new values."""
         for u in self.units:

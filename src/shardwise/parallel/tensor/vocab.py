@@ -21,7 +21,7 @@ vocab_parallel_cross_entropy  for logits split along the vocabulary (the output 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -29,8 +29,12 @@ from torch import nn
 
 from shardwise import comm
 from shardwise.parallel.flat import ceil_div
-from shardwise.parallel.placement import set_placement, split_box
-from shardwise.parallel.tensor_comm import reduce_from_tp
+from shardwise.parallel.tensor.comm import reduce_from_tp
+from shardwise.parallel.tensor.placement import set_placement, split_box
+
+if TYPE_CHECKING:  # annotations only
+    from torch.autograd.function import FunctionCtx
+    from torch.distributed import ProcessGroup
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -42,8 +46,8 @@ class VocabParallelEmbedding(nn.Module):
         embedding_dim: int,
         padding_idx: int | None = None,
         *,
-        group: Any = None,
-        device: Any = None,
+        group: ProcessGroup | None = None,
+        device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
@@ -76,7 +80,7 @@ class VocabParallelEmbedding(nn.Module):
 
     @classmethod
     def from_embedding(
-        cls, embedding: nn.Embedding, group: Any, name: str = "embedding"
+        cls, embedding: nn.Embedding, group: ProcessGroup | None, name: str = "embedding"
     ) -> VocabParallelEmbedding:
         """This rank's vocabulary slice of ``embedding`` (weights copied, not shared)."""
         unsupported = {
@@ -125,7 +129,11 @@ class _VocabParallelCE(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, logits: torch.Tensor, target: torch.Tensor, group: Any, ignore_index: int
+        ctx: FunctionCtx,
+        logits: torch.Tensor,
+        target: torch.Tensor,
+        group: ProcessGroup | None,
+        ignore_index: int,
     ) -> torch.Tensor:
         z = logits.float()  # the softmax in fp32 whatever the logits' dtype
         vl = z.size(-1)
@@ -148,7 +156,7 @@ class _VocabParallelCE(torch.autograd.Function):
         return loss
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+    def backward(ctx: FunctionCtx, grad: torch.Tensor) -> tuple:
         softmax, idx, mine, valid = ctx.saved_tensors
         g = softmax.clone()  # softmax - onehot(target), for this rank's columns only
         g.scatter_add_(-1, idx.unsqueeze(-1), -mine.unsqueeze(-1).to(g.dtype))
@@ -159,7 +167,7 @@ class _VocabParallelCE(torch.autograd.Function):
 def vocab_parallel_cross_entropy(
     local_logits: torch.Tensor,
     target: torch.Tensor,
-    group: Any,
+    group: ProcessGroup | None,
     ignore_index: int = -100,
     reduction: str = "mean",
 ) -> torch.Tensor:
@@ -192,14 +200,14 @@ class VocabParallelCrossEntropyLoss(nn.Module):
     2-D input (N, Vl) that is the last one)."""
 
     def __init__(
-        self, group: Any = None, ignore_index: int = -100, reduction: str = "mean"
+        self, group: ProcessGroup | None = None, ignore_index: int = -100, reduction: str = "mean"
     ) -> None:
         super().__init__()
         self.group, self.ignore_index, self.reduction = group, ignore_index, reduction
 
     @classmethod
     def from_module(
-        cls, loss: nn.CrossEntropyLoss, group: Any, name: str = "loss"
+        cls, loss: nn.CrossEntropyLoss, group: ProcessGroup | None, name: str = "loss"
     ) -> VocabParallelCrossEntropyLoss:
         if loss.weight is not None or loss.label_smoothing:
             raise ValueError(

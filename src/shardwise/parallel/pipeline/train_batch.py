@@ -3,7 +3,7 @@
 One ``train_batch`` on stage s of p, with m = gradient_accumulation_steps micro-batches:
 
     program = make_schedule(name, p, s, m)       # pure data (schedule.py)
-    executor.run(program)                        # forwards, backwards, p2p (runtime.py)
+    executor.run(program)                        # forwards, backwards, p2p (executor.py)
         ... REDUCE_GRADS   data-parallel reduction (the engine's gradient strategy)
             REDUCE_TIED    tied weights summed over their stages (tied.py)
             OPTIMIZER_STEP the engine's step: global norm over every stage, clip, update
@@ -19,20 +19,25 @@ copies count once (``attach``).
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
 
 from shardwise import comm
-from shardwise.batches import data_or_loader
-from shardwise.parallel.data import broadcast_parameters
+from shardwise.batch_loop import data_or_loader
+from shardwise.parallel.data.reducer import broadcast_parameters
+from shardwise.parallel.pipeline.executor import StageExecutor
 from shardwise.parallel.pipeline.gather import gather_stages
 from shardwise.parallel.pipeline.meter import ActivationMeter
 from shardwise.parallel.pipeline.p2p import StageLink
-from shardwise.parallel.pipeline.runtime import StageExecutor
 from shardwise.parallel.pipeline.schedule import Op, inference, make_schedule
 from shardwise.parallel.pipeline.tied import TiedWeights
+
+if TYPE_CHECKING:  # annotations only
+    from shardwise.engine import Engine
+    from shardwise.topology import ProcessMesh
 
 logger = logging.getLogger("shardwise")
 
@@ -42,11 +47,11 @@ class PipelineRunner:
 
     def __init__(
         self,
-        module: Any,
-        mesh: Any,
+        module: nn.Module,
+        mesh: ProcessMesh,
         schedule: str = "1f1b",
         compute_dtype: torch.dtype = torch.float32,
-        loss_fn: Any = None,
+        loss_fn: Callable[..., Any] | None = None,
         partitioned: tuple[bool, bool] = (False, False),
     ) -> None:
         """``partitioned``: (activations, gradients) sent in 1/TP chunks (p2p.py). The
@@ -120,7 +125,7 @@ class PipelineRunner:
         return self.executor.peak_live
 
     # ------------------------------------------------------------------ batches
-    def train_batch(self, engine: Any, data_iter: Iterator | None) -> torch.Tensor:
+    def train_batch(self, engine: Engine, data_iter: Iterator | None) -> torch.Tensor:
         if not torch.is_grad_enabled():
             raise RuntimeError(
                 "train_batch() requires gradients enabled. Use eval_batch() instead."
@@ -152,7 +157,7 @@ class PipelineRunner:
 
     def eval_batch(
         self,
-        engine: Any,
+        engine: Engine,
         data_iter: Iterator | None,
         return_logits: bool = False,
         num_micro_batches: int | None = None,

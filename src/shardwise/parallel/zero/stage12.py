@@ -31,21 +31,27 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from shardwise import clip, comm
 from shardwise.checkpoint.layouts import FlatShard, Layout, flat_layout
 from shardwise.parallel.flat import FlatLayout, plan_buckets
-from shardwise.parallel.masters import rebuild_optimizer, shares_storage
 from shardwise.parallel.strategy import (
     StrategyContext,
     bucket_elements,
     offload_device,
     require_optimizer,
 )
+from shardwise.parallel.zero.masters import rebuild_optimizer, shares_storage
 from shardwise.precision import master_dtype
+
+if TYPE_CHECKING:  # annotations only
+    from torch.distributed import ProcessGroup
+    from torch.optim import Optimizer
+
+    from shardwise.topology import ProcessMesh
 
 _IN_FLIGHT = 2  # stage 2: reduce-scatters in flight before the oldest is waited for
 
@@ -70,7 +76,7 @@ class ZeroStrategy:
         self,
         optimizer: torch.optim.Optimizer,
         stage: int,
-        group: Any = None,
+        group: ProcessGroup | None = None,
         bucket_elements: int = 2**22,
         offload_device: torch.device | None = None,
         isolate: Sequence[torch.nn.Parameter] = (),
@@ -236,7 +242,7 @@ class ZeroStrategy:
             return []
         return [b.grad_shard[at : at + n] for j, _, at, n in b.layout.overlaps(shard_of) if j == i]
 
-    def step(self, optimizer: Any, coef: float) -> None:
+    def step(self, optimizer: Optimizer, coef: float) -> None:
         """Step the master shards with gradients * coef, then all-gather the parameters."""
         for b in self.buckets:
             g = b.grad_shard if b.grad_shard is not None else torch.zeros_like(b.master)
@@ -331,7 +337,9 @@ class ZeroStrategy:
             norm_skip=ctx.norm_skip,
         )
 
-    def checkpoint_layout(self, module: torch.nn.Module, optimizer: Any, mesh: Any) -> Layout:
+    def checkpoint_layout(
+        self, module: torch.nn.Module, optimizer: Optimizer, mesh: ProcessMesh
+    ) -> Layout:
         """Whole model weights on every rank; masters and states as this rank's flat shard of
         each bucket (the one shard, replicated, at stage 0)."""
         part = self.rank if self.parts > 1 else 0

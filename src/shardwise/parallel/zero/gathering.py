@@ -161,7 +161,7 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-class Scheduler:
+class GatherScheduler:
     """Installs the hooks of the module docstring on ``root`` and runs the schedule."""
 
     def __init__(

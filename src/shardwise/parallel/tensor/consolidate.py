@@ -1,22 +1,25 @@
 """Whole tensors from tensor-parallel slices: the model as one process would hold it.
 
-A split parameter's local tensor covers ``box`` of its global tensor (see placement.py). Every
+A split parameter's local tensor covers ``box`` of its global tensor (see tensor/placement.py). Every
 tensor-parallel rank holds a box of the same shape (the split rounds up and pads), so one
 all-gather of the local tensors and one of the box corners give every rank all slices; each is
 written at its corner of a padded global tensor, and the padding (indices >= the logical
-shape) is cut off. A packed tensor (q|k|v, placement.py) is assembled in its packed view, where
+shape) is cut off. A packed tensor (q|k|v, tensor/placement.py) is assembled in its packed view, where
 every rank's slice is one box, and reshaped back.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from shardwise import comm
-from shardwise.parallel.placement import Placement, get_placement
+from shardwise.parallel.tensor.placement import Placement, get_placement
+
+if TYPE_CHECKING:  # annotations only
+    from torch.distributed import ProcessGroup
 
 
 def placements_by_name(module: nn.Module) -> dict[str, Placement]:
@@ -29,7 +32,9 @@ def placements_by_name(module: nn.Module) -> dict[str, Placement]:
     return out
 
 
-def gather_whole(local: torch.Tensor, placement: Placement, group: Any) -> torch.Tensor:
+def gather_whole(
+    local: torch.Tensor, placement: Placement, group: ProcessGroup | None
+) -> torch.Tensor:
     """The global tensor of ``placement.global_shape`` from every rank's box of it (assembled
     in the packed view when the tensor packs parts, then reshaped)."""
     world = comm.get_world_size(group)
@@ -49,7 +54,7 @@ def gather_whole(local: torch.Tensor, placement: Placement, group: Any) -> torch
 
 
 def consolidate_tensor_parallel(
-    state: dict[str, torch.Tensor], module: nn.Module, group: Any
+    state: dict[str, torch.Tensor], module: nn.Module, group: ProcessGroup | None
 ) -> dict[str, torch.Tensor]:
     """``state`` (a state dict of ``module`` on one TP rank) with every split entry whole."""
     placements = placements_by_name(module)

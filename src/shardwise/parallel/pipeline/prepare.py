@@ -12,16 +12,20 @@ a PipelineModule of its children (same state-dict names).
 from __future__ import annotations
 
 import logging
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from shardwise import comm
 from shardwise.config import Config, ConfigError
-from shardwise.parallel.parallelize import pattern_regex
 from shardwise.parallel.pipeline.module import PipelineModule
-from shardwise.parallel.pipeline.runner import PipelineRunner
+from shardwise.parallel.pipeline.train_batch import PipelineRunner
+from shardwise.parallel.tensor.parallelize import pattern_regex
+
+if TYPE_CHECKING:  # annotations only
+    from shardwise.topology import ProcessMesh
 
 logger = logging.getLogger("shardwise")
 
@@ -38,7 +42,7 @@ def pipeline_stages(cfg: Config, model: nn.Module) -> int:
     return _config_stages(cfg) or 1
 
 
-def prepare_model(cfg: Config, model: nn.Module, loss_fn: Any) -> nn.Module:
+def prepare_model(cfg: Config, model: nn.Module, loss_fn: Callable[..., Any] | None) -> nn.Module:
     """The model to train: a PipelineModule as given, an nn.Sequential wrapped when the config
     asks for stages; refuse what a pipeline cannot do, naming the key."""
     wanted = _config_stages(cfg)
@@ -102,7 +106,7 @@ def _fill_from_config(cfg: Config, model: PipelineModule, built_before: bool) ->
         model.seed_layers = True
 
 
-def engine_loss(model: nn.Module, loss_fn: Any) -> Any:
+def engine_loss(model: nn.Module, loss_fn: Callable[..., Any] | None) -> Any:
     """The engine's ``loss_fn``: the one given, else a PipelineModule's (in one stage the
     engine runs it as any model); never another model's ``loss_fn`` attribute (the example
     GPT holds a loss module that its own forward applies)."""
@@ -112,7 +116,11 @@ def engine_loss(model: nn.Module, loss_fn: Any) -> Any:
 
 
 def bind_pipeline(
-    cfg: Config, model: nn.Module, mesh: Any, dtype: torch.dtype, loss_fn: Any
+    cfg: Config,
+    model: nn.Module,
+    mesh: ProcessMesh,
+    dtype: torch.dtype,
+    loss_fn: Callable[..., Any] | None,
 ) -> PipelineRunner | None:
     """Build the module's stage if it waited for the mesh; the runner when stages > 1."""
     if not isinstance(model, PipelineModule):
@@ -136,7 +144,7 @@ def bind_pipeline(
     return PipelineRunner(model, mesh, cfg.pipeline.schedule, dtype, loss_fn, split)
 
 
-def stage_plan(model: nn.Module, plan: dict[str, str], mesh: Any) -> dict[str, str]:
+def stage_plan(model: nn.Module, plan: dict[str, str], mesh: ProcessMesh) -> dict[str, str]:
     """The tensor-parallel plan restricted to the patterns that name a module of this stage.
 
     A plan names modules of the whole model; a stage holds some of them. Each pattern must

@@ -23,16 +23,20 @@ parameters from backward: the block then runs under the plain checkpoint instead
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from shardwise.parallel import random as tp_random
-from shardwise.parallel.tensor_comm import flat_chunk, unflat_gather
+from shardwise.parallel.tensor import random as tp_random
+from shardwise.parallel.tensor.comm import flat_chunk, unflat_gather
+
+if TYPE_CHECKING:  # annotations only
+    from torch.autograd.function import FunctionCtx
+    from torch.distributed import ProcessGroup
 
 
 def partitioned_checkpoint(
-    function: Callable[..., Any], group: Any, *args: Any, **kwargs: Any
+    function: Callable[..., Any], group: ProcessGroup | None, *args: Any, **kwargs: Any
 ) -> Any:
     """``function(*args, **kwargs)`` keeping 1/N of each tensor input for backward (module doc).
 
@@ -47,7 +51,9 @@ def partitioned_checkpoint(
 
 class _PartitionedCheckpoint(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, function: Callable[..., Any], group: Any, *args: Any) -> Any:
+    def forward(
+        ctx: FunctionCtx, function: Callable[..., Any], group: ProcessGroup | None, *args: Any
+    ) -> Any:
         ctx.function, ctx.group = function, group
         ctx.rng = _rng_states(args)
         with torch.no_grad():
@@ -61,7 +67,7 @@ class _PartitionedCheckpoint(torch.autograd.Function):
         return outputs
 
     @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
+    def backward(ctx: FunctionCtx, *grads: torch.Tensor) -> tuple:
         chunks = iter(ctx.saved_tensors)
         inputs = []
         for kind in ctx.kinds:

@@ -1,6 +1,6 @@
 """Where a tensor-parallel plan comes from, and how its patterns match module names.
 
-A plan maps module-name patterns to styles (parallelize.py). It is the config's
+A plan maps module-name patterns to styles (tensor/parallelize.py). It is the config's
 ``tensor_parallel.plan``, else the model's own: ``model.tp_plan`` (transformers 5 gives the whole
 model's patterns; 4.x gave the base model's), else ``config.base_model_tp_plan`` (relative to
 the base model, ``base_model_prefix``), else shardwise's plan for a Hugging Face model type

@@ -27,19 +27,23 @@ activations (a norm weight on a sequence shard) gets the sum of every rank's gra
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from shardwise import comm
 from shardwise.parallel.flat import ceil_div
 
+if TYPE_CHECKING:  # annotations only
+    from torch.autograd.function import FunctionCtx
+    from torch.distributed import ProcessGroup
 
-def _size(group: Any) -> int:
+
+def _size(group: ProcessGroup | None) -> int:
     return comm.get_world_size(group)
 
 
-def _all_reduce(x: torch.Tensor, group: Any) -> torch.Tensor:
+def _all_reduce(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     if _size(group) == 1:
         return x
     out = torch.clone(x, memory_format=torch.contiguous_format)
@@ -57,7 +61,7 @@ def _check_split(x: torch.Tensor, dim: int, n: int, what: str) -> int:
     return x.shape[dim] // n
 
 
-def _split(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
+def _split(x: torch.Tensor, dim: int, group: ProcessGroup | None) -> torch.Tensor:
     """Chunk ``rank`` of ``n`` equal chunks along ``dim`` (a copy, not a view)."""
     n = _size(group)
     if n == 1:
@@ -68,7 +72,7 @@ def _split(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
     )
 
 
-def _gather(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
+def _gather(x: torch.Tensor, dim: int, group: ProcessGroup | None) -> torch.Tensor:
     """Concatenate every rank's ``x`` along ``dim``, in rank order."""
     n = _size(group)
     if n == 1:
@@ -79,7 +83,7 @@ def _gather(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
     return flat.view(n, *x.shape).movedim(0, dim).flatten(dim, dim + 1)
 
 
-def _reduce_scatter(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
+def _reduce_scatter(x: torch.Tensor, dim: int, group: ProcessGroup | None) -> torch.Tensor:
     """Chunk ``rank`` along ``dim`` of the sum over ranks of ``x``."""
     n = _size(group)
     if n == 1:
@@ -94,33 +98,35 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
 
 class _CopyToTP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+    def forward(ctx: FunctionCtx, x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
         ctx.group = group
         return x
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+    def backward(ctx: FunctionCtx, grad: torch.Tensor) -> tuple:
         return _all_reduce(grad, ctx.group), None
 
 
 class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+    def forward(ctx: FunctionCtx, x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
         return _all_reduce(x, group)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+    def backward(ctx: FunctionCtx, grad: torch.Tensor) -> tuple:
         return grad, None
 
 
 class _Scatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any, dim: int) -> torch.Tensor:
+    def forward(
+        ctx: FunctionCtx, x: torch.Tensor, group: ProcessGroup | None, dim: int
+    ) -> torch.Tensor:
         ctx.group, ctx.dim = group, dim
         return _split(x, dim, group)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+    def backward(ctx: FunctionCtx, grad: torch.Tensor) -> tuple:
         return _gather(grad, ctx.dim, ctx.group), None, None
 
 
@@ -130,12 +136,14 @@ class _Gather(torch.autograd.Function):
     output gradient is a partial sum, as when the gathered tensor feeds a column split)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any, dim: int, reduce_grad: bool) -> torch.Tensor:
+    def forward(
+        ctx: FunctionCtx, x: torch.Tensor, group: ProcessGroup | None, dim: int, reduce_grad: bool
+    ) -> torch.Tensor:
         ctx.group, ctx.dim, ctx.reduce_grad = group, dim, reduce_grad
         return _gather(x, dim, group)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+    def backward(ctx: FunctionCtx, grad: torch.Tensor) -> tuple:
         if ctx.reduce_grad:
             return _reduce_scatter(grad, ctx.dim, ctx.group), None, None, None
         return _split(grad, ctx.dim, ctx.group), None, None, None
@@ -143,44 +151,48 @@ class _Gather(torch.autograd.Function):
 
 class _ReduceScatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any, dim: int) -> torch.Tensor:
+    def forward(
+        ctx: FunctionCtx, x: torch.Tensor, group: ProcessGroup | None, dim: int
+    ) -> torch.Tensor:
         ctx.group, ctx.dim = group, dim
         return _reduce_scatter(x, dim, group)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+    def backward(ctx: FunctionCtx, grad: torch.Tensor) -> tuple:
         return _gather(grad, ctx.dim, ctx.group), None, None
 
 
-def copy_to_tp(x: torch.Tensor, group: Any) -> torch.Tensor:
+def copy_to_tp(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """f: identity forward; backward sums the input gradient over the group (each rank's
     gradient is the partial sum from its own slice of the next layer's weight)."""
     return _CopyToTP.apply(x, group)
 
 
-def reduce_from_tp(x: torch.Tensor, group: Any) -> torch.Tensor:
+def reduce_from_tp(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """g: forward sums the partial outputs over the group; backward identity."""
     return _ReduceFromTP.apply(x, group)
 
 
-def scatter_to_tp(x: torch.Tensor, group: Any, dim: int = -1) -> torch.Tensor:
+def scatter_to_tp(x: torch.Tensor, group: ProcessGroup | None, dim: int = -1) -> torch.Tensor:
     """Forward: this rank's chunk of ``x`` along ``dim``; backward: all-gather."""
     return _Scatter.apply(x, group, dim % x.dim())
 
 
-def gather_from_tp(x: torch.Tensor, group: Any, dim: int = -1) -> torch.Tensor:
+def gather_from_tp(x: torch.Tensor, group: ProcessGroup | None, dim: int = -1) -> torch.Tensor:
     """Forward: all-gather along ``dim``; backward: this rank's chunk of the gradient."""
     return _Gather.apply(x, group, dim % x.dim(), False)
 
 
-def scatter_to_sequence(x: torch.Tensor, group: Any, seq_dim: int = 1) -> torch.Tensor:
+def scatter_to_sequence(
+    x: torch.Tensor, group: ProcessGroup | None, seq_dim: int = 1
+) -> torch.Tensor:
     """Enter the sequence-parallel region: keep this rank's T/n positions of a replicated
     tensor; backward all-gathers the positions' gradients (replicated again)."""
     return _Scatter.apply(x, group, seq_dim % x.dim())
 
 
 def gather_from_sequence(
-    x: torch.Tensor, group: Any, seq_dim: int = 1, reduce_grad: bool = True
+    x: torch.Tensor, group: ProcessGroup | None, seq_dim: int = 1, reduce_grad: bool = True
 ) -> torch.Tensor:
     """All-gather the sequence shards (B, T/n, C) -> (B, T, C). Backward reduce-scatters the
     gradient when it is a partial sum (the gathered tensor feeds a column-parallel layer),
@@ -188,13 +200,15 @@ def gather_from_sequence(
     return _Gather.apply(x, group, seq_dim % x.dim(), reduce_grad)
 
 
-def reduce_scatter_to_sequence(x: torch.Tensor, group: Any, seq_dim: int = 1) -> torch.Tensor:
+def reduce_scatter_to_sequence(
+    x: torch.Tensor, group: ProcessGroup | None, seq_dim: int = 1
+) -> torch.Tensor:
     """Sum the partial outputs over the group, each rank keeping its T/n positions
     (B, T, C) -> (B, T/n, C); backward all-gathers."""
     return _ReduceScatter.apply(x, group, seq_dim % x.dim())
 
 
-def sum_grad_over_tp(param: torch.Tensor, group: Any) -> None:
+def sum_grad_over_tp(param: torch.Tensor, group: ProcessGroup | None) -> None:
     """Make ``param``'s gradient the sum over the group of every rank's gradient.
 
     For parameters applied to a sequence shard (norm weights and biases, the bias of a
@@ -209,12 +223,12 @@ def sum_grad_over_tp(param: torch.Tensor, group: Any) -> None:
     param._shardwise_tp_grad_sum = True
 
 
-def chunk_numel(numel: int, group: Any) -> int:
+def chunk_numel(numel: int, group: ProcessGroup | None) -> int:
     """Elements of each rank's ``flat_chunk`` of a tensor of ``numel``: ceil(numel / N)."""
     return ceil_div(numel, comm.get_world_size(group))
 
 
-def flat_chunk(x: torch.Tensor, group: Any) -> torch.Tensor:
+def flat_chunk(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """Chunk ``rank`` of ``x`` flattened and zero-padded to N equal chunks of ceil(numel / N)
     elements: a copy (a view would keep the whole storage alive). For a tensor every rank of
     ``group`` holds whole, so that each keeps or sends only its 1/N."""
@@ -225,7 +239,7 @@ def flat_chunk(x: torch.Tensor, group: Any) -> torch.Tensor:
     return out
 
 
-def unflat_gather(chunk: torch.Tensor, shape: Any, group: Any) -> torch.Tensor:
+def unflat_gather(chunk: torch.Tensor, shape: Any, group: ProcessGroup | None) -> torch.Tensor:
     """The whole tensor of ``shape`` back from every rank's ``flat_chunk``: one all-gather,
     the padding dropped. Exact: an all-gather copies bytes."""
     n = comm.get_world_size(group)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -30,6 +30,9 @@ from shardwise.monitor.timers import PHASES
 from shardwise.parallel.pipeline.meter import ActivationMeter
 from shardwise.parallel.pipeline.p2p import StageLink, as_tuple
 from shardwise.parallel.pipeline.schedule import Instruction, Op
+
+if TYPE_CHECKING:  # annotations only
+    from shardwise.parallel.strategy import GradientStrategy
 
 _UNTIMED = contextlib.nullcontext()
 
@@ -97,7 +100,7 @@ class StageExecutor:
         *,
         train: bool,
         micro_batches: int,
-        strategy: Any = None,
+        strategy: GradientStrategy = None,
         scale: float = 1.0,
         actions: dict[Op, Callable[[], None]] | None = None,
         keep_logits: bool = False,

@@ -36,7 +36,7 @@ A = [Q | K | V]; a column layer splits each part, rank r holds [Q_r | K_r | V_r]
 q_r | k_r | v_r, which the attention reshapes into its local heads. GPT-2's ``Conv1D`` stores A
 itself (in, out) rather than W = A^T: ``transposed`` layers keep that storage.
 
-Every parameter records which box of the global (unsplit) tensor it holds (placement.py; a
+Every parameter records which box of the global (unsplit) tensor it holds (tensor/placement.py; a
 packed one, which is not one box, in the packed view).
 """
 
@@ -45,7 +45,7 @@ from __future__ import annotations
 import math
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -53,8 +53,7 @@ from torch import nn
 
 from shardwise import comm
 from shardwise.parallel.flat import ceil_div
-from shardwise.parallel.placement import packed_split_box, set_placement, split_box
-from shardwise.parallel.tensor_comm import (
+from shardwise.parallel.tensor.comm import (
     copy_to_tp,
     gather_from_sequence,
     gather_from_tp,
@@ -63,6 +62,10 @@ from shardwise.parallel.tensor_comm import (
     scatter_to_tp,
     sum_grad_over_tp,
 )
+from shardwise.parallel.tensor.placement import packed_split_box, set_placement, split_box
+
+if TYPE_CHECKING:  # annotations only
+    from torch.distributed import ProcessGroup
 
 
 class SharedInput:
@@ -153,7 +156,9 @@ class _ParallelLinear(nn.Module):
 
     split_dim = 0  # the dimension of W (out, in) this layer splits
 
-    def _setup(self, group: Any, in_f: int, out_f: int, bias: bool, factory: dict) -> None:
+    def _setup(
+        self, group: ProcessGroup | None, in_f: int, out_f: int, bias: bool, factory: dict
+    ) -> None:
         self.group, self.tp, self.tp_rank = group, comm.get_world_size(group), comm.get_rank(group)
         self.in_features, self.out_features = in_f, out_f
         full = (out_f, in_f)
@@ -178,7 +183,9 @@ class _ParallelLinear(nn.Module):
         return self.weight.t() if self.transposed else self.weight
 
     @classmethod
-    def from_linear(cls, linear: nn.Module, group: Any, **kwargs: Any) -> _ParallelLinear:
+    def from_linear(
+        cls, linear: nn.Module, group: ProcessGroup | None, **kwargs: Any
+    ) -> _ParallelLinear:
         """This rank's slice of ``linear`` (an nn.Linear or a Conv1D; weights copied)."""
         dims = linear_dims(linear)
         if dims is None:
@@ -262,7 +269,7 @@ class ColumnParallelLinear(_ParallelLinear):
         out_features: int,
         bias: bool = True,
         *,
-        group: Any = None,
+        group: ProcessGroup | None = None,
         gather_output: bool = False,
         sequence_parallel: bool = False,
         seq_dim: int = 1,
@@ -270,7 +277,7 @@ class ColumnParallelLinear(_ParallelLinear):
         shared_input: SharedInput | None = None,
         packs: int = 1,
         transposed: bool = False,
-        device: Any = None,
+        device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         name: str = "ColumnParallelLinear",
     ) -> None:
@@ -330,12 +337,12 @@ class RowParallelLinear(_ParallelLinear):
         out_features: int,
         bias: bool = True,
         *,
-        group: Any = None,
+        group: ProcessGroup | None = None,
         input_is_parallel: bool = True,
         sequence_parallel: bool = False,
         seq_dim: int = 1,
         transposed: bool = False,
-        device: Any = None,
+        device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         name: str = "RowParallelLinear",
     ) -> None:

@@ -57,28 +57,33 @@ sees local heads, and a ``split_size``, the width of one packed part, is divided
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
 from shardwise import comm
-from shardwise.parallel import random as tp_random
-from shardwise.parallel.heads import HEAD_ATTRS, heads_to_divide, packs_of  # noqa: F401
-from shardwise.parallel.hf_styles import TRANSLATED, translate_hf_styles
-from shardwise.parallel.placement import get_placement
-from shardwise.parallel.plans import pattern_regex, resolve_plan  # noqa: F401 (re-exported)
-from shardwise.parallel.tensor import (
+from shardwise.parallel.tensor import random as tp_random
+from shardwise.parallel.tensor.comm import (
+    gather_from_sequence,
+    scatter_to_sequence,
+    sum_grad_over_tp,
+)
+from shardwise.parallel.tensor.heads import HEAD_ATTRS, heads_to_divide, packs_of  # noqa: F401
+from shardwise.parallel.tensor.hf_styles import TRANSLATED, translate_hf_styles
+from shardwise.parallel.tensor.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     SharedInput,
     linear_dims,
 )
-from shardwise.parallel.tensor_comm import (
-    gather_from_sequence,
-    scatter_to_sequence,
-    sum_grad_over_tp,
-)
-from shardwise.parallel.vocab import VocabParallelCrossEntropyLoss, VocabParallelEmbedding
+from shardwise.parallel.tensor.placement import get_placement
+from shardwise.parallel.tensor.plans import pattern_regex, resolve_plan  # noqa: F401 (re-exported)
+from shardwise.parallel.tensor.vocab import VocabParallelCrossEntropyLoss, VocabParallelEmbedding
+
+if TYPE_CHECKING:  # annotations only
+    from torch.distributed import ProcessGroup
+
+    from shardwise.topology import ProcessMesh
 
 STYLES = {
     "colwise": (nn.Linear,),
@@ -106,7 +111,7 @@ class _Context:
     packs: dict[str, int] = field(default_factory=dict)  # packed_colwise module -> its parts
 
 
-def _tp_of(mesh_or_group: Any) -> tuple[Any, int]:
+def _tp_of(mesh_or_group: ProcessMesh | ProcessGroup | None) -> tuple[Any, int]:
     """(group, rank in it) from a ProcessMesh or a process group."""
     if hasattr(mesh_or_group, "tp_group") and hasattr(mesh_or_group, "tp_rank"):
         return mesh_or_group.tp_group, mesh_or_group.tp_rank
@@ -304,7 +309,7 @@ def _check_ties(model: nn.Module, ctx: _Context) -> None:
 def parallelize(
     model: nn.Module,
     plan: dict[str, str],
-    mesh_or_group: Any = None,
+    mesh_or_group: ProcessMesh | ProcessGroup | None = None,
     *,
     sequence_parallel: bool = False,
     seq_dim: int = 1,

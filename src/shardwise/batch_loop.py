@@ -3,22 +3,25 @@
 ``MicroBatchLoop`` is the engine's batch strategy without a pipeline: GAS micro-batches, each
 ``loss_fn(module(inputs), labels)`` (or the module's own loss), through the engine's
 ``backward`` and ``step``, so every rule of those calls holds. With a pipeline the engine holds
-a ``PipelineRunner`` instead (parallel/pipeline/runner.py), which answers the same two calls
+a ``PipelineRunner`` instead (parallel/pipeline/train_batch.py), which answers the same two calls
 by running a schedule.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from shardwise import comm
 from shardwise.errors import EngineError
 
+if TYPE_CHECKING:  # annotations only
+    from shardwise.engine import Engine
 
-def data_or_loader(engine: Any, data_iter: Iterator | None) -> Iterator:
+
+def data_or_loader(engine: Engine, data_iter: Iterator | None) -> Iterator:
     """``data_iter``, else the endless iterator of the loader given to ``initialize`` (the
     loader owns it and its position, so that a checkpoint resumes it)."""
     if data_iter is not None:
@@ -28,7 +31,7 @@ def data_or_loader(engine: Any, data_iter: Iterator | None) -> Iterator:
     return engine.training_dataloader.repeating()
 
 
-def loss_of(engine: Any, batch: Any) -> torch.Tensor:
+def loss_of(engine: Engine, batch: Any) -> torch.Tensor:
     """The loss of one micro-batch.
 
     With a ``loss_fn`` given to ``initialize``: batch = (inputs, labels) and the loss is
@@ -46,7 +49,7 @@ def loss_of(engine: Any, batch: Any) -> torch.Tensor:
     return _loss_from(_call(engine, batch), batch)
 
 
-def _call(engine: Any, inputs: Any) -> Any:
+def _call(engine: Engine, inputs: Any) -> Any:
     if isinstance(inputs, Mapping):
         return engine(**inputs)
     if isinstance(inputs, (tuple, list)):
@@ -71,7 +74,7 @@ def _loss_from(out: Any, batch: Any) -> torch.Tensor:
     return loss
 
 
-def _describe(value: Any) -> str:
+def _describe(value: object) -> str:
     if isinstance(value, torch.Tensor):
         return f"a tensor of shape {tuple(value.shape)}"
     if isinstance(value, Mapping):
@@ -84,7 +87,7 @@ def _batch_error(batch: Any, why: str) -> Exception:
     return EngineError(f"train_batch/eval_batch: {why} (got {_describe(batch)})")
 
 
-def _dp_mean(engine: Any, total: torch.Tensor) -> torch.Tensor:
+def _dp_mean(engine: Engine, total: torch.Tensor) -> torch.Tensor:
     total /= engine.gradient_accumulation_steps()
     comm.all_reduce(total, group=engine.mesh.dp_group)
     return total / engine.dp_world_size
@@ -93,7 +96,7 @@ def _dp_mean(engine: Any, total: torch.Tensor) -> torch.Tensor:
 class MicroBatchLoop:
     """GAS micro-batches through forward / backward / step (see the module docstring)."""
 
-    def train_batch(self, engine: Any, data_iter: Iterator | None) -> torch.Tensor:
+    def train_batch(self, engine: Engine, data_iter: Iterator | None) -> torch.Tensor:
         data_iter = data_or_loader(engine, data_iter)
         engine.train()
         total = torch.zeros(())
@@ -105,7 +108,7 @@ class MicroBatchLoop:
         return _dp_mean(engine, total)
 
     @torch.no_grad()
-    def eval_batch(self, engine: Any, data_iter: Iterator, **kwargs: Any) -> torch.Tensor:
+    def eval_batch(self, engine: Engine, data_iter: Iterator, **kwargs: Any) -> torch.Tensor:
         if kwargs:
             raise EngineError(f"eval_batch() got {sorted(kwargs)}: only pipelines take options")
         was_training = engine.training

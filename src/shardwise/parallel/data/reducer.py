@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -33,6 +33,12 @@ from shardwise import clip, comm
 from shardwise.checkpoint.layouts import Layout, replicated_layout
 from shardwise.parallel.flat import FlatLayout, plan_buckets
 from shardwise.parallel.strategy import StrategyContext, bucket_elements, plain_precision
+
+if TYPE_CHECKING:  # annotations only
+    from torch.distributed import ProcessGroup
+    from torch.optim import Optimizer
+
+    from shardwise.topology import ProcessMesh
 
 
 @dataclass
@@ -58,7 +64,7 @@ class DataParallelReducer:
     def __init__(
         self,
         params: Iterable[torch.nn.Parameter],
-        group: Any = None,
+        group: ProcessGroup | None = None,
         bucket_elements: int = 2**22,
         norm_skip: frozenset[int] = frozenset(),
     ) -> None:
@@ -185,11 +191,15 @@ class DataParallelReducer:
         params, group = ctx.model.parameters(), ctx.mesh.dp_group
         return cls(params, group, bucket_elements(ctx.config), ctx.norm_skip)
 
-    def checkpoint_layout(self, module: torch.nn.Module, optimizer: Any, mesh: Any) -> Layout:
+    def checkpoint_layout(
+        self, module: torch.nn.Module, optimizer: Optimizer, mesh: ProcessMesh
+    ) -> Layout:
         return replicated_layout(module, optimizer, mesh)
 
 
-def broadcast_parameters(module: torch.nn.Module, src: int, group: Any = None) -> None:
+def broadcast_parameters(
+    module: torch.nn.Module, src: int, group: ProcessGroup | None = None
+) -> None:
     """Make every rank of ``group`` start from global rank ``src``'s weights and buffers."""
     if comm.get_world_size(group) == 1:
         return
@@ -225,7 +235,9 @@ class LocalGradients:
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
         return {}  # the module's parameters and gradients, the optimizer's state: the defaults
 
-    def checkpoint_layout(self, module: torch.nn.Module, optimizer: Any, mesh: Any) -> Layout:
+    def checkpoint_layout(
+        self, module: torch.nn.Module, optimizer: Optimizer, mesh: ProcessMesh
+    ) -> Layout:
         return replicated_layout(module, optimizer, mesh)
 
     def close(self) -> None:

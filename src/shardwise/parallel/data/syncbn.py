@@ -30,7 +30,7 @@ which runs torch's own batch norm.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +38,10 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from shardwise import comm
+
+if TYPE_CHECKING:  # annotations only
+    from torch.autograd.function import FunctionCtx
+    from torch.distributed import ProcessGroup
 
 
 def _reduce_dims(x: torch.Tensor) -> list[int]:
@@ -54,12 +58,12 @@ class _SyncBatchNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any,
+        ctx: FunctionCtx,
         x: torch.Tensor,
         weight: torch.Tensor | None,
         bias: torch.Tensor | None,
         eps: float,
-        group: Any,
+        group: ProcessGroup | None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         acc = torch.promote_types(x.dtype, torch.float32)  # statistics in at least fp32
         dims, c = _reduce_dims(x), x.shape[1]
@@ -84,7 +88,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         return y.to(x.dtype), mean, var, count
 
     @staticmethod
-    def backward(ctx: Any, dy: torch.Tensor, *_unused: Any) -> tuple[Any, ...]:
+    def backward(ctx: FunctionCtx, dy: torch.Tensor, *_unused: Any) -> tuple[Any, ...]:
         x, weight, mean, invstd, count = ctx.saved_tensors
         acc, dims, c = mean.dtype, _reduce_dims(x), x.shape[1]
         # xhat is recomputed rather than saved: one activation-sized tensor less in memory.
@@ -123,9 +127,9 @@ class SyncBatchNorm(_BatchNorm):
         momentum: float | None = 0.1,
         affine: bool = True,
         track_running_stats: bool = True,
-        process_group: Any = None,
-        device: Any = None,
-        dtype: Any = None,
+        process_group: ProcessGroup | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__(
             num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype
@@ -172,7 +176,9 @@ class SyncBatchNorm(_BatchNorm):
         return y
 
 
-def convert_sync_batchnorm(module: nn.Module, process_group: Any = None) -> nn.Module:
+def convert_sync_batchnorm(
+    module: nn.Module, process_group: ProcessGroup | None = None
+) -> nn.Module:
     """Replace every ``nn.BatchNorm*d`` in ``module`` by a ``SyncBatchNorm`` over the group.
 
     The new layers share the old parameters (so an optimizer built earlier still holds them),

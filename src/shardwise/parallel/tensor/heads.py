@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from shardwise.parallel.tensor import linear_dims
+from shardwise.parallel.tensor.layers import linear_dims
 
 HEAD_ATTRS = (
     "n_head",

@@ -2,7 +2,7 @@
 
 transformers publishes a ``tp_plan`` per model (``model.tp_plan``, ``config.base_model_tp_plan``)
 whose styles are its own DTensor layouts. Each name below is either the same split as one of
-ours (see parallelize.py's module doc), or a module every TP rank keeps whole, or a layout
+ours (see tensor/parallelize.py's module doc), or a module every TP rank keeps whole, or a layout
 shardwise has not built, refused with the reason so that the user can give an explicit plan.
 
     HF style                          shardwise            why it is the same split

@@ -108,7 +108,7 @@ class RNGStatesTracker:
         if name not in self._states:
             raise KeyError(
                 f"RNG stream {name!r} was never added: call "
-                "shardwise.parallel.random.model_parallel_seed(seed, tp_rank) after seeding, "
+                "shardwise.parallel.tensor.random.model_parallel_seed(seed, tp_rank) after seeding, "
                 "or tracker.add(name, seed)"
             )
         outside = _capture()
