@@ -29,3 +29,6 @@ def _fresh_default_group():
 
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+from netns_hosts import two_hosts  # noqa: E402, F401 - a session fixture shared by the cluster tests

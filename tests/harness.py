@@ -38,7 +38,7 @@ def _worker(rank: int, world_size: int, store_path: str, inbox: Any, outbox: Any
     import torch
     import torch.distributed as dist
 
-    from shardwise.launch.loopback import pin_gloo_to_loopback
+    from shardwise.launch.interface import pin_gloo_to_loopback
 
     torch.set_num_threads(1)
     pin_gloo_to_loopback("gloo", world_size, world_size, "127.0.0.1")  # as init_distributed does

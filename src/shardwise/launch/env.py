@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from shardwise.launch import slurm
 from shardwise.launch.guard import guard_worker
-from shardwise.launch.loopback import pin_gloo_to_loopback
+from shardwise.launch.interface import choose_gloo_interface
 
 DEFAULT_MASTER_ADDR = "127.0.0.1"
 DEFAULT_MASTER_PORT = 29500  # torchrun's and DeepSpeed's default
@@ -312,7 +312,7 @@ def _init_group(
 ) -> DistEnv:
     if backend == "nccl":
         torch.cuda.set_device(env.local_rank)  # before init: NCCL binds each rank to its device
-    pin_gloo_to_loopback(backend, env.world_size, env.local_world_size, env.master_addr)
+    choose_gloo_interface(backend, env.world_size, env.local_world_size, env.master_addr)
     if backend == "mpi":  # MPI knows its own ranks
         dist.init_process_group("mpi", timeout=timeout)
         return replace(env, rank=dist.get_rank(), world_size=dist.get_world_size())

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from shardwise.launch.loopback import IFNAME_VAR, loopback_interface, pin_gloo_to_loopback
+from shardwise.launch.interface import IFNAME_VAR, loopback_interface, pin_gloo_to_loopback
 
 LO = loopback_interface()
 

@@ -1,0 +1,75 @@
+"""Two real hosts on this machine: Linux network namespaces joined by a veth pair.
+
+``two_hosts`` (session fixture) makes namespaces ``sw-host0`` and ``sw-host1`` with the
+addresses 10.77.0.1 and 10.77.0.2 on a veth pair, loopback up in each, and deletes them at the
+end (also on failure). Each host's commands run in its namespace with a host name of its own
+(``host0``/``host1``, a UTS namespace) and a hosts file of its own (a mount namespace binds it
+over /etc/hosts), so the two see each other only through the veth link, as two machines would.
+It needs root and iproute2; without them the tests skip saying which is missing.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+NAMESPACES = ("sw-host0", "sw-host1")
+ADDRESSES = ("10.77.0.1", "10.77.0.2")
+LINKS = ("sw-veth0", "sw-veth1")
+# Two ways a host may name itself: by its own address, or Debian's default (127.0.1.1).
+HOSTS_FILES = {
+    "own address": "127.0.0.1 localhost\n{addr} {name}\n10.77.0.1 host0\n10.77.0.2 host1\n",
+    "debian 127.0.1.1": "127.0.0.1 localhost\n127.0.1.1 {name}\n",
+}
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check)
+
+
+def _delete() -> None:
+    for ns in NAMESPACES:
+        _ip("netns", "del", ns, check=False)  # the veth ends go with their namespaces
+
+
+@dataclass
+class Hosts:
+    """The two hosts: run ``argv`` on host ``i`` with its name and a hosts-file flavour."""
+
+    tmp: Path
+
+    def command(self, i: int, argv: list[str], hosts: str = "own address") -> list[str]:
+        name = f"host{i}"
+        path = self.tmp / f"hosts-{i}-{hosts.replace(' ', '-')}"
+        path.write_text(HOSTS_FILES[hosts].format(addr=ADDRESSES[i], name=name))
+        script = f'hostname {name} && mount --bind {path} /etc/hosts && exec "$@"'
+        return ["ip", "netns", "exec", NAMESPACES[i], "unshare", "--uts", "--mount", "--",
+                "sh", "-c", script, "sh", *argv]  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def two_hosts(tmp_path_factory) -> Iterator[Hosts]:
+    if os.geteuid() != 0:
+        pytest.skip("two-host tests need root to create network namespaces")
+    for tool in ("ip", "unshare"):
+        if shutil.which(tool) is None:
+            pytest.skip(f"two-host tests need {tool} (Debian's iproute2 / util-linux)")
+    _delete()
+    try:
+        for ns in NAMESPACES:
+            _ip("netns", "add", ns)
+        _ip("link", "add", LINKS[0], "type", "veth", "peer", "name", LINKS[1])
+        for ns, link, addr in zip(NAMESPACES, LINKS, ADDRESSES, strict=True):
+            _ip("link", "set", link, "netns", ns)
+            _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", link)
+            _ip("-n", ns, "link", "set", link, "up")
+            _ip("-n", ns, "link", "set", "lo", "up")
+        yield Hosts(tmp_path_factory.mktemp("hosts"))
+    finally:
+        _delete()
