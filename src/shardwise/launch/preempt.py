@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import threading
 import weakref
@@ -39,6 +40,7 @@ from typing import Any
 import torch
 
 from shardwise import comm
+from shardwise.launch.guard import LAUNCHER_VAR
 
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL (module docstring: why this number)
 REPORT_DIR_VAR = "SHARDWISE_PREEMPT_DIR"
@@ -106,9 +108,13 @@ def agree(received: bool, group: comm.Group = None) -> int:
 
 
 def write_report(rank: int, report: dict, environ: Mapping[str, str] = os.environ) -> None:
-    """Tell ``shardwise run`` (when it started this worker) what was saved before the exit."""
+    """Tell ``shardwise run`` (when it started this worker) what was saved before the exit.
+    A launcher that is gone (SIGKILLed) cannot read it nor remove its folder: we remove it."""
     folder = environ.get(REPORT_DIR_VAR)
     if not folder or not os.path.isdir(folder):
+        return
+    if str(os.getppid()) != environ.get(LAUNCHER_VAR):
+        shutil.rmtree(folder, ignore_errors=True)
         return
     tmp = os.path.join(folder, f".rank{rank}.tmp")
     with open(tmp, "w") as f:
