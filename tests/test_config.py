@@ -54,6 +54,7 @@ DEFAULTS = [  # DeepSpeed v0.16.5 code defaults, attribute path -> value
     ("pipeline.pipe_partitioned", True), ("activation_checkpointing.checkpoint_layers", None),
     ("checkpoint.keep_last", None), ("checkpoint.tag_validation", "Warn"),
     ("checkpoint.load_universal", False), ("checkpoint.parallel_write.pipeline_stage", False),
+    ("checkpoint.save_dir", None), ("checkpoint.save_interval_steps", None), ("checkpoint.auto_resume", False),
 ]
 # fmt: on
 
@@ -397,6 +398,11 @@ CHECKPOINT_ERRORS = [
     ({"use_node_local_storage": True}, "checkpoint.use_node_local_storage", "one file system"),
     ({"writer": {"type": "fast", "decoupled": True}}, "checkpoint.writer", "not supported"),
     ({"parallel_write": {"pipeline_stages": True}}, "checkpoint.parallel_write.pipeline_stages", "did you mean"),
+    ({"save_interval_steps": 100}, "checkpoint.save_interval_steps", 'needs checkpoint.save_dir, the directory to save into and resume from, e.g. "checkpoint": {"save_dir": "checkpoints", "save_interval_steps": 100}'),
+    ({"auto_resume": True}, "checkpoint.auto_resume", '"auto_resume": true}'),
+    ({"save_dir": "ckpts", "save_interval_steps": 0}, "checkpoint.save_interval_steps", "must be >= 1"),
+    ({"save_dir": "  "}, "checkpoint.save_dir", "is empty"),
+    ({"save_dir": 3}, "checkpoint.save_dir", "expected a string"),
 ]
 # fmt: on
 

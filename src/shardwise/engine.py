@@ -30,6 +30,7 @@ from torch import nn
 from shardwise import clip, comm
 from shardwise.batch_loop import MicroBatchLoop
 from shardwise.checkpoint import engine_state
+from shardwise.checkpoint.autosave import AutoSave
 from shardwise.checkpoint.replicas import ReplicaWatch
 from shardwise.counters import CounterField, TrainingCounters
 from shardwise.engine_accessors import ConfigAccessors
@@ -93,6 +94,7 @@ class Engine(ConfigAccessors, nn.Module):
         self._backwards = 0  # engine.backward calls since the last step()
         self.monitor = Monitor.for_engine(self)  # DeepSpeed's monitors, timers, profilers
         self.replicas = ReplicaWatch(config.checkpoint.replica_check_interval)
+        self.autosave = AutoSave(config.checkpoint)  # save_dir: interval saves, SIGTERM
 
     # ------------------------------------------------------------------ accessors (DeepSpeed's)
     def get_lr(self) -> list[float]:
@@ -205,10 +207,13 @@ class Engine(ConfigAccessors, nn.Module):
             )
             return
         self._backwards = 0
-        if self.is_gradient_accumulation_boundary():
+        boundary = self.is_gradient_accumulation_boundary()
+        if boundary:
             self.apply_update(lr_kwargs)
         self.micro_steps += 1
         self._boundary_override = None
+        if boundary:
+            self.autosave.after_step(self)  # may save; after a SIGTERM, saves and exits
 
     def apply_update(self, lr_kwargs: dict | None = None) -> None:
         """The update at an accumulation boundary (engine.step's, and the pipeline's)."""
@@ -278,6 +283,7 @@ class Engine(ConfigAccessors, nn.Module):
         if self.pipeline is not None:
             self._write_events(loss.item())
             self.replicas.after_batch(self)
+            self.autosave.after_step(self)
         if self.mesh.rank == 0 and self.global_steps % self.steps_per_print() == 0:
             took = time.perf_counter() - start
             logger.info(
@@ -356,6 +362,7 @@ class Engine(ConfigAccessors, nn.Module):
     def destroy(self) -> None:
         """DeepSpeed's: take the engine's hooks off the model, so another engine can train it."""
         self.strategy.close()
+        self.autosave.close()
 
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes this rank holds in parameters, gradients, optimizer states (master weights

@@ -3,7 +3,7 @@
     config (parsed and validated before any work) -> torch.distributed -> Topology and groups
     -> batch sizes for the data-parallel size -> unsupported features refused
     -> same weights on every rank -> optimizer -> LR scheduler -> gradient reducer
-    -> data loader -> Engine
+    -> data loader -> Engine -> with checkpoint.auto_resume, the newest checkpoint loaded
 
 Everything a user can get wrong in the config fails in the first step, before a process
 group or a tensor is touched.
@@ -107,6 +107,7 @@ def initialize(
     loader = _build_loader(cfg, training_data, batch, mesh, collate_fn)
     scaler = LossScaler.from_config(cfg)
     engine = Engine(model, opt, sched, strategy, mesh, cfg, batch, loader, loss_fn, scaler, runner)
+    engine.autosave.resume(engine)  # checkpoint.auto_resume: the newest checkpoint of save_dir
     return engine, opt, loader, sched
 
 

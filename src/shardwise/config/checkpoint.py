@@ -1,5 +1,7 @@
 """The ``checkpoint`` block: DeepSpeed's checkpoint keys, plus shardwise's own: ``keep_last``,
-``verify``, ``overwrite_newer`` and ``replica_check_interval`` (docs/reliability.md).
+``verify``, ``overwrite_newer``, ``replica_check_interval``, and ``save_dir``,
+``save_interval_steps``, ``auto_resume`` (saving, resuming and preemption without user code:
+checkpoint/autosave.py, launch/preempt.py; docs/reliability.md).
 
 DeepSpeed's keys and what they mean here:
 
@@ -51,6 +53,10 @@ class CheckpointConfig:
     the run (refused otherwise, unless the engine loaded a checkpoint of that directory).
     ``replica_check_interval``: every N optimizer steps, compare the copies of every
     replicated tensor across the ranks and raise if they differ (null: only at each save).
+
+    ``save_dir``: where the engine saves by itself: every ``save_interval_steps`` optimizer
+    steps, and after the step a SIGTERM interrupts (then the process exits with code 75, see
+    launch/preempt.py). ``auto_resume``: ``initialize`` loads the newest checkpoint there.
     """
 
     EXAMPLE: ClassVar[str] = '{"keep_last": 3}'
@@ -62,6 +68,9 @@ class CheckpointConfig:
     verify: bool = True
     overwrite_newer: bool = False
     replica_check_interval: int | None = spec(None, ge=1)
+    save_dir: str | None = None
+    save_interval_steps: int | None = spec(None, ge=1)
+    auto_resume: bool = False
     tag_validation: str = "Warn"
     load_universal: bool = False
     use_node_local_storage: bool = False
@@ -94,4 +103,21 @@ def parse_checkpoint(raw: object, notes: Notes) -> CheckpointConfig:
             "DeepSpeed's checkpoint writer engines (fast, decoupled) are not supported; "
             "shardwise writes every rank's file itself, synchronously. Remove the key",
         )
+    _check_autosave(block, path)
     return dataclasses.replace(block, tag_validation=mode)
+
+
+def _check_autosave(block: CheckpointConfig, path: str) -> None:
+    """``save_interval_steps`` and ``auto_resume`` act on ``save_dir``: refuse them without it."""
+    if block.save_dir is not None and not block.save_dir.strip():
+        raise fail(join(path, "save_dir"), "is empty: give a directory, or remove the key")
+    if block.save_dir is not None:
+        return
+    for key, value in (("save_interval_steps", None), ("auto_resume", False)):
+        if getattr(block, key) != value:
+            raise fail(
+                join(path, key),
+                f"needs checkpoint.save_dir, the directory to save into and resume from, "
+                f'e.g. "checkpoint": {{"save_dir": "checkpoints", "{key}": '
+                f"{show(getattr(block, key))}}}",
+            )

@@ -13,6 +13,9 @@ Decisions (see docs/launch.md):
   (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``): torch's shared store hangs restarted workers.
 - ``OMP_NUM_THREADS=1`` per worker unless set (``--omp-num-threads`` changes it).
 - No ``--local_rank=N`` argument unless ``--local-rank-arg`` (workers read ``LOCAL_RANK``).
+- Preemption (launch/preempt.py): workers that saved and exited with ``PREEMPTED_EXIT_CODE``
+  make this command exit with it too, with one line instead of torchrun's traceback; a signal
+  that stopped the workers before they saved exits 128 + the signal's number, as a shell does.
 """
 
 from __future__ import annotations
@@ -21,13 +24,17 @@ import argparse
 import copy
 import os
 import shlex
+import shutil
+import signal
 import socket
 import sys
+import tempfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
 from torch.distributed import run as torchrun
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from shardwise.launch import hostfile, slurm
@@ -35,6 +42,7 @@ from shardwise.launch.bound import BINDING_VAR, parse_core_list, split_cores
 from shardwise.launch.env import DEFAULT_MASTER_PORT, _get_int
 from shardwise.launch.guard import LAUNCHER_VAR
 from shardwise.launch.hostname import resolve_hostname_once
+from shardwise.launch.preempt import PREEMPTED_EXIT_CODE, REPORT_DIR_VAR, read_reports
 
 LOOPBACK = "127.0.0.1"
 NPROC_WORDS = ("auto", "cpu", "gpu", "xpu")  # torchrun's symbolic --nproc-per-node values
@@ -264,9 +272,39 @@ def launch(args: argparse.Namespace) -> int:
     os.environ.update(updates)
     os.environ[LAUNCHER_VAR] = str(os.getpid())  # workers die with this process (launch/guard.py)
     resolve_hostname_once(one_node=(args.nnodes or 1) == 1)  # not one DNS lookup per agent event
+    reports = os.environ[REPORT_DIR_VAR] = tempfile.mkdtemp(prefix="shardwise-run-")
     try:
         torchrun.main(argv)
     except ChildFailedError as e:  # the agent already gave up after --max-restarts
+        codes = {f.exitcode for f in e.failures.values()}
+        # A SIGTERM reached workers, not this process; the agent then SIGTERMs the others,
+        # which may be past their handler (the interpreter shutting down), hence -SIGTERM.
+        if PREEMPTED_EXIT_CODE in codes and codes <= {PREEMPTED_EXIT_CODE, -signal.SIGTERM}:
+            return _preempted(reports, "SIGTERM to the workers")
         print(f"shardwise run: workers failed\n{e}", file=sys.stderr)
         return 1
+    except SignalException as e:  # torchrun forwarded it and waited for the workers
+        if read_reports(reports):
+            return _preempted(reports, e.sigval.name)
+        print(
+            f"shardwise run: stopped by {e.sigval.name}; the workers exited without saving "
+            "(no checkpoint.save_dir in their config, or they outlived the grace period, "
+            "TORCH_ELASTIC_SHUTDOWN_TIMEOUT, 30 s by default)",
+            file=sys.stderr,
+        )
+        return 128 + int(e.sigval)
+    finally:
+        shutil.rmtree(reports, ignore_errors=True)
     return 0
+
+
+def _preempted(reports: str, why: str) -> int:
+    """The one line a preempted job prints; its exit code."""
+    saved = {r.get("checkpoint") for r in read_reports(reports)} - {None}
+    where = f"saved {', '.join(sorted(saved))}" if saved else "saved their step"
+    print(
+        f"shardwise run: preempted ({why}): the workers {where} and exited; exit code "
+        f"{PREEMPTED_EXIT_CODE}, run the same command again to resume",
+        file=sys.stderr,
+    )
+    return PREEMPTED_EXIT_CODE

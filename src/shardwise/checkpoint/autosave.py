@@ -1,0 +1,111 @@
+"""``engine.autosave``: the config's ``checkpoint.save_dir``, ``save_interval_steps`` and
+``auto_resume`` (shardwise extensions), so that a training script needs no checkpoint code to
+survive restarts and preemption.
+
+    "checkpoint": {"save_dir": "ckpts", "save_interval_steps": 100, "auto_resume": true}
+
+* **Resume** (``initialize``, once the engine is built): ``load_checkpoint(save_dir)``, the tag
+  ``latest`` names or, without ``latest``, the complete checkpoint of the highest step. That
+  restores everything an exact resume needs (engine_load.py): weights, masters, optimizer,
+  scheduler, loss scale, counters, every rank's random generators and the training loader's
+  position. Train ``for step in range(engine.global_steps, total)``.
+* **Interval saves**: at the end of every optimizer step whose number is a multiple of
+  ``save_interval_steps``, ``engine.save_checkpoint(save_dir)`` (tag ``global_step<N>``;
+  ``keep_last`` rotates them).
+* **Preemption** (whenever ``save_dir`` is set): SIGTERM sets a flag (launch/preempt.py); at the
+  end of each step the ranks count the flags (one 4-byte all-reduce); if any rank has it, every
+  rank saves that step (unless the interval save just did) and raises ``Preempted``: exit code
+  75 and one line on rank 0's stderr.
+
+The step's end is ``engine.step()`` at the accumulation boundary, after its counters moved
+(so a save there equals one after ``train_batch``), or, with a pipeline, the end of
+``train_batch``. Every rank reaches it at the same step, which the collectives here rely on.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import TYPE_CHECKING
+
+from shardwise.checkpoint import rotation, storage
+from shardwise.launch.preempt import PREEMPTED_EXIT_CODE, Preempted, SignalFlag, agree, write_report
+
+if TYPE_CHECKING:  # annotations only
+    from shardwise.config.checkpoint import CheckpointConfig
+    from shardwise.engine import Engine
+
+logger = logging.getLogger("shardwise")
+
+
+class AutoSave:
+    """What the engine does at the end of each step with the config's save keys (module doc)."""
+
+    def __init__(self, options: CheckpointConfig) -> None:
+        self.save_dir: str | None = options.save_dir
+        self.interval: int | None = options.save_interval_steps
+        self.auto_resume: bool = options.auto_resume
+        self.sigterm = SignalFlag() if self.save_dir is not None else None
+        self.resumed_from: str | None = None  # the checkpoint auto_resume loaded
+        self._saved_step: int | None = None
+
+    def resume(self, engine: Engine) -> str | None:
+        """With ``auto_resume``: load the newest checkpoint of ``save_dir`` (module doc); its
+        path, or None when there is none yet (a first start)."""
+        if not self.auto_resume or self.save_dir is None:
+            return None
+        tag = newest_tag(self.save_dir)
+        if tag is None:
+            _say(engine, f"auto_resume: no checkpoint in {self.save_dir} yet, starting at step 0")
+            return None
+        self.resumed_from, _ = engine.load_checkpoint(self.save_dir, tag=tag)
+        _say(engine, f"auto_resume: resumed from {self.resumed_from} (step {engine.global_steps})")
+        return self.resumed_from
+
+    def after_step(self, engine: Engine) -> None:
+        """At the end of an optimizer step: the interval save, then the preemption check."""
+        if self.save_dir is None:
+            return
+        step = engine.global_steps
+        stopping = agree(self.sigterm.received) if self.sigterm is not None else 0
+        due = self.interval is not None and step % self.interval == 0
+        if (due or stopping) and self._saved_step != step:
+            engine.save_checkpoint(self.save_dir)
+            self._saved_step = step
+        if stopping:
+            self._stop(engine, step, stopping)
+
+    def _stop(self, engine: Engine, step: int, ranks: int) -> None:
+        path = os.path.join(self.save_dir, f"global_step{step}")
+        _say(
+            engine,
+            f"SIGTERM (on {ranks} of {engine.world_size} ranks): stopped after step {step}, "
+            f"saved {path}; exiting with code {PREEMPTED_EXIT_CODE} (preempted: run the same "
+            "command again to resume)",
+        )
+        write_report(engine.global_rank, {"step": step, "checkpoint": path})
+        raise Preempted(step, path)
+
+    def close(self) -> None:
+        """SIGTERM does again what it did before this engine (``engine.destroy()``)."""
+        if self.sigterm is not None:
+            self.sigterm.close()
+
+
+def newest_tag(save_dir: str) -> str | None:
+    """The tag ``latest`` names, else the complete checkpoint of the highest step, else None."""
+    tag = storage.latest_tag(save_dir)
+    if tag is not None:
+        return tag
+    stepped = [c for c in rotation.checkpoints(save_dir) if c.step is not None]
+    if not stepped:
+        return None
+    newest = max(stepped, key=lambda c: (c.step, c.created))
+    logger.warning("no 'latest' file in %s: auto_resume takes %s", save_dir, newest.tag)
+    return newest.tag
+
+
+def _say(engine: Engine, line: str) -> None:
+    if engine.global_rank == 0:
+        print(f"[shardwise] {line}", file=sys.stderr, flush=True)

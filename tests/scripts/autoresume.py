@@ -1,0 +1,110 @@
+"""A training script with no checkpoint code of its own, for the preemption tests
+(tests/test_preemption.py): the config's ``checkpoint`` block saves and resumes.
+
+    shardwise run --nproc-per-node 2 [--max-restarts N] autoresume.py OUT PHASE [PHASE ...]
+
+Each PHASE is ``LAYOUT[:SIGNAL:RANK:STEP]``, LAYOUT one of LAYOUTS. A phase trains
+``--steps`` steps of a small model with dropout (the ``checkpointing`` test models) with
+``{"save_dir": OUT/LAYOUT/ckpts, "save_interval_steps": --interval, "auto_resume": true}``,
+and rank 0 writes the final weights to OUT/LAYOUT/final.safetensors; then a fresh engine
+without the checkpoint block trains the same steps uninterrupted: OUT/LAYOUT/reference.safetensors.
+A phase whose final weights exist is skipped (a restarted worker group resumes the phase it
+was in). With SIGNAL:RANK:STEP (SIGNAL ``kill`` or ``term``), that rank sends SIGKILL or
+SIGTERM to itself in the forward of step STEP (1-based), once (OUT/LAYOUT/signalled marks it).
+
+A phase started before (by an earlier launch or worker group: OUT/LAYOUT/started-rank<N>) draws its
+initial weights and random streams from another seed than the reference's: a run that resumed
+anything short of everything would not match it.
+
+``--sleep S`` sleeps S seconds after each step and rank 0 records the steps done in
+OUT/LAYOUT/progress, so a test can signal the job in the middle of its run.
+"""
+
+import argparse
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+from safetensors.torch import save_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/: the shared models
+
+from checkpointing import config, engine_for  # noqa: E402
+
+Z3 = {"stage": 3, "stage3_param_persistence_threshold": 40}  # biases whole, weights sharded
+LAYOUTS = {  # name: (config keys, checkpointing model) on 2 processes
+    "dp2": ({}, "mlp"),
+    "zero3-dp2": ({"zero_optimization": Z3}, "mlp"),
+    "pp2": ({"pipeline": {"stages": 2}}, "pipe"),
+}
+DROPOUT = 0.1
+
+
+SIGNALS = {"kill": signal.SIGKILL, "term": signal.SIGTERM}
+
+
+def signal_hook(engine, name: str, rank: int, step: int, marker: Path):
+    """Send signal ``name`` to this process in a forward of step ``step`` (1-based) on rank
+    ``rank``, once."""
+
+    def hook(module, args):
+        if engine.global_rank == rank and engine.global_steps == step - 1 and not marker.exists():
+            marker.touch()
+            os.kill(os.getpid(), SIGNALS[name])
+
+    for module in engine.module.modules():
+        module.register_forward_pre_hook(hook)
+
+
+def save_weights(engine, path: Path) -> None:
+    weights = {k: v.float().contiguous() for k, v in engine.consolidated_state_dict().items()}
+    if engine.global_rank == 0:
+        save_file(weights, str(path))
+
+
+def phase(out: Path, spec: str, args: argparse.Namespace) -> None:
+    layout, *when = spec.split(":")
+    extra, model = LAYOUTS[layout]
+    folder = out / layout
+    if (folder / "final.safetensors").exists():
+        return
+    folder.mkdir(parents=True, exist_ok=True)
+    block = {"save_dir": str(folder / "ckpts"), "save_interval_steps": args.interval}
+    cfg = config(**extra, checkpoint={**block, "auto_resume": True})
+    started = folder / f"started-rank{os.environ['RANK']}"
+    again = started.exists()
+    started.touch()
+    engine = engine_for(cfg, DROPOUT, seed=99 if again else 0, model=model)
+    if when:
+        signal_hook(engine, when[0], int(when[1]), int(when[2]), folder / "signalled")
+    for _ in range(engine.global_steps, args.steps):
+        engine.train_batch()
+        if args.sleep:
+            if engine.global_rank == 0:
+                (folder / "progress.tmp").write_text(str(engine.global_steps))
+                os.replace(folder / "progress.tmp", folder / "progress")
+            time.sleep(args.sleep)
+    save_weights(engine, folder / "final.safetensors")
+    engine.destroy()
+    reference = engine_for(config(**extra), DROPOUT, seed=0, model=model)
+    for _ in range(args.steps):
+        reference.train_batch()
+    save_weights(reference, folder / "reference.safetensors")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("phases", nargs="+")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--interval", type=int, default=3)
+    parser.add_argument("--sleep", type=float, default=0.0)
+    args = parser.parse_args()
+    for spec in args.phases:
+        phase(Path(args.out), spec, args)
+
+
+if __name__ == "__main__":
+    main()
