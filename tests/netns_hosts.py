@@ -38,6 +38,11 @@ def _delete() -> None:
         _ip("netns", "del", ns, check=False)  # the veth ends go with their namespaces
 
 
+def set_link(i: int, up: bool) -> None:
+    """Take host ``i``'s end of the link down (a cable pulled) or bring it back up."""
+    _ip("-n", NAMESPACES[i], "link", "set", LINKS[i], "up" if up else "down")
+
+
 @dataclass
 class Hosts:
     """The two hosts: run ``argv`` on host ``i`` with its name and a hosts-file flavour."""

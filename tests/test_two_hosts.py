@@ -15,13 +15,16 @@ reaches the master and says so.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
-from netns_hosts import ADDRESSES, LINKS
+from netns_hosts import ADDRESSES, LINKS, set_link
 from test_example_gpt import GPT_DIR, SMALL_RUN, _load_run, _train
 
 # name: (processes per host, train.py flags, hosts-file flavour)
@@ -63,7 +66,7 @@ def _run_two_hosts(hosts, out, nproc: int, extra: tuple, flavour: str) -> list[s
     logs = []
     for p in procs:
         try:
-            logs.append(p.communicate(timeout=300)[0])
+            logs.append(p.communicate(timeout=150)[0])
         except subprocess.TimeoutExpired:
             for q in procs:
                 os.killpg(q.pid, signal.SIGKILL)
@@ -87,3 +90,52 @@ def test_two_hosts_train_like_one_process(two_hosts, one_process, tmp_path, name
         assert diff < 1e-4, f"{name}: {key} losses {got[key]} vs one process {ref[key]}"
     for (n, p), (_, q) in zip(model.named_parameters(), ref_model.named_parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=0, atol=1e-4, msg=lambda m, n=n: f"{name} {n}: {m}")
+
+
+LOST_AFTER_S = 10  # the default is 60 s; the same code path, shortened to keep the suite fast
+
+
+def test_a_host_that_loses_its_link_is_named_on_both_sides(two_hosts, tmp_path):
+    """DP4 on two hosts; host 1's link goes down mid-training. With the collective timeout at
+    10 minutes, each host must still stop within the heartbeat limit plus the launcher's
+    teardown, exit non-zero, and say which host (or the store's host) it lost."""
+    marker = tmp_path / "started"
+    script = str(Path(__file__).parent / "scripts" / "long_dp.py")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR")}
+    env.update(OMP_NUM_THREADS="1", SHARDWISE_TIMEOUT_S="600")
+    env["SHARDWISE_HOST_TIMEOUT_S"] = str(LOST_AFTER_S)
+    procs = []
+    for i in range(2):
+        argv = [sys.executable, "-m", "shardwise", "run", "--nnodes", "2", "--node-rank", str(i),
+                "--nproc-per-node", "2", "--master-addr", ADDRESSES[0], "--master-port", "29612",
+                script, str(marker)]  # fmt: skip
+        procs.append(subprocess.Popen(two_hosts.command(i, argv), env=env, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      start_new_session=True))  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not marker.exists():
+            assert time.monotonic() < deadline, "training never started"
+            assert all(p.poll() is None for p in procs), [p.communicate()[0] for p in procs]
+            time.sleep(0.2)
+        time.sleep(1)
+        set_link(1, up=False)
+        cut = time.monotonic()
+        logs, took = [], []
+        for p in procs:
+            logs.append(p.communicate(timeout=LOST_AFTER_S + 60)[0])
+            took.append(time.monotonic() - cut)
+    finally:
+        set_link(1, up=True)
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    codes = [p.returncode for p in procs]
+    assert all(c != 0 for c in codes), f"exit codes {codes}"
+    assert "[shardwise] lost host host1 (node 1), ranks 2-3" in logs[0], logs[0][-3000:]
+    # Host 1 sees host 0's counter stop, or its store (on host 0) go silent: either names host 0.
+    assert re.search(
+        r"\[shardwise\] lost (host host0 \(node 0\), ranks 0-1|the job's store at 10\.77\.0\.1)",
+        logs[1],
+    ), logs[1][-3000:]
+    assert max(took) < LOST_AFTER_S + 30, f"hosts stopped {took} s after the cut"

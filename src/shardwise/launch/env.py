@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from shardwise.launch import slurm
 from shardwise.launch.guard import guard_worker
+from shardwise.launch.heartbeat import start_heartbeat
 from shardwise.launch.interface import choose_gloo_interface
 
 DEFAULT_MASTER_ADDR = "127.0.0.1"
@@ -330,6 +331,8 @@ def _init_group(
     )
     atexit.register(_collect_at_exit)
     guard_worker(env.rank)  # die with the launcher; uncaught errors reach its failure summary
+    master = (env.master_addr, env.master_port)  # a lost host is named within a minute
+    start_heartbeat(env.node_rank, env.local_rank, env.world_size, env.local_world_size, master)
     if verbose and env.rank == 0:
         print(
             f"[shardwise] {backend} world of {env.world_size} processes ready "
