@@ -36,6 +36,7 @@ from shardwise.engine_accessors import ConfigAccessors
 from shardwise.errors import EngineError
 from shardwise.memory import breakdown
 from shardwise.monitor import Monitor, progress_line
+from shardwise.parallel.moe.experts import global_state, local_state
 from shardwise.parallel.tensor.consolidate import consolidate_tensor_parallel
 from shardwise.precision import LossScaler, compute_dtype
 
@@ -298,7 +299,7 @@ class Engine(ConfigAccessors, nn.Module):
             state = consolidate_tensor_parallel(state, self.module, self.mesh.tp_group)
         if self.pipeline is not None:
             state = self.pipeline.consolidated_state_dict(state)
-        return state
+        return global_state(self.module, state)  # MoE: every expert, ep_size=1 names
 
     def module_state_dict(self) -> dict[str, torch.Tensor]:
         return self.consolidated_state_dict()
@@ -351,7 +352,7 @@ class Engine(ConfigAccessors, nn.Module):
 
     def load_module_state_dict(self, checkpoint: dict, strict: bool = True) -> None:
         """Load a whole-model state dict (the user's keys) into this layout."""
-        engine_state.load_module_state_dict(self, checkpoint, strict)
+        engine_state.load_module_state_dict(self, local_state(self.module, checkpoint), strict)
 
     def destroy(self) -> None:
         """DeepSpeed's: take the engine's hooks off the model, so another engine can train it."""

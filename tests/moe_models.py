@@ -1,0 +1,116 @@
+"""A small model with one MoE layer, its reference training loop, and the engine's run of it.
+
+Reference of record: one process holding all experts (``ep_size=1``), trained with plain
+PyTorch on the same micro-batches the ranks see: each data rank's slice of each global batch
+is one accumulated micro-batch, so every gate sees the tokens the rank's gate sees (capacity,
+dropping and the auxiliary loss are per micro-batch in both), and the gradient is the mean
+over micro-batches as the data-parallel average is.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import shardwise
+from shardwise.moe.layer import MoE
+
+HIDDEN, EXPERTS, MB, STEPS, AUX = 8, 4, 4, 4, 0.01
+
+
+class MoENet(nn.Module):
+    """inp -> MoE (4 two-layer experts) + residual -> head; returns (prediction, l_aux)."""
+
+    def __init__(self, ep: int = 1, k: int = 1, capacity_factor: float = 8.0, **moe) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(6, HIDDEN)
+        expert = nn.Sequential(nn.Linear(HIDDEN, 16), nn.Tanh(), nn.Linear(16, HIDDEN))
+        self.moe = MoE(
+            HIDDEN, expert, EXPERTS, ep, k, capacity_factor, capacity_factor,
+            top2_2nd_expert_sampling=False, **moe,
+        )  # fmt: skip
+        self.head = nn.Linear(HIDDEN, 1)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = torch.tanh(self.inp(x))
+        y, l_aux, _ = self.moe(h)
+        return self.head(y + h), l_aux
+
+
+def seed_experts(model: MoENet) -> dict[str, torch.Tensor]:
+    """Give each expert its own weights (copies start equal) and return the state dict."""
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.moe.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def make_data(rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(rows, 3, 6, generator=g)  # 3 tokens per sample
+    return x, x.sum(-1, keepdim=True).sin()
+
+
+def loss_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    pred, l_aux = model(x)
+    return F.mse_loss(pred, y) + AUX * l_aux
+
+
+def reference_run(dp: int, gas: int, clip: float, k: int) -> dict:
+    """One process, all experts; each rank's slice of each micro-step is a micro-batch."""
+    model = MoENet(1, k)
+    seed_experts(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    n = dp * gas
+    x, y = make_data(MB * n * STEPS)
+    losses = []
+    for step in range(STEPS):
+        step_losses = []
+        for m in range(n):  # micro-batch m: rank m % dp, accumulation micro-step m // dp
+            g, r = divmod(m, dp)
+            rows = slice(((step * gas + g) * dp + r) * MB, ((step * gas + g) * dp + r + 1) * MB)
+            loss = loss_of(model, x[rows], y[rows])
+            (loss / n).backward()
+            step_losses.append(loss.item())
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+        losses.append(step_losses)
+    return {"losses": losses, "params": model.state_dict()}
+
+
+def engine_run(dp: int, ep: int, gas: int, clip: float, k: int, **extra) -> dict:
+    """Every rank: the EP model loaded from the single-process weights, trained on its slices."""
+    whole = seed_experts(MoENet(1, k))
+    config = {
+        "train_micro_batch_size_per_gpu": MB,
+        "gradient_accumulation_steps": gas,
+        "gradient_clipping": clip,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}},
+        **extra,
+    }
+    engine, *_ = shardwise.initialize(model=MoENet(ep, k), config=config)
+    engine.load_module_state_dict(whole)
+    start = engine.consolidated_state_dict()
+    r = engine.dp_rank
+    x, y = make_data(MB * dp * gas * STEPS)
+    dtype = next(engine.module.parameters()).dtype
+    losses = []
+    for step in range(STEPS):
+        step_losses = []
+        for g in range(gas):
+            rows = slice(((step * gas + g) * dp + r) * MB, ((step * gas + g) * dp + r + 1) * MB)
+            loss = loss_of(engine, x[rows].to(dtype), y[rows].to(dtype))
+            engine.backward(loss)
+            engine.step()
+            step_losses.append(loss.item())
+        losses.append(step_losses)
+    same_start = all(torch.equal(start[k], whole[k].to(start[k].dtype)) for k in whole)
+    return {
+        "losses": losses,
+        "params": engine.consolidated_state_dict(),
+        "start_equal": same_start and start.keys() == whole.keys(),
+        "a2a_calls": shardwise.comm.stats().get("all_to_all", {}).get("calls", 0),
+    }
