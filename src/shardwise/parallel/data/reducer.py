@@ -53,7 +53,7 @@ class _Bucket:
     ready: set = field(default_factory=set)
 
 
-class _Finished:
+class Finished:
     """The handle of a reduction over one rank: nothing to wait for."""
 
     def wait(self) -> None:
@@ -168,7 +168,7 @@ class DataParallelReducer:
     def _launch(self, b: _Bucket) -> None:
         for p in b.layout.params:
             self._bind(p)
-        b.work = _Finished() if b.solo else comm.all_reduce(b.buffer, group=b.group, async_op=True)
+        b.work = Finished() if b.solo else comm.all_reduce(b.buffer, group=b.group, async_op=True)
 
     def after_backward(self, sync: bool) -> None:
         """At the boundary: wait for every bucket (launching those with unused parameters)

@@ -32,6 +32,11 @@ def set_replicas(param: torch.Tensor, group: Any, ranks: list[int] | tuple[int, 
     setattr(param, _ATTR, Replicas(group, tuple(ranks)))
 
 
+def has_replicas(param: torch.Tensor) -> bool:
+    """Only part of the data-parallel group holds ``param`` (an expert)."""
+    return getattr(param, _ATTR, None) is not None
+
+
 def get_replicas(param: torch.Tensor, group: Any, ranks: list[int]) -> Replicas:
     """The recorded replicas, or the whole data-parallel ``group`` of ``ranks``."""
     found = getattr(param, _ATTR, None)

@@ -37,7 +37,14 @@ def moe_layers(model: nn.Module) -> list[tuple[str, MOELayer]]:
 def bind_experts(model: nn.Module, mesh: ProcessMesh) -> None:
     """Give each MoE layer its expert-parallel group and its experts their expert-data group.
     Every rank calls this together (it makes the groups); ep_size must divide the data size."""
-    for _, layer in moe_layers(model):
+    layers = moe_layers(model)
+    topo = mesh.topology
+    if layers and topo.pp * topo.tp > 1 and any(m.ep_size > 1 for _, m in layers):
+        raise NotImplementedError(
+            f"MoE with ep_size > 1 runs on data parallelism only (pipeline {topo.pp} x tensor "
+            f"{topo.tp} here): set pipeline stages and tensor_parallel.size to 1, or ep_size=1"
+        )
+    for _, layer in layers:
         (ep_group, ep_ranks), (edp_group, edp_ranks) = mesh.expert_groups(layer.ep_size)
         layer.ep_group = ep_group
         layer.gate.ep_group = ep_group
