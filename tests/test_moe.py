@@ -131,9 +131,7 @@ LAYOUTS = [
 ]
 
 
-@pytest.mark.parametrize(
-    "name,world,ep,gas,clip,k,extra", LAYOUTS, ids=[row[0] for row in LAYOUTS]
-)
+@pytest.mark.parametrize("name,world,ep,gas,clip,k,extra", LAYOUTS, ids=[row[0] for row in LAYOUTS])
 def test_expert_parallel_trains_like_one_process(name, world, ep, gas, clip, k, extra):
     """Losses of every micro-batch, the final parameters (ep_size=1 names) and the number
     of all-to-alls: 2 forward and 2 backward per micro-batch. bf16: gradients rounded to 8
