@@ -114,3 +114,42 @@ def engine_run(dp: int, ep: int, gas: int, clip: float, k: int, **extra) -> dict
         "start_equal": same_start and start.keys() == whole.keys(),
         "a2a_calls": shardwise.comm.stats().get("all_to_all", {}).get("calls", 0),
     }
+
+
+def _engine(ep: int, zero: int, k: int = 1):
+    config = {
+        "train_micro_batch_size_per_gpu": MB,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}},
+        "zero_optimization": {"stage": zero, "reduce_bucket_size": 300},
+    }
+    engine, *_ = shardwise.initialize(model=MoENet(ep, k), config=config)
+    return engine
+
+
+def _train(engine, steps: int, first: int = 0) -> None:
+    x, y = make_data(MB * engine.dp_world_size * (first + steps))
+    for step in range(first, first + steps):
+        r = (step * engine.dp_world_size + engine.dp_rank) * MB
+        engine.backward(loss_of(engine, x[r : r + MB], y[r : r + MB]))
+        engine.step()
+
+
+def checkpoint_run(path: str, save: tuple[int, int], load: tuple[int, int]) -> dict:
+    """Train ``save`` = (ep, zero) for 2 steps, save; load into ``load`` = (ep, zero); both take
+    one more step. Returns the saved weights, the loaded ones and both after the step."""
+    a = _engine(*save)
+    a.load_module_state_dict(seed_experts(MoENet(1)))
+    _train(a, 2)
+    a.save_checkpoint(path, tag="t")
+    saved = a.consolidated_state_dict()
+    b = _engine(*load)
+    b.load_checkpoint(path, tag="t")
+    loaded = b.consolidated_state_dict()
+    _train(a, 1, first=2)
+    _train(b, 1, first=2)
+    return {
+        "saved": saved,
+        "loaded": loaded,
+        "after_a": a.consolidated_state_dict(),
+        "after_b": b.consolidated_state_dict(),
+    }

@@ -13,7 +13,17 @@ import math
 import pytest
 import torch
 from harness import run_distributed
-from moe_models import EXPERTS, MB, MoENet, engine_run, make_data, reference_run, seed_experts
+from moe_models import (
+    EXPERTS,
+    MB,
+    MoENet,
+    _engine,
+    checkpoint_run,
+    engine_run,
+    make_data,
+    reference_run,
+    seed_experts,
+)
 
 import shardwise as deepspeed
 from shardwise.parallel.moe.gating import top1gating, top2gating
@@ -185,3 +195,21 @@ def test_dropped_tokens_match_the_single_process_gate():
         zero_rows = int((got["out"].abs().sum(-1) == 0).sum())
         assert zero_rows == int((out.abs().sum(-1) == 0).sum()) > 0, f"rank {rank}: dropped"
         assert torch.allclose(got["out"], out.detach(), atol=1e-6), f"rank {rank}: outputs"
+
+
+def test_checkpoint_of_ep2_x_dp2_loads_into_ep4_and_into_one_process(tmp_path):
+    """Saved by EP2 x DP2 under ZeRO-2 (experts sharded over their expert-data group), loaded
+    by EP4 at stage 0 and by one process holding every expert: the same weights, and the
+    next step (SGD momentum restored) lands on the same weights."""
+    path = str(tmp_path / "ckpt")
+    results = run_distributed(checkpoint_run, 4, path, (2, 2), (4, 0))
+    got = results[0]
+    for key, saved in got["saved"].items():
+        assert torch.equal(got["loaded"][key], saved), f"EP4 loaded {key} differs"
+        diff = float((got["after_b"][key] - got["after_a"][key]).abs().max())
+        assert diff <= 2e-6, f"EP4 after a step: {key} differs by {diff:.2e} (momentum?)"
+    assert got["saved"].keys() == MoENet(1).state_dict().keys(), "single-process names"
+    one = _engine(1, 0)
+    one.load_checkpoint(path, tag="t")
+    for key, value in one.consolidated_state_dict().items():
+        assert torch.equal(value, got["saved"][key]), f"one process loaded {key} differs"

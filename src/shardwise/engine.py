@@ -36,7 +36,7 @@ from shardwise.engine_accessors import ConfigAccessors
 from shardwise.errors import EngineError
 from shardwise.memory import breakdown
 from shardwise.monitor import Monitor, progress_line
-from shardwise.parallel.moe.experts import global_state, local_state
+from shardwise.parallel.moe.experts import global_state
 from shardwise.parallel.tensor.consolidate import consolidate_tensor_parallel
 from shardwise.precision import LossScaler, compute_dtype
 
@@ -352,7 +352,7 @@ class Engine(ConfigAccessors, nn.Module):
 
     def load_module_state_dict(self, checkpoint: dict, strict: bool = True) -> None:
         """Load a whole-model state dict (the user's keys) into this layout."""
-        engine_state.load_module_state_dict(self, local_state(self.module, checkpoint), strict)
+        engine_state.load_module_state_dict(self, checkpoint, strict)
 
     def destroy(self) -> None:
         """DeepSpeed's: take the engine's hooks off the model, so another engine can train it."""

@@ -25,11 +25,20 @@ class Replicas:
 
     group: Any
     ranks: tuple[int, ...]
+    # Every set of data ranks holding one copy set of the parameters in this parameter's
+    # position (the expert-data groups of all expert-parallel ranks), in the same order on
+    # every rank: checkpoints pick one writer per set the same way everywhere.
+    every: tuple[tuple[int, ...], ...] = ()
+
+    @property
+    def sets(self) -> tuple[tuple[int, ...], ...]:
+        return self.every or (self.ranks,)
 
 
-def set_replicas(param: torch.Tensor, group: Any, ranks: list[int] | tuple[int, ...]) -> None:
-    """Record that only ``ranks`` (a part of the data-parallel group) hold ``param``."""
-    setattr(param, _ATTR, Replicas(group, tuple(ranks)))
+def set_replicas(param: torch.Tensor, group: Any, ranks: list[int], every: list[list[int]]) -> None:
+    """Record that only ``ranks`` (a part of the data-parallel group, one of ``every``) hold
+    ``param``."""
+    setattr(param, _ATTR, Replicas(group, tuple(ranks), tuple(tuple(e) for e in every)))
 
 
 def has_replicas(param: torch.Tensor) -> bool:

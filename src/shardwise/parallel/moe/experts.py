@@ -7,13 +7,14 @@ broadcast and shard it there.
 
 Names: expert ``i`` of expert-parallel rank ``r`` is ``deepspeed_experts.<r * L + i>`` in the
 model built with ``ep_size=1``. ``global_state`` turns a state dict with local expert names into
-that vocabulary (gathering the experts over the expert-parallel group); ``local_state`` takes
-this rank's experts out of a whole-model state dict, under local names.
+that vocabulary (gathering the experts over the expert-parallel group); ``global_names`` maps a
+local name to that vocabulary (checkpoint pieces and whole-model loads use it).
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -46,12 +47,14 @@ def bind_experts(model: nn.Module, mesh: ProcessMesh) -> None:
         )
     for _, layer in layers:
         (ep_group, ep_ranks), (edp_group, edp_ranks) = mesh.expert_groups(layer.ep_size)
+        data = set(mesh.axis_ranks("dp"))  # the expert-data groups of this data group
+        every = [g for g in topo.expert_groups(layer.ep_size)[1] if set(g) <= data]
         layer.ep_group = ep_group
         layer.gate.ep_group = ep_group
         layer.experts.ep_rank = ep_ranks.index(mesh.rank)
         layer.bound = True
         for p in layer.experts.parameters():
-            set_replicas(p, edp_group, edp_ranks)
+            set_replicas(p, edp_group, edp_ranks, every)
 
 
 def is_moe_param(param: torch.Tensor) -> bool:
@@ -102,23 +105,30 @@ def _expert_order(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k2: state[k2] for k2 in (next(ordered) if _EXPERT.match(k) else k for k in keys)}
 
 
-def local_state(model: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
-    """This rank's experts out of a whole-model ``state`` (``ep_size=1`` names), renamed to
-    their local index; the other experts left out."""
+def global_names(model: nn.Module) -> Callable[[str], str]:
+    """Maps a parameter or buffer name of ``model`` to its name with ``ep_size=1`` (an expert's
+    local index replaced by its index in the layer; other names unchanged)."""
     blocks = _expert_blocks(model)
-    if not blocks:
-        return state
-    out = {}
-    for key, value in state.items():
-        found = next((b for b in blocks if key.startswith(b[0])), None)
-        if found is None:
-            out[key] = value
-            continue
-        prefix, layer = found
-        i, rest = key[len(prefix) :].split(".", 1)
-        r, local = divmod(int(i), layer.num_local_experts)
-        if r == layer.experts.ep_rank:
-            out[f"{prefix}{local}.{rest}"] = value
+
+    def rename(name: str) -> str:
+        for prefix, layer in blocks:
+            if name.startswith(prefix):
+                i, rest = name[len(prefix) :].split(".", 1)
+                index = layer.experts.ep_rank * layer.num_local_experts + int(i)
+                return f"{prefix}{index}.{rest}"
+        return name
+
+    return rename
+
+
+def every_expert_name(model: nn.Module) -> set[str]:
+    """The ``ep_size=1`` names of every expert of the split layers, those of other ranks too
+    (a whole-model state dict or checkpoint holds them all)."""
+    out = set()
+    for prefix, layer in _expert_blocks(model):
+        local = [n for n in layer.experts.state_dict() if n.startswith("deepspeed_experts.0.")]
+        for i in range(layer.ep_size * layer.num_local_experts):
+            out |= {f"{prefix}{i}.{n.split('.', 2)[2]}" for n in local}
     return out
 
 
