@@ -36,7 +36,7 @@ from torch import nn
 
 from shardwise.checkpoint.pieces import Piece
 from shardwise.checkpoint.reshard import CheckpointError
-from shardwise.parallel.data.replicas import get_replicas
+from shardwise.parallel.data.replicas import get_replicas, has_replicas
 from shardwise.parallel.flat import FlatLayout
 from shardwise.parallel.moe.experts import global_names
 from shardwise.parallel.tensor.placement import Placement, get_placement
@@ -111,7 +111,7 @@ class _Namer:
         self.rename = global_names(module)
         self.names = {id(p): self.rename(n) for n, p in module.named_parameters()}
         self.dp_rank, self.tp0 = mesh.dp_rank, mesh.tp_rank == 0
-        self.dp_ranks, self.topology = mesh.axis_ranks("dp"), mesh.topology
+        self.topology = mesh.topology
         self.loads = {kind: [0] * mesh.topology.dp for kind in ("model", "slot")}
 
     def name(self, p: torch.Tensor) -> str:
@@ -134,8 +134,12 @@ class _Namer:
         if not replicated_over_dp:
             return True
         loads, mine = self.loads[kind], False
-        for ranks in get_replicas(t, None, self.dp_ranks).sets:
-            holders = [self.topology.coord(r).dp for r in ranks]
+        sets = [range(len(loads))]
+        if has_replicas(t):  # data indices of each set of copies
+            sets = [
+                [self.topology.coord(r).dp for r in rs] for rs in get_replicas(t, None, []).sets
+            ]
+        for holders in sets:
             owner = min(holders, key=loads.__getitem__)
             loads[owner] += numel
             mine = mine or owner == self.dp_rank
