@@ -26,6 +26,7 @@ from moe_models import (
 )
 
 import shardwise as deepspeed
+from shardwise.launch.cli import make_parser, topo_command
 from shardwise.parallel.moe.gating import top1gating, top2gating
 
 
@@ -213,3 +214,13 @@ def test_checkpoint_of_ep2_x_dp2_loads_into_ep4_and_into_one_process(tmp_path):
     one.load_checkpoint(path, tag="t")
     for key, value in one.consolidated_state_dict().items():
         assert torch.equal(value, got["saved"][key]), f"one process loaded {key} differs"
+
+
+def test_topo_prints_the_expert_axis():
+    """DeepSpeed's layout: ep consecutive data ranks split the experts; the ranks holding the
+    same experts (strided by ep) reduce their gradients together."""
+    out = topo_command(make_parser().parse_args(["topo", "--dp", "4", "--ep", "2"]))
+    assert "expert-parallel groups (ep=2, 2 groups): [0, 1] [2, 3]" in out, out
+    assert "expert-data groups (ep=2, 2 groups): [0, 2] [1, 3]" in out, out
+    with pytest.raises(ValueError, match="ep_size=3 must divide"):
+        topo_command(make_parser().parse_args(["topo", "--dp", "4", "--ep", "3"]))
