@@ -153,3 +153,27 @@ def checkpoint_run(path: str, save: tuple[int, int], load: tuple[int, int]) -> d
         "after_a": a.consolidated_state_dict(),
         "after_b": b.consolidated_state_dict(),
     }
+
+
+def tutorial_run() -> dict:
+    """DeepSpeed's CIFAR-10 MoE tutorial, in short: the optimizer's parameter groups from
+    ``split_params_into_different_moe_groups_for_optimizer``, ``ep_size`` = the world."""
+    import shardwise as deepspeed
+
+    net = MoENet(ep=2)
+    groups = {"params": list(net.parameters()), "name": "parameters"}
+    params = deepspeed.moe.utils.split_params_into_different_moe_groups_for_optimizer(groups)
+    config = {
+        "train_micro_batch_size_per_gpu": MB,
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": 1},
+    }
+    engine, opt, *_ = deepspeed.initialize(model=net, model_parameters=params, config=config)
+    x, y = make_data(MB)
+    losses = []
+    for _ in range(3):
+        loss = loss_of(engine, x, y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return {"losses": losses, "groups": [(g.get("name"), g.get("moe")) for g in opt.param_groups]}

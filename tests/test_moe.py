@@ -23,6 +23,7 @@ from moe_models import (
     make_data,
     reference_run,
     seed_experts,
+    tutorial_run,
 )
 
 import shardwise as deepspeed
@@ -224,3 +225,11 @@ def test_topo_prints_the_expert_axis():
     assert "expert-data groups (ep=2, 2 groups): [0, 2] [1, 3]" in out, out
     with pytest.raises(ValueError, match="ep_size=3 must divide"):
         topo_command(make_parser().parse_args(["topo", "--dp", "4", "--ep", "3"]))
+
+
+def test_deepspeed_tutorial_parameter_groups_train_expert_parallel():
+    """The tutorial's optimizer groups (dense, then "moe": True per expert group) train EP2
+    under ZeRO-1: the loss falls on a repeated batch on both ranks."""
+    for rank, got in enumerate(run_distributed(tutorial_run, 2)):
+        assert got["groups"] == [("parameters", None), ("ep_size_2", True)], got["groups"]
+        assert got["losses"][-1] < got["losses"][0], f"rank {rank}: {got['losses']}"
