@@ -127,6 +127,9 @@ def test_deepspeed_names_and_utils():
     assert len(groups[1]["params"]) == len(experts) and groups[1]["lr"] == 0.1
     with pytest.raises(ValueError, match="ep_size"):
         deepspeed.moe.layer.MoE(8, torch.nn.Linear(8, 8), num_experts=3, ep_size=2)
+    split = deepspeed.moe.layer.MoE(8, torch.nn.Linear(8, 8), num_experts=4, ep_size=2)
+    with pytest.raises(RuntimeError, match="shardwise.initialize"):
+        split(torch.randn(2, 5, 8))  # no expert groups yet
 
 
 ZERO1 = {"zero_optimization": {"stage": 1, "reduce_bucket_size": 300}}
@@ -166,16 +169,16 @@ def test_expert_parallel_trains_like_one_process(name, world, ep, gas, clip, k, 
         assert got["a2a_calls"] == 4 * gas * 4, f"{tag}: {got['a2a_calls']} all-to-alls"
 
 
-def _dropping_run(capacity_factor: float) -> dict:
-    """EP2 forward with dropping: each rank's output and counts, from the same weights."""
-    whole = seed_experts(MoENet(1, 1, capacity_factor, use_rts=False))
+def _dropping_run(capacity_factor: float, drop_tokens: bool) -> dict:
+    """EP2 forward with a small capacity: each rank's output and counts, same weights."""
+    moe = {"use_rts": False, "drop_tokens": drop_tokens}
+    whole = seed_experts(MoENet(1, 1, capacity_factor, **moe))
     config = {
         "train_micro_batch_size_per_gpu": MB,
         "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
     }
-    engine, *_ = deepspeed.initialize(
-        model=MoENet(2, 1, capacity_factor, use_rts=False), config=config
-    )
+    model = MoENet(2, 1, capacity_factor, **moe)
+    engine, *_ = deepspeed.initialize(model=model, config=config)
     engine.load_module_state_dict(whole)
     x, _ = make_data(MB * 2)
     rows = slice(engine.dp_rank * MB, (engine.dp_rank + 1) * MB)
@@ -184,19 +187,25 @@ def _dropping_run(capacity_factor: float) -> dict:
     return {"out": out.detach(), "counts": counts}
 
 
-def test_dropped_tokens_match_the_single_process_gate():
-    factor = 0.5
-    results = run_distributed(_dropping_run, 2, factor)
-    model = MoENet(1, 1, factor, use_rts=False)
-    model.load_state_dict(seed_experts(MoENet(1, 1, factor, use_rts=False)))
+@pytest.mark.parametrize("drop_tokens", [True, False], ids=["drop", "no-drop"])
+def test_dropped_tokens_match_the_single_process_gate(drop_tokens):
+    """Capacity factor 0.5: with dropping, EP2 drops the tokens the single-process gate drops
+    on the same tokens (counts and outputs equal, some rows zero); with drop_tokens=False the
+    capacity grows to the largest count over the expert-parallel group and nothing drops."""
+    factor, moe = 0.5, {"use_rts": False, "drop_tokens": drop_tokens}
+    results = run_distributed(_dropping_run, 2, factor, drop_tokens)
+    model = MoENet(1, 1, factor, **moe)
+    model.load_state_dict(seed_experts(MoENet(1, 1, factor, **moe)))
     x, _ = make_data(MB * 2)
     for rank, got in enumerate(results):
+        tag = f"rank {rank} drop_tokens={drop_tokens}"
         h = torch.tanh(model.inp(x[rank * MB : (rank + 1) * MB]))
         out, _, counts = model.moe(h)
-        assert torch.equal(got["counts"], counts), f"rank {rank}: exp_counts"
+        assert torch.equal(got["counts"], counts), f"{tag}: exp_counts"
         zero_rows = int((got["out"].abs().sum(-1) == 0).sum())
-        assert zero_rows == int((out.abs().sum(-1) == 0).sum()) > 0, f"rank {rank}: dropped"
-        assert torch.allclose(got["out"], out.detach(), atol=1e-6), f"rank {rank}: outputs"
+        assert zero_rows == int((out.abs().sum(-1) == 0).sum()), f"{tag}: dropped"
+        assert (zero_rows > 0) == drop_tokens, f"{tag}: {zero_rows} tokens dropped"
+        assert torch.allclose(got["out"], out.detach(), atol=1e-6), f"{tag}: outputs"
 
 
 def test_checkpoint_of_ep2_x_dp2_loads_into_ep4_and_into_one_process(tmp_path):
