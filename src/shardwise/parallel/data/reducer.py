@@ -31,6 +31,7 @@ import torch
 
 from shardwise import clip, comm
 from shardwise.checkpoint.layouts import Layout, replicated_layout
+from shardwise.comm import Group
 from shardwise.parallel.data.replicas import get_replicas, partition_by_replicas
 from shardwise.parallel.flat import FlatLayout, plan_buckets
 from shardwise.parallel.strategy import StrategyContext, bucket_elements, plain_precision
@@ -46,7 +47,7 @@ if TYPE_CHECKING:  # annotations only
 class _Bucket:
     layout: FlatLayout
     buffer: torch.Tensor
-    group: Any = None  # the data ranks holding copies of these parameters (replicas.py)
+    group: Group = None  # the data ranks holding copies of these parameters (replicas.py)
     counted: bool = True  # this rank counts the bucket in the gradient norm
     solo: bool = False  # no other rank holds these parameters: nothing to reduce
     work: Any = None

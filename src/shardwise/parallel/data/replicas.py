@@ -11,9 +11,10 @@ all-to-all brought each rank's tokens to the expert), so g = (1/N) * sum over it
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
+
+from shardwise.comm import Group
 
 _ATTR = "_shardwise_replicas"
 
@@ -23,7 +24,7 @@ class Replicas:
     """The process group of the data ranks holding copies of a parameter, and their global
     ranks (the first one is the source of broadcasts)."""
 
-    group: Any
+    group: Group
     ranks: tuple[int, ...]
     # Every set of data ranks holding one copy set of the parameters in this parameter's
     # position (the expert-data groups of all expert-parallel ranks), in the same order on
@@ -35,7 +36,9 @@ class Replicas:
         return self.every or (self.ranks,)
 
 
-def set_replicas(param: torch.Tensor, group: Any, ranks: list[int], every: list[list[int]]) -> None:
+def set_replicas(
+    param: torch.Tensor, group: Group, ranks: list[int], every: list[list[int]]
+) -> None:
     """Record that only ``ranks`` (a part of the data-parallel group, one of ``every``) hold
     ``param``."""
     setattr(param, _ATTR, Replicas(group, tuple(ranks), tuple(tuple(e) for e in every)))
@@ -46,14 +49,14 @@ def has_replicas(param: torch.Tensor) -> bool:
     return getattr(param, _ATTR, None) is not None
 
 
-def get_replicas(param: torch.Tensor, group: Any, ranks: list[int]) -> Replicas:
+def get_replicas(param: torch.Tensor, group: Group, ranks: list[int]) -> Replicas:
     """The recorded replicas, or the whole data-parallel ``group`` of ``ranks``."""
     found = getattr(param, _ATTR, None)
     return found if found is not None else Replicas(group, tuple(ranks))
 
 
 def partition_by_replicas(
-    params: list[torch.nn.Parameter], group: Any, ranks: list[int]
+    params: list[torch.nn.Parameter], group: Group, ranks: list[int]
 ) -> list[tuple[Replicas, list[torch.nn.Parameter]]]:
     """``params`` split by the group their copies live on, each list in the given order; the
     whole data-parallel group first, then the others in order of first appearance."""

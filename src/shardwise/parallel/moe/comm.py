@@ -9,16 +9,15 @@ exchange is its own inverse, so backward sends the gradient back the same way. C
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
+from torch.autograd.function import FunctionCtx
 
 from shardwise import comm
 
 
 class _AllToAll(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, group: Any, x: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: FunctionCtx, group: comm.Group, x: torch.Tensor) -> torch.Tensor:
         ctx.group = group
         x = x.contiguous()
         out = torch.empty_like(x)
@@ -26,10 +25,10 @@ class _AllToAll(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor]:
+    def backward(ctx: FunctionCtx, grad: torch.Tensor) -> tuple[None, torch.Tensor]:
         return None, _AllToAll.apply(ctx.group, grad)
 
 
-def all_to_all(x: torch.Tensor, group: Any) -> torch.Tensor:
+def all_to_all(x: torch.Tensor, group: comm.Group) -> torch.Tensor:
     """Equal chunks of dim 0 of ``x`` exchanged over ``group`` (differentiable)."""
     return _AllToAll.apply(group, x)

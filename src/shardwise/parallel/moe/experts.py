@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -133,7 +133,7 @@ def every_expert_name(model: nn.Module) -> set[str]:
 
 
 def split_params_into_different_moe_groups_for_optimizer(
-    param_groups: Any, max_group_size: int | None = 178956971
+    param_groups: dict | list | tuple, max_group_size: int | None = 178956971
 ) -> list[dict]:
     """DeepSpeed's: each param group split into its dense parameters and, per expert group
     name, its expert parameters (``"moe": True``, ``"name": <group_name>``)."""

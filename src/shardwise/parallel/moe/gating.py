@@ -24,7 +24,6 @@ Legend: S tokens (of this rank), E experts (all of them), C capacity (slots per 
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -40,7 +39,7 @@ def capacity(num_tokens: int, num_experts: int, capacity_factor: float, min_capa
     return max(math.ceil(num_tokens / num_experts * capacity_factor), min_capacity)
 
 
-def _no_drop_capacity(exp_counts: torch.Tensor, num_tokens: int, ep_group: Any) -> int:
+def _no_drop_capacity(exp_counts: torch.Tensor, num_tokens: int, ep_group: comm.Group) -> int:
     """The largest count over the expert-parallel group, at most the number of tokens."""
     biggest = exp_counts.max().reshape(1).clone()
     if ep_group is not None:
@@ -60,7 +59,7 @@ def top1gating(
     noisy_gate_policy: str | None = None,
     drop_tokens: bool = True,
     use_rts: bool = True,
-    ep_group: Any = None,
+    ep_group: comm.Group = None,
 ) -> Gating:
     """``(l_aux, combine_weights, dispatch_mask, exp_counts)`` of top-1 gating (module doc)."""
     noisy = logits
@@ -98,7 +97,7 @@ def top2gating(
     capacity_factor: float,
     min_capacity: int,
     drop_tokens: bool = True,
-    ep_group: Any = None,
+    ep_group: comm.Group = None,
     top2_2nd_expert_sampling: bool = True,
 ) -> Gating:
     """``(l_aux, combine_weights, dispatch_mask, exp_counts)`` of top-2 gating (module doc)."""
@@ -173,7 +172,7 @@ class TopKGate(nn.Module):
         self.noisy_gate_policy = None if noisy_gate_policy == "None" else noisy_gate_policy
         self.drop_tokens, self.use_rts = drop_tokens, use_rts
         self.top2_2nd_expert_sampling = top2_2nd_expert_sampling
-        self.ep_group: Any = None
+        self.ep_group: comm.Group = None
 
     def forward(self, x_sm: torch.Tensor) -> Gating:
         x = x_sm.float()

@@ -20,12 +20,12 @@ Expert ``i`` of expert-parallel rank ``r`` is expert ``r * L + i`` of the whole 
 from __future__ import annotations
 
 import copy
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardwise.comm import Group
 from shardwise.parallel.moe.comm import all_to_all
 from shardwise.parallel.moe.gating import TopKGate
 
@@ -71,7 +71,7 @@ class MOELayer(nn.Module):
         self.gate, self.experts = gate, experts
         self.ep_group_name, self.ep_size = ep_group_name, ep_size
         self.num_local_experts = num_local_experts
-        self.ep_group: Any = None
+        self.ep_group: Group = None
         self.bound = ep_size == 1  # bind_experts gives ep_size > 1 its group
         self.l_aux: torch.Tensor | None = None
         self.exp_counts: torch.Tensor | None = None

@@ -37,6 +37,7 @@ import torch
 
 from shardwise import clip, comm
 from shardwise.checkpoint.layouts import FlatShard, Layout, flat_layout
+from shardwise.comm import Group
 from shardwise.parallel.data.reducer import Finished
 from shardwise.parallel.data.replicas import partition_by_replicas
 from shardwise.parallel.flat import FlatLayout, plan_buckets
@@ -63,7 +64,7 @@ class _Where:
     """The data ranks holding a bucket's parameters (all of them, or an expert-data group:
     data/replicas.py): their group, its size, this rank's shard index and the shard count."""
 
-    group: Any
+    group: Group
     size: int
     shard: int  # this rank's shard (0 when not sharded)
     parts: int
@@ -145,7 +146,7 @@ class ZeroStrategy:
         self.zero_grad()
 
     # ------------------------------------------------------------------ construction
-    def _where(self, group: Any, ranks: tuple[int, ...]) -> _Where:
+    def _where(self, group: Group, ranks: tuple[int, ...]) -> _Where:
         size = len(ranks) if self.world > 1 else 1
         parts = size if self.stage >= 1 else 1
         mine = ranks.index(comm.get_rank()) if size > 1 else 0
