@@ -64,7 +64,7 @@ def reference_run(dp: int, gas: int, clip: float, k: int) -> dict:
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     n = dp * gas
     x, y = make_data(MB * n * STEPS)
-    losses = []
+    losses, norms = [], []
     for step in range(STEPS):
         step_losses = []
         for m in range(n):  # micro-batch m: rank m % dp, accumulation micro-step m // dp
@@ -73,12 +73,11 @@ def reference_run(dp: int, gas: int, clip: float, k: int) -> dict:
             loss = loss_of(model, x[rows], y[rows])
             (loss / n).backward()
             step_losses.append(loss.item())
-        if clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip or 1e9)))
         opt.step()
         opt.zero_grad()
         losses.append(step_losses)
-    return {"losses": losses, "params": model.state_dict()}
+    return {"losses": losses, "norms": norms, "params": model.state_dict()}
 
 
 def engine_run(dp: int, ep: int, gas: int, clip: float, k: int, **extra) -> dict:
@@ -97,7 +96,7 @@ def engine_run(dp: int, ep: int, gas: int, clip: float, k: int, **extra) -> dict
     r = engine.dp_rank
     x, y = make_data(MB * dp * gas * STEPS)
     dtype = next(engine.module.parameters()).dtype
-    losses = []
+    losses, norms = [], []
     for step in range(STEPS):
         step_losses = []
         for g in range(gas):
@@ -107,9 +106,11 @@ def engine_run(dp: int, ep: int, gas: int, clip: float, k: int, **extra) -> dict
             engine.step()
             step_losses.append(loss.item())
         losses.append(step_losses)
+        norms.append(engine.get_global_grad_norm())
     same_start = all(torch.equal(start[k], whole[k].to(start[k].dtype)) for k in whole)
     return {
         "losses": losses,
+        "norms": norms,
         "params": engine.consolidated_state_dict(),
         "start_equal": same_start and start.keys() == whole.keys(),
         "a2a_calls": shardwise.comm.stats().get("all_to_all", {}).get("calls", 0),

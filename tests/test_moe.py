@@ -162,11 +162,15 @@ def test_expert_parallel_trains_like_one_process(name, world, ep, gas, clip, k, 
         mine = [loss for step in want["losses"] for loss in step[rank::world]]
         losses = [loss for step in got["losses"] for loss in step]
         assert losses == pytest.approx(mine, rel=rel, abs=1e-6), tag
+        # The global norm counts every expert once (on one rank of its group or its owner).
+        if clip:
+            assert got["norms"] == pytest.approx(want["norms"], rel=2 * rel), f"{tag}: norms"
         assert got["params"].keys() == want["params"].keys(), f"{tag}: names"
         for key, w in want["params"].items():
             diff = float((got["params"][key].float() - w).abs().max())
             assert diff <= atol, f"{tag}: {key} differs by {diff:.2e}"
         assert got["a2a_calls"] == 4 * gas * 4, f"{tag}: {got['a2a_calls']} all-to-alls"
+    assert not clip or max(want["norms"]) > clip, f"{name}: clipping never engaged; void test"
 
 
 def _dropping_run(capacity_factor: float, drop_tokens: bool) -> dict:
