@@ -121,8 +121,9 @@ DEEPSPEED_SURFACE = (
     "shardwise.pipe",
     "shardwise.utils",
     "shardwise.runtime",
+    "shardwise.moe",
 )
-CAPABILITIES = ("data", "zero", "tensor", "pipeline", "activation")
+CAPABILITIES = ("data", "zero", "tensor", "pipeline", "activation", "moe")
 
 
 def _deps_of(prefix: str) -> dict[str, set[str]]:

@@ -282,3 +282,16 @@ def test_pipeline_layouts_train_like_one_process(one_process, tmp_path, name, np
         assert diff < 1e-4, f"{name}: {key} losses {got[key]} vs one process {ref[key]}"
     for (n, p), (_, q) in zip(model.named_parameters(), ref_model.named_parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=0, atol=1e-4, msg=lambda m, n=n: f"{name} {n}: {m}")
+
+
+def test_moe_option_trains_expert_parallel_and_samples_in_one_process(tmp_path):
+    """--moe-experts 4 --ep 2: each block's MLP becomes DeepSpeed's MoE split over two
+    ranks; the consolidated weights hold all four experts under their one-process names,
+    so the plain GPT with ep=1 loads them strictly and samples."""
+    extra = ("--moe-experts", "4", "--ep", "2", "--micro-batch", "4")
+    proc = _train(tmp_path / "moe", 2, extra)
+    assert "sample:\ndef " in proc.stdout, proc.stdout
+    model, metrics = _load_run(tmp_path / "moe")  # strict: every expert of every block
+    experts = model.blocks[0].mlp.moe.deepspeed_moe.experts.deepspeed_experts
+    assert len(experts) == 4 and model.cfg.ep == 1
+    assert metrics["train"][-1] < metrics["train"][0], metrics["train"]

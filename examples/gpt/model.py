@@ -23,6 +23,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from shardwise.moe.layer import MoE
+
 
 @dataclass
 class GPTConfig:
@@ -34,6 +36,10 @@ class GPTConfig:
     dropout: float = 0.0
     bias: bool = False  # biases in Linear (except keys, see CausalSelfAttention) and LayerNorm
     tie_weights: bool = False  # head.weight is tok_emb.weight; untied keeps TP/PP simpler
+    moe_experts: int = 0  # > 0: each block's feed-forward is a mixture of this many MLPs
+    ep: int = 1  # expert-parallel size: the experts split over this many data ranks
+    moe_k: int = 1  # experts per token (top-1 or top-2 gating)
+    moe_aux: float = 0.01  # weight of the load-balancing loss added to the training loss
 
     def __post_init__(self) -> None:
         if self.n_embd % self.n_head:
@@ -109,6 +115,20 @@ class MLP(nn.Module):
         return self.drop(self.proj(h))  # (B, T, 4C) @ (4C, C) -> (B, T, C)
 
 
+class MoEMLP(nn.Module):
+    """The feed-forward as DeepSpeed's MoE of ``moe_experts`` MLPs (docs/moe.md); the
+    auxiliary load-balancing loss of the last forward is kept in ``l_aux`` for GPT's loss."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.moe = MoE(cfg.n_embd, MLP(cfg), cfg.moe_experts, ep_size=cfg.ep, k=cfg.moe_k)
+        self.l_aux = torch.zeros(())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, self.l_aux, _ = self.moe(x)  # (B, T, C): each token through its k experts
+        return out
+
+
 class Block(nn.Module):
     """Pre-LN residual block: x + attn(ln(x)), then x + mlp(ln(x)).
 
@@ -121,7 +141,7 @@ class Block(nn.Module):
         self.ln_1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.attn = CausalSelfAttention(cfg)
         self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
-        self.mlp = MLP(cfg)
+        self.mlp = MoEMLP(cfg) if cfg.moe_experts else MLP(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
@@ -205,7 +225,10 @@ class GPT(nn.Module):
         if targets is None:
             return logits
         # Flatten to (B*T, V) vs (B*T,): every position is one next-token prediction.
-        return self.loss_fn(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+        loss = self.loss_fn(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+        if self.cfg.moe_experts:  # the load-balancing loss keeps every expert in use
+            loss = loss + self.cfg.moe_aux * sum(b.mlp.l_aux for b in self.blocks)
+        return loss
 
     @torch.no_grad()
     def generate(

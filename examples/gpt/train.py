@@ -65,6 +65,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--sp", action="store_true", help="sequence parallelism between the TP regions (--tp > 1)"
     )
+    p.add_argument("--moe-experts", type=int, default=0, help="MoE feed-forward experts (0: MLP)")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel size (divides dp)")
+    p.add_argument("--moe-k", type=int, default=1, help="experts per token: 1 or 2")
     p.add_argument("--config", default=None, help="JSON file merged over the built config")
     p.add_argument("--sample-chars", type=int, default=300, help="length of the final sample")
     args = p.parse_args(argv)
@@ -194,6 +197,9 @@ def setup(args: argparse.Namespace) -> tuple:
         n_embd=args.n_embd,
         dropout=args.dropout,
         tie_weights=args.tie_weights,
+        moe_experts=args.moe_experts,
+        ep=args.ep,
+        moe_k=args.moe_k,
     )
     model = GPT(gcfg)
     n_params = model.num_params()  # before tensor parallelism splits the layers in place
@@ -276,7 +282,13 @@ def save_outputs(
     out.mkdir(parents=True, exist_ok=True)
     save_weights(state, out / "model.safetensors")
     tok.save(out / "vocab.json")
-    meta = {"model": asdict(gcfg), "shardwise": cfg, "corpus": corpus, "args": vars(args)}
+    # The consolidated weights hold every expert under its single-process name: ep=1 loads them.
+    meta = {
+        "model": {**asdict(gcfg), "ep": 1},
+        "shardwise": cfg,
+        "corpus": corpus,
+        "args": vars(args),
+    }
     _write_json(out / "config.json", meta)
     _write_json(out / "metrics.json", hist)
     plot_losses(hist, out / "loss.png", tok.vocab_size)

@@ -2,11 +2,11 @@
 
 The public surface follows DeepSpeed's, so that ``import shardwise as deepspeed`` runs common
 DeepSpeed scripts: ``initialize``, ``init_distributed``, ``add_config_arguments``, ``comm``, and
-the deeper paths scripts import (``accelerator``, ``runtime.*``, ``ops.adam``, ``utils``, ``zero``,
+the deeper paths scripts import (``accelerator``, ``runtime.*``, ``ops.adam``, ``utils``, ``zero``, ``moe``,
 ``pipe``; docs/deepspeed-compat.md).
 """
 
-from shardwise import accelerator, checkpointing, comm, ops, pipe, runtime, utils, zero
+from shardwise import accelerator, checkpointing, comm, moe, ops, pipe, runtime, utils, zero
 from shardwise.config import ConfigError
 from shardwise.engine import Engine, EngineError
 from shardwise.initialize import add_config_arguments, initialize
@@ -37,6 +37,7 @@ __all__ = [
     "comm",
     "init_distributed",
     "initialize",
+    "moe",
     "new_subgroup",
     "ops",
     "pipe",

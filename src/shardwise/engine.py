@@ -37,6 +37,7 @@ from shardwise.engine_accessors import ConfigAccessors
 from shardwise.errors import EngineError
 from shardwise.memory import breakdown
 from shardwise.monitor import Monitor, progress_line
+from shardwise.parallel.moe.experts import global_state
 from shardwise.parallel.tensor.consolidate import consolidate_tensor_parallel
 from shardwise.precision import LossScaler, compute_dtype
 
@@ -304,7 +305,7 @@ class Engine(ConfigAccessors, nn.Module):
             state = consolidate_tensor_parallel(state, self.module, self.mesh.tp_group)
         if self.pipeline is not None:
             state = self.pipeline.consolidated_state_dict(state)
-        return state
+        return global_state(self.module, state)  # MoE: every expert, ep_size=1 names
 
     def module_state_dict(self) -> dict[str, torch.Tensor]:
         return self.consolidated_state_dict()

@@ -31,6 +31,7 @@ from shardwise.parallel import remap
 from shardwise.parallel.activation.recompute import refused_options
 from shardwise.parallel.activation.selective import apply_activation_checkpointing
 from shardwise.parallel.data.reducer import broadcast_parameters
+from shardwise.parallel.moe.experts import bind_experts
 from shardwise.parallel.pipeline import prepare as pipe
 from shardwise.parallel.pipeline.prepare import stage_plan
 from shardwise.parallel.strategies import build_strategy
@@ -83,6 +84,7 @@ def initialize(
 
     model = pipe.prepare_model(cfg, model, loss_fn)
     mesh = _build_mesh(cfg, pipe.pipeline_stages(cfg, model))
+    bind_experts(model, mesh)  # MoE: expert groups, before any broadcast or reduction
     batch = cfg.resolve_batch(mesh.topology.dp)
     _log_start(cfg, mesh, batch)
     runner = pipe.bind_pipeline(cfg, model, mesh, compute_dtype(cfg), loss_fn)

@@ -127,6 +127,22 @@ class Topology:
             for d in range(self.dp)
         ]
 
+    def expert_groups(self, ep: int) -> tuple[list[list[int]], list[list[int]]]:
+        """Expert parallelism of size ``ep`` inside the data axis (DeepSpeed's layout): the
+        expert-parallel groups, ``ep`` consecutive data ranks that split the experts between
+        them, and the expert-data groups, the data ranks holding the same experts (strided by
+        ``ep``), whose expert gradients are reduced together. Every (pp, tp) coordinate's groups."""
+        if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1 or self.dp % ep:
+            raise TopologyError(
+                f"expert-parallel size ep_size={ep!r} must divide the data-parallel size "
+                f"dp={self.dp}: pick an ep_size among the divisors of {self.dp}"
+            )
+        ep_groups, edp_groups = [], []
+        for data in self.axis_groups("dp"):
+            ep_groups += [data[i : i + ep] for i in range(0, self.dp, ep)]
+            edp_groups += [data[i::ep] for i in range(ep)]
+        return ep_groups, edp_groups
+
     def peers(self, rank: int, axis: str) -> list[int]:
         """The ranks in ``rank``'s group along ``axis`` (itself included)."""
         c = self.coord(rank)
@@ -229,6 +245,18 @@ class ProcessMesh:
                 group = self.group_of(ranks, f"tied:{key}")
                 mine = (group, ranks[0]) if self.rank in ranks else mine
         return mine
+
+    def expert_groups(self, ep: int) -> tuple[tuple[Any, list[int]], tuple[Any, list[int]]]:
+        """``((ep_group, ep_ranks), (expert_data_group, expert_data_ranks))`` of this rank for
+        expert parallelism of size ``ep`` (``Topology.expert_groups``); every rank makes all."""
+        ep_groups, edp_groups = self.topology.expert_groups(ep)
+        out = {}
+        for kind, groups in (("expert-parallel", ep_groups), ("expert-data", edp_groups)):
+            for ranks in groups:
+                group = self.group_of(ranks, f"{kind}:ep_size_{ep}")
+                if self.rank in ranks:
+                    out[kind] = (group, ranks)
+        return out["expert-parallel"], out["expert-data"]
 
     def group(self, axis: str) -> Any:
         """The process group of this rank along ``axis`` (None when not distributed)."""

@@ -34,6 +34,7 @@ from shardwise.checkpoint.optim_state import groups_to_json, optim_pieces
 from shardwise.checkpoint.pieces import Piece
 from shardwise.checkpoint.rank_state import data_state, rng_state
 from shardwise.checkpoint.reshard import CheckpointError, PieceReader, fill, plain_pieces
+from shardwise.parallel.moe.experts import every_expert_name, global_names
 from shardwise.precision import compute_dtype
 
 if TYPE_CHECKING:  # annotations only
@@ -151,8 +152,10 @@ def check_unexpected(engine: Engine, reader: CheckpointReader) -> None:
     if engine.mesh.topology.pp != 1:
         return
     module = engine.module
-    mine = {f"model/{n}" for n in module.state_dict()}
-    mine |= {f"model/{n}" for n, _ in module.named_parameters()}
+    rename = global_names(module)  # experts by their single-process names, all of them
+    mine = {f"model/{rename(n)}" for n in module.state_dict()}
+    mine |= {f"model/{rename(n)}" for n, _ in module.named_parameters()}
+    mine |= {f"model/{n}" for n in every_expert_name(module)}
     unexpected = sorted(n for n in reader.names() if n.startswith("model/") and n not in mine)
     if unexpected:
         raise CheckpointError(

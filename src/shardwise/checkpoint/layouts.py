@@ -36,7 +36,9 @@ from torch import nn
 
 from shardwise.checkpoint.pieces import Piece
 from shardwise.checkpoint.reshard import CheckpointError
+from shardwise.parallel.data.replicas import get_replicas, has_replicas
 from shardwise.parallel.flat import FlatLayout
+from shardwise.parallel.moe.experts import global_names
 from shardwise.parallel.tensor.placement import Placement, get_placement
 from shardwise.parallel.zero.masters import shares_storage  # noqa: F401 (re-exported)
 
@@ -105,8 +107,11 @@ def _placement(p: torch.Tensor, shape: tuple[int, ...]) -> Placement:
 
 class _Namer:
     def __init__(self, module: nn.Module, mesh: ProcessMesh) -> None:
-        self.names = {id(p): n for n, p in module.named_parameters()}
+        # Experts under their single-process names (parallel/moe/experts.py).
+        self.rename = global_names(module)
+        self.names = {id(p): self.rename(n) for n, p in module.named_parameters()}
         self.dp_rank, self.tp0 = mesh.dp_rank, mesh.tp_rank == 0
+        self.topology = mesh.topology
         self.loads = {kind: [0] * mesh.topology.dp for kind in ("model", "slot")}
 
     def name(self, p: torch.Tensor) -> str:
@@ -117,17 +122,28 @@ class _Namer:
             )
         return self.names[id(p)]
 
-    def offers(self, pl: Placement, replicated_over_dp: bool, numel: int, kind: str) -> bool:
+    def offers(
+        self, pl: Placement, replicated_over_dp: bool, numel: int, kind: str, t: torch.Tensor
+    ) -> bool:
         """This rank offers a piece of this placement (one rank per set of replicas); a DP
-        replica goes to the data-parallel rank with the fewest elements of ``kind`` so far."""
+        replica goes to the data-parallel rank with the fewest elements of ``kind`` so far
+        among those holding it (an expert: each expert-data group, in turn, so that every
+        rank makes the same choices, data/replicas.py)."""
         if not (self.tp0 or not pl.tp_replicated):
             return False
         if not replicated_over_dp:
             return True
-        loads = self.loads[kind]
-        owner = min(range(len(loads)), key=loads.__getitem__)
-        loads[owner] += numel
-        return owner == self.dp_rank
+        loads, mine = self.loads[kind], False
+        sets = [range(len(loads))]
+        if has_replicas(t):  # data indices of each set of copies
+            sets = [
+                [self.topology.coord(r).dp for r in rs] for rs in get_replicas(t, None, []).sets
+            ]
+        for holders in sets:
+            owner = min(holders, key=loads.__getitem__)
+            loads[owner] += numel
+            mine = mine or owner == self.dp_rank
+        return mine
 
 
 def _whole_model(module: nn.Module, namer: _Namer, skip: set[int]) -> list[Piece]:
@@ -142,11 +158,20 @@ def _whole_model(module: nn.Module, namer: _Namer, skip: set[int]) -> list[Piece
         if id(t) in skip:
             continue
         pl = get_placement(t)
-        save = namer.offers(pl, True, t.numel(), "model")
+        save = namer.offers(pl, True, t.numel(), "model", t)
         # A buffer's copies may differ by design (BatchNorm statistics): not compared.
         verify = id(t) in params
         out.append(
-            Piece(f"model/{name}", pl.global_shape, pl.box, None, t.data, save, verify, pl.packed)
+            Piece(
+                f"model/{namer.rename(name)}",
+                pl.global_shape,
+                pl.box,
+                None,
+                t.data,
+                save,
+                verify,
+                pl.packed,
+            )
         )
     return out
 
@@ -160,7 +185,7 @@ def replicated_layout(module: nn.Module, optimizer: Optimizer, mesh: ProcessMesh
         for g in optimizer.param_groups:
             for p in g["params"]:
                 pl = get_placement(p)
-                name, save = namer.name(p), namer.offers(pl, True, p.numel(), "slot")
+                name, save = namer.name(p), namer.offers(pl, True, p.numel(), "slot", p)
                 slots.append(Slot(name, pl.global_shape, pl.box, None, p, 0, None, save, pl.packed))
     return Layout(_whole_model(module, namer, set()), slots)
 
@@ -227,7 +252,10 @@ def _flat_slots(
     for i, start, at, n in _overlaps(lay.offsets, numels, lo, lo + lay.shard_numel):
         pl = _placement(lay.params[i], tuple(lay.shapes[i]))
         values = master.detach()[at : at + n] if separate else None
-        name, save = namer.name(lay.params[i]), namer.offers(pl, replicated_over_dp, n, "slot")
+        name, save = (
+            namer.name(lay.params[i]),
+            namer.offers(pl, replicated_over_dp, n, "slot", lay.params[i]),
+        )
         flat = (start, start + n)
         out.append(Slot(name, pl.global_shape, pl.box, flat, master, at, values, save, pl.packed))
     return out

@@ -67,6 +67,9 @@ def _add_topo_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--pp", type=int, default=1, help="pipeline stages")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    p.add_argument(
+        "--ep", type=int, default=1, help="expert-parallel size (MoE ep_size, divides dp)"
+    )
     p.add_argument("--nnodes", "--num_nodes", dest="nnodes", type=int, default=None)
     p.add_argument(
         "--nproc-per-node", "--nproc_per_node", dest="nproc_per_node", type=int, default=None
@@ -107,7 +110,7 @@ def topo_world_size(args: argparse.Namespace) -> int:
     return launched
 
 
-def _format_groups(topo: Topology) -> list[str]:
+def _format_groups(topo: Topology, ep: int = 1) -> list[str]:
     lines = []
     for axis in ("dp", "pp", "tp"):
         groups = topo.axis_groups(axis)
@@ -115,6 +118,11 @@ def _format_groups(topo: Topology) -> list[str]:
         lines.append(
             f"{AXIS_NAMES[axis]} groups ({axis}={topo.size(axis)}, {len(groups)} groups): {listed}"
         )
+    if ep > 1:  # the expert axis splits the data axis (docs/moe.md)
+        ep_groups, edp_groups = topo.expert_groups(ep)
+        for kind, groups in (("expert-parallel", ep_groups), ("expert-data", edp_groups)):
+            listed = " ".join(str(g) for g in groups)
+            lines.append(f"{kind} groups (ep={ep}, {len(groups)} groups): {listed}")
     return lines
 
 
@@ -161,7 +169,8 @@ def topo_command(args: argparse.Namespace) -> str:
     if args.subgroup is not None:
         return subgroup_table(parse_subgroup(args.subgroup, world), world, per_node)
     topo = Topology.build(world, dp=args.dp, pp=args.pp, tp=args.tp)
-    return "\n".join([topo.rank_table(nproc_per_node=per_node), "", *_format_groups(topo)])
+    groups = _format_groups(topo, args.ep)
+    return "\n".join([topo.rank_table(nproc_per_node=per_node), "", *groups])
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from shardwise.config.errors import ConfigError
 from shardwise.parallel.data.reducer import DataParallelReducer, LocalGradients
+from shardwise.parallel.data.replicas import has_replicas
 from shardwise.parallel.strategy import GradientStrategy, StrategyContext
 from shardwise.parallel.zero.stage3 import Zero3Strategy
 from shardwise.parallel.zero.stage12 import ZeroStrategy
@@ -25,6 +26,12 @@ def build_strategy(ctx: StrategyContext) -> GradientStrategy:
             f"zero_optimization.stage={stage}: the model was built under "
             "shardwise.parallel.zero.partition.Init() or on the meta device, and only ZeRO stage 3 trains it "
             'without whole parameters: set "stage": 3',
+            key="zero_optimization.stage",
+        )
+    if stage == 3 and any(has_replicas(p) for p in ctx.model.parameters()):
+        raise ConfigError(
+            "zero_optimization.stage=3 does not shard mixture-of-experts layers with ep_size > 1 "
+            "yet: use stage 1 or 2 (experts are sharded over their expert-data group)",
             key="zero_optimization.stage",
         )
     for cls in STRATEGIES:

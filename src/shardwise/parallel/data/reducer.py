@@ -31,6 +31,8 @@ import torch
 
 from shardwise import clip, comm
 from shardwise.checkpoint.layouts import Layout, replicated_layout
+from shardwise.comm import Group
+from shardwise.parallel.data.replicas import get_replicas, partition_by_replicas
 from shardwise.parallel.flat import FlatLayout, plan_buckets
 from shardwise.parallel.strategy import StrategyContext, bucket_elements, plain_precision
 
@@ -45,8 +47,18 @@ if TYPE_CHECKING:  # annotations only
 class _Bucket:
     layout: FlatLayout
     buffer: torch.Tensor
+    group: Group = None  # the data ranks holding copies of these parameters (replicas.py)
+    counted: bool = True  # this rank counts the bucket in the gradient norm
+    solo: bool = False  # no other rank holds these parameters: nothing to reduce
     work: Any = None
     ready: set = field(default_factory=set)
+
+
+class Finished:
+    """The handle of a reduction over one rank: nothing to wait for."""
+
+    def wait(self) -> None:
+        pass
 
 
 class DataParallelReducer:
@@ -56,8 +68,6 @@ class DataParallelReducer:
     gradient, the user's optimizer steps the user's parameters.
     """
 
-    # Every rank ends the step with the same full gradient: the norm needs no communication.
-    norm_group = clip.LOCAL
     supports_no_sync = True
     optimizer = None  # the user's optimizer steps the user's parameters
 
@@ -67,6 +77,7 @@ class DataParallelReducer:
         group: ProcessGroup | None = None,
         bucket_elements: int = 2**22,
         norm_skip: frozenset[int] = frozenset(),
+        ranks: list[int] | None = None,
     ) -> None:
         self.norm_skip = norm_skip
         self.group = group
@@ -75,8 +86,18 @@ class DataParallelReducer:
         # by another engine (a GAN's generator step through the discriminator) reduces nothing.
         self.sync = False
         self._hooks: list[Any] = []
-        layouts = plan_buckets(list(params), bucket_elements)
-        self.buckets = [_Bucket(lay, lay.new_buffer()) for lay in layouts]
+        ranks = ranks if ranks is not None else list(range(self.world))
+        parts = partition_by_replicas(list(params), group, ranks)
+        me = comm.get_rank() if self.world > 1 else ranks[0]
+        self.buckets = [
+            _Bucket(lay, lay.new_buffer(), rep.group, rep.ranks[0] == me, len(rep.ranks) == 1)
+            for rep, ps in parts
+            for lay in plan_buckets(ps, bucket_elements)
+        ]
+        # Every rank ends the step with the same full gradient: the norm needs no communication.
+        # With parameters held by part of the group (experts), each copy is counted by the
+        # first rank holding it and the squares are summed over the data-parallel group.
+        self.norm_group = clip.LOCAL if len(parts) == 1 else group
         self._slot = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.layout.params)}
         if self.world > 1:
             for b in self.buckets:
@@ -104,11 +125,12 @@ class DataParallelReducer:
         """The gradients whose squares make up the global norm (all of them, once).
 
         ``norm_skip`` holds the ids of parameters another tensor-parallel rank counts."""
+        buckets = [b for b in self.buckets if b.counted or self.norm_group == clip.LOCAL]
         if not self.norm_skip:
-            return [b.buffer for b in self.buckets]
+            return [b.buffer for b in buckets]
         return [
             b.layout.view(b.buffer, i)
-            for b in self.buckets
+            for b in buckets
             for i, p in enumerate(b.layout.params)
             if id(p) not in self.norm_skip
         ]
@@ -147,7 +169,7 @@ class DataParallelReducer:
     def _launch(self, b: _Bucket) -> None:
         for p in b.layout.params:
             self._bind(p)
-        b.work = comm.all_reduce(b.buffer, group=self.group, async_op=True)
+        b.work = Finished() if b.solo else comm.all_reduce(b.buffer, group=b.group, async_op=True)
 
     def after_backward(self, sync: bool) -> None:
         """At the boundary: wait for every bucket (launching those with unused parameters)
@@ -188,8 +210,8 @@ class DataParallelReducer:
 
     @classmethod
     def from_context(cls, ctx: StrategyContext) -> DataParallelReducer:
-        params, group = ctx.model.parameters(), ctx.mesh.dp_group
-        return cls(params, group, bucket_elements(ctx.config), ctx.norm_skip)
+        params, group, ranks = ctx.model.parameters(), ctx.mesh.dp_group, ctx.mesh.axis_ranks("dp")
+        return cls(params, group, bucket_elements(ctx.config), ctx.norm_skip, ranks)
 
     def checkpoint_layout(
         self, module: torch.nn.Module, optimizer: Optimizer, mesh: ProcessMesh
@@ -200,12 +222,15 @@ class DataParallelReducer:
 def broadcast_parameters(
     module: torch.nn.Module, src: int, group: ProcessGroup | None = None
 ) -> None:
-    """Make every rank of ``group`` start from global rank ``src``'s weights and buffers."""
+    """Make every rank of ``group`` start from global rank ``src``'s weights and buffers (a
+    parameter held by part of the group, replicas.py: from the first rank of its copies)."""
     if comm.get_world_size(group) == 1:
         return
     with torch.no_grad():
         for t in list(module.parameters()) + list(module.buffers()):
-            comm.broadcast(t.data, src=src, group=group)
+            rep = get_replicas(t, group, [src])
+            if len(rep.ranks) > 1 or rep.group is group:
+                comm.broadcast(t.data, src=rep.ranks[0], group=rep.group)
 
 
 class LocalGradients:

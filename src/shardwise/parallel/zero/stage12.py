@@ -37,6 +37,9 @@ import torch
 
 from shardwise import clip, comm
 from shardwise.checkpoint.layouts import FlatShard, Layout, flat_layout
+from shardwise.comm import Group
+from shardwise.parallel.data.reducer import Finished
+from shardwise.parallel.data.replicas import partition_by_replicas
 from shardwise.parallel.flat import FlatLayout, plan_buckets
 from shardwise.parallel.strategy import (
     StrategyContext,
@@ -56,8 +59,20 @@ if TYPE_CHECKING:  # annotations only
 _IN_FLIGHT = 2  # stage 2: reduce-scatters in flight before the oldest is waited for
 
 
+@dataclass(frozen=True)
+class _Where:
+    """The data ranks holding a bucket's parameters (all of them, or an expert-data group:
+    data/replicas.py): their group, its size, this rank's shard index and the shard count."""
+
+    group: Group
+    size: int
+    shard: int  # this rank's shard (0 when not sharded)
+    parts: int
+
+
 @dataclass
 class _Bucket:
+    where: _Where
     layout: FlatLayout
     params_flat: torch.Tensor  # the whole bucket's parameters (compute dtype); params are views
     master: torch.nn.Parameter  # this rank's shard in fp32 (a view of params_flat when it can be)
@@ -82,6 +97,7 @@ class ZeroStrategy:
         isolate: Sequence[torch.nn.Parameter] = (),
         master_dtype: torch.dtype = torch.float32,
         norm_skip: frozenset[int] = frozenset(),
+        ranks: list[int] | None = None,
     ) -> None:
         """``isolate``: parameters that get a bucket each, laid out alike on every rank that
         holds them (a weight tied across pipeline stages: shard r covers the same elements
@@ -95,7 +111,6 @@ class ZeroStrategy:
         self.rank = comm.get_rank(group)
         self.parts = self.world if stage >= 1 else 1
         self.offload_device = offload_device
-        self.norm_group = group if self.parts > 1 else clip.LOCAL
         self.sync = True
         # Hooks act inside the engine's backward only (before_backward .. after_backward): a
         # backward through this model run by another engine (a GAN's generator step through
@@ -106,13 +121,21 @@ class ZeroStrategy:
         alone = {id(p): i for i, p in enumerate(isolate)}
         params = [p for g in optimizer.param_groups for p in g["params"]]
         params = [p for p in params if id(p) not in alone] + [p for p in isolate]
-        layouts = plan_buckets(
-            params,
-            bucket_elements,
-            self.parts,
-            key=lambda p: (p.dtype, p.device, group_of[id(p)], alone.get(id(p), -1)),
-        )
-        self.buckets = [self._make_bucket(lay) for lay in layouts]
+        ranks = ranks if ranks is not None else list(range(self.world))
+        self.buckets = []
+        for rep, ps in partition_by_replicas(params, group, ranks):
+            where = self._where(rep.group, rep.ranks)
+            layouts = plan_buckets(
+                ps,
+                bucket_elements,
+                where.parts,
+                key=lambda p: (p.dtype, p.device, group_of[id(p)], alone.get(id(p), -1)),
+            )
+            self.buckets += [self._make_bucket(lay, where) for lay in layouts]
+        # Each element counted once over the data group: a shard by its owner, a replicated
+        # bucket by the first rank holding it; without shards nor experts, nothing to sum.
+        counted = {id(b.where) for b in self.buckets}
+        self.norm_group = group if self.parts > 1 or len(counted) > 1 else clip.LOCAL
         self._slot = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.layout.params)}
         self.optimizer = rebuild_optimizer(optimizer, self.buckets, group_of)
         self._hooks = [
@@ -123,18 +146,24 @@ class ZeroStrategy:
         self.zero_grad()
 
     # ------------------------------------------------------------------ construction
-    def _make_bucket(self, layout: FlatLayout) -> _Bucket:
+    def _where(self, group: Group, ranks: tuple[int, ...]) -> _Where:
+        size = len(ranks) if self.world > 1 else 1
+        parts = size if self.stage >= 1 else 1
+        mine = ranks.index(comm.get_rank()) if size > 1 else 0
+        return _Where(group, size, mine if parts > 1 else 0, parts)
+
+    def _make_bucket(self, layout: FlatLayout, where: _Where) -> _Bucket:
         flat = layout.new_buffer()
         layout.gather_into(flat, "data")
         for i, p in enumerate(layout.params):
             p.data = layout.view(flat, i)
-        shard = layout.shard(flat, self.rank if self.parts > 1 else 0)
+        shard = layout.shard(flat, where.shard)
         if shard.dtype == self.master_dtype and self.offload_device is None:
             master = torch.nn.Parameter(shard, requires_grad=True)  # shares storage: no copy
         else:
             device = self.offload_device or shard.device
             master = torch.nn.Parameter(shard.detach().to(device, self.master_dtype, copy=True))
-        return _Bucket(layout=layout, params_flat=flat, master=master)
+        return _Bucket(where=where, layout=layout, params_flat=flat, master=master)
 
     # ------------------------------------------------------------------ backward
     def before_backward(self, sync: bool) -> None:
@@ -167,22 +196,23 @@ class ZeroStrategy:
         # Divide before summing: N partial gradients of 16-bit values may overflow where their
         # mean does not (N a power of two divides exactly).
         b.grads_flat.div_(self.world)
-        if self.parts == 1:
+        w = b.where
+        if w.size == 1:  # no other copy: the local gradient, divided, is the reduced one
+            b.out, b.work = b.grads_flat, Finished()
+        elif w.parts == 1:
             b.out = b.grads_flat
-            b.work = comm.all_reduce(b.out, group=self.group, async_op=True)
+            b.work = comm.all_reduce(b.out, group=w.group, async_op=True)
         else:
             # Stage 1 reduces in place (the shard is a view of the full buffer); stage 2 into a
             # fresh shard, so that the full buffer can be freed once the send is done.
             b.out = (
-                b.layout.shard(b.grads_flat, self.rank)
+                b.layout.shard(b.grads_flat, w.shard)
                 if self.stage == 1
                 else torch.empty(
                     b.layout.shard_numel, dtype=b.grads_flat.dtype, device=b.grads_flat.device
                 )
             )
-            b.work = comm.reduce_scatter_tensor(
-                b.out, b.grads_flat, group=self.group, async_op=True
-            )
+            b.work = comm.reduce_scatter_tensor(b.out, b.grads_flat, group=w.group, async_op=True)
         if self.stage >= 2:
             self._in_flight.append(b)
             while len(self._in_flight) > _IN_FLIGHT:
@@ -220,27 +250,35 @@ class ZeroStrategy:
     def owned_grads(self) -> list[torch.Tensor]:
         """Each element of the global gradient once: this rank's reduced shards (without the
         parameters in ``norm_skip``, which another tensor-parallel rank counts)."""
-        shards = [b for b in self.buckets if b.grad_shard is not None]
+        local = self.norm_group == clip.LOCAL
+        shards = [
+            b
+            for b in self.buckets
+            if b.grad_shard is not None and (local or b.where.parts > 1 or self._first(b))
+        ]
         if not self.norm_skip:
             return [b.grad_shard for b in shards]
-        shard_of = self.rank if self.parts > 1 else 0
         return [
             b.grad_shard[at : at + n]
             for b in shards
-            for i, _, at, n in b.layout.overlaps(shard_of)
+            for i, _, at, n in b.layout.overlaps(b.where.shard)
             if id(b.layout.params[i]) not in self.norm_skip
         ]
+
+    def _first(self, b: _Bucket) -> bool:
+        """This rank is the first of those holding the bucket's (replicated) parameters."""
+        return b.where.size == 1 or comm.get_rank(b.where.group) == 0
 
     def reduced_grads(self, p: torch.nn.Parameter) -> list[torch.Tensor]:
         """After the reduction: the part of ``p``'s gradient this rank holds (views, so that
         an in-place sum over tied copies lands in the shard)."""
         b, i = self._slot[id(p)]
-        if self.parts > 1 and len(b.layout.params) > 1:
+        if b.where.parts > 1 and len(b.layout.params) > 1:
             raise RuntimeError("a tied parameter must have a bucket of its own: pass it in isolate")
-        shard_of = self.rank if self.parts > 1 else 0
         if b.grad_shard is None:
             return []
-        return [b.grad_shard[at : at + n] for j, _, at, n in b.layout.overlaps(shard_of) if j == i]
+        overlaps = b.layout.overlaps(b.where.shard)
+        return [b.grad_shard[at : at + n] for j, _, at, n in overlaps if j == i]
 
     def step(self, optimizer: Optimizer, coef: float) -> None:
         """Step the master shards with gradients * coef, then all-gather the parameters."""
@@ -249,17 +287,16 @@ class ZeroStrategy:
             g = g.to(b.master.device, b.master.dtype)  # a no-op for fp32 without offload
             b.master.grad = g * coef if coef != 1.0 else g
         self.optimizer.step()
-        shard_of = self.rank if self.parts > 1 else 0
         works = []
         for b in self.buckets:
             b.master.grad = None
-            local = b.layout.shard(b.params_flat, shard_of)
+            local = b.layout.shard(b.params_flat, b.where.shard)
             if local.data_ptr() != b.master.data_ptr():
                 local.copy_(b.master.detach())
-            if self.parts > 1:  # in place: this rank's input is its slice of the output
+            if b.where.parts > 1:  # in place: this rank's input is its slice of the output
                 works.append(
                     comm.all_gather_into_tensor(
-                        b.params_flat, local, group=self.group, async_op=True
+                        b.params_flat, local, group=b.where.group, async_op=True
                     )
                 )
         for w in works:
@@ -335,6 +372,7 @@ class ZeroStrategy:
             isolate=ctx.isolate,
             master_dtype=master_dtype(cfg, opt),
             norm_skip=ctx.norm_skip,
+            ranks=ctx.mesh.axis_ranks("dp"),
         )
 
     def checkpoint_layout(
@@ -342,14 +380,13 @@ class ZeroStrategy:
     ) -> Layout:
         """Whole model weights on every rank; masters and states as this rank's flat shard of
         each bucket (the one shard, replicated, at stage 0)."""
-        part = self.rank if self.parts > 1 else 0
         shards = [
             FlatShard(
                 b.layout,
-                part,
+                b.where.shard,
                 b.master,
                 not shares_storage(b.master, b.params_flat),
-                self.parts == 1,
+                b.where.parts == 1,
             )
             for b in self.buckets
         ]
