@@ -13,6 +13,8 @@ Decisions (see docs/launch.md):
   (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``): torch's shared store hangs restarted workers.
 - ``OMP_NUM_THREADS=1`` per worker unless set (``--omp-num-threads`` changes it).
 - No ``--local_rank=N`` argument unless ``--local-rank-arg`` (workers read ``LOCAL_RANK``).
+- ``--timeout S`` and ``--run-dir D`` reach the workers as ``SHARDWISE_TIMEOUT_S`` (every
+  group's collective timeout) and ``SHARDWISE_RUN_DIR`` (where a hang's records go).
 """
 
 from __future__ import annotations
@@ -30,9 +32,10 @@ import torch
 from torch.distributed import run as torchrun
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+from shardwise.diagnose.dump import RUN_DIR_VAR
 from shardwise.launch import hostfile, slurm
 from shardwise.launch.bound import BINDING_VAR, parse_core_list, split_cores
-from shardwise.launch.env import DEFAULT_MASTER_PORT, _get_int
+from shardwise.launch.env import DEFAULT_MASTER_PORT, TIMEOUT_VAR, _get_int
 from shardwise.launch.guard import LAUNCHER_VAR
 
 LOOPBACK = "127.0.0.1"
@@ -124,6 +127,12 @@ def launch_env(args: argparse.Namespace, environ: Mapping[str, str]) -> dict[str
     if args.max_restarts > 0 and SHARE_STORE_VAR not in environ:
         # A fresh store per rendezvous round, so restarted workers never read stale keys.
         updates[SHARE_STORE_VAR] = "1"
+    if getattr(args, "timeout", None) is not None:
+        if not args.timeout > 0:
+            raise ValueError(f"--timeout={args.timeout:g} must be > 0 seconds")
+        updates[TIMEOUT_VAR] = f"{args.timeout:g}"
+    if getattr(args, "run_dir", None):
+        updates[RUN_DIR_VAR] = os.path.abspath(args.run_dir)
     if getattr(args, "visible_devices", None):
         updates["CUDA_VISIBLE_DEVICES"] = args.visible_devices
     if _binds(args):
