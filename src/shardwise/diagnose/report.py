@@ -62,10 +62,11 @@ def ranks_text(ranks: list[int]) -> str:
 
 def _site(call: dict) -> str:
     path, line, fn = call["site"]
-    return f"{_short(path)}:{line} in {fn}"
+    return f"{short_path(path)}:{line} in {fn}"
 
 
-def _short(path: str) -> str:
+def short_path(path: str) -> str:
+    """``path`` relative to the working directory when it lies below it."""
     try:
         rel = os.path.relpath(path)
     except ValueError:
@@ -77,7 +78,7 @@ def _frame(frame: list | None) -> str:
     if not frame:
         return "(no Python frame)"
     path, line, fn, code = frame
-    return f"{_short(path)}:{line} in {fn}" + (f": {code}" if code else "")
+    return f"{short_path(path)}:{line} in {fn}" + (f": {code}" if code else "")
 
 
 def _signature(call: dict) -> str:
@@ -191,7 +192,7 @@ class Analysis:
                 shown = ", ".join(
                     f"rank {r} {by_rank.get(r, 0)}" for r in key[1] if r in self.records
                 )
-                diffs.append(f"\n      {op} from {_short(path)}:{line} in {fn}: {shown}")
+                diffs.append(f"\n      {op} from {short_path(path)}:{line} in {fn}: {shown}")
         head = (
             "\n    calls on that group per call site, where the ranks differ (in flight included):"
         )
