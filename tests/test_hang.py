@@ -48,7 +48,7 @@ CASES = [
         "sleep-world",
         2,
         [
-            "rank 1 never entered all_reduce #3 on group 'world' (ranks [0, 1]), where rank 0 waits",
+            "rank 1 never entered all_reduce #1 on group 'world' (ranks [0, 1]), where rank 0 waits",
             f"{GRADS} in grads",
             f"rank 1 is in no collective, at {_at('rank 1 never comes')} in train: time.sleep(3600)",
         ],

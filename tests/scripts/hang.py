@@ -2,7 +2,7 @@
 
 python -m shardwise run --nproc-per-node 2 --timeout 5 --run-dir RUN hang.py sleep-world
 
-sleep-world  2 ranks: rank 1 sleeps instead of entering step 2's all_reduce (world group)
+sleep-world  2 ranks: rank 1 sleeps before its first collective (world group)
 sleep-data   4 ranks, data 2 x tensor 2: rank 3 sleeps before step 2's data all_reduce
 skip         2 ranks: rank 1 skips step 1's all_reduce; all then meet at a barrier
 extra        2 ranks: rank 0 makes one all_reduce more after step 1; all meet at a barrier
@@ -37,7 +37,7 @@ def train(kind: str, rank: int) -> None:
     for step in range(STEPS):
         if kind == "sleep-data":
             activations(mesh.tp_group)
-        if step == 2 and rank == 1 and kind == "sleep-world":
+        if step == 0 and rank == 1 and kind == "sleep-world":
             time.sleep(3600)  # rank 1 never comes
         if step == 2 and rank == 3 and kind == "sleep-data":
             time.sleep(3600)  # rank 3 never comes

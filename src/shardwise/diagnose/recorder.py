@@ -42,7 +42,15 @@ P2P = ("send", "recv")
 _HERE = os.path.dirname(os.path.abspath(__file__))
 # Frames skipped to find the caller: shardwise.comm and this package.
 _COMM_FILE = os.path.join(os.path.dirname(_HERE), "comm.py")
-_TIMEOUT_WORDS = ("timed out", "timeout", "connection", "closed by peer", "broken pipe")
+# Errors that mean a peer did not come (gloo's, and torch DETAIL mode's monitored barrier).
+_HANG_WORDS = (
+    "timed out",
+    "timeout",
+    "connection",
+    "closed by peer",
+    "broken pipe",
+    "monitoredbarrier",
+)
 
 
 @dataclasses.dataclass(eq=False, slots=True)
@@ -223,7 +231,8 @@ class FlightRecorder:
         self.end(call, error=str(error))
         text = str(error)
         msg = f"{call.describe()} failed on this rank after {call.end - call.start:.1f} s: {text}"
-        if self.watchdog is not None and any(w in text.lower() for w in _TIMEOUT_WORDS):
+        hang = any(w in text.lower() for w in _HANG_WORDS)
+        if self.watchdog is not None and (hang or self.watchdog.fired):
             conclusion = self.watchdog.diagnose(f"{call.describe()} failed: {text[:200]}")
             if conclusion:
                 msg += f"\n{conclusion}"
@@ -271,6 +280,13 @@ class FlightRecorder:
             with self._lock:
                 self._channels[key] = channel
         return channel
+
+    def arm(self) -> None:
+        """Start the watchdog now (``init_distributed`` does, once the world is up): a rank
+        that hangs before its first collective must still answer the others."""
+        if self.enabled and self.watch and self.watchdog is None and dist.is_initialized():
+            if dist.get_world_size() > 1:
+                self._start_watchdog()
 
     def _start_watchdog(self) -> None:
         with self._lock:

@@ -72,6 +72,7 @@ class Watchdog:
         self.window = WINDOW
         self.done = threading.Event()
         self.conclusion: str | None = None
+        self.fired = False  # a diagnosis is under way or done
         self._reason: str | None = None
         self._stop = False
         self._wake = threading.Event()
@@ -83,6 +84,8 @@ class Watchdog:
         atexit.register(self.close)  # before torch tears the world down (atexit runs LIFO)
 
     def close(self) -> None:
+        if self.fired:  # let the report finish before the interpreter goes
+            self.done.wait(2 * self.window + 2)
         self._stop = True
         self._wake.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
@@ -137,6 +140,7 @@ class Watchdog:
         return json.loads(raw) if raw else None
 
     def _fire(self, mine: str | None, theirs: dict | None) -> None:
+        self.fired = True
         store, started = _store(), time.time()
         if mine:
             _call(

@@ -330,6 +330,9 @@ def _init_group(
     )
     atexit.register(_collect_at_exit)
     guard_worker(env.rank)  # die with the launcher; uncaught errors reach its failure summary
+    from shardwise import comm  # noqa: PLC0415 - comm imports this module
+
+    comm.recorder().arm()  # the hang watchdog, before any collective (diagnose/watchdog.py)
     if verbose and env.rank == 0:
         print(
             f"[shardwise] {backend} world of {env.world_size} processes ready "
