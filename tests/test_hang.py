@@ -10,6 +10,7 @@ point-to-point waits run without a launch.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import subprocess
@@ -18,8 +19,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import run_distributed
+from harness import capture_logs, run_distributed
 
+import shardwise
 from shardwise import comm
 from shardwise.config import ConfigError, parse_config
 from shardwise.diagnose import report
@@ -209,3 +211,38 @@ def test_records_of_another_job_are_not_merged(tmp_path):
         (tmp_path / f"rank{rank}.json").write_text(json.dumps(data))
     directory, records = report.load(tmp_path)
     assert directory == tmp_path and sorted(records) == [0], f"rank 1's record is older: {records}"
+
+
+class _Stop(Exception):
+    pass
+
+
+def test_initialize_sets_up_the_world_with_the_config_timeout(monkeypatch):
+    seen = {}
+
+    def init_distributed(**kwargs):
+        seen.update(kwargs)
+        raise _Stop
+
+    module = importlib.import_module("shardwise.initialize")  # the attribute is the function
+    monkeypatch.setattr(module, "init_distributed", init_distributed)
+    config = {"train_batch_size": 1, "comms": {"timeout_s": 42}}
+    with pytest.raises(_Stop):
+        shardwise.initialize(model=torch.nn.Linear(2, 2), config=config)
+    assert seen.get("timeout") == 42, f"init_distributed got {seen}"
+
+
+def _late_timeout() -> list[str]:
+    config = {"train_batch_size": 2, "comms": {"timeout_s": 42, "fingerprint": True}}
+    model = torch.nn.Linear(2, 2)
+    _, lines = capture_logs(lambda: shardwise.initialize(model=model, config=config))
+    fingerprint = comm.recorder().fingerprint
+    comm.recorder().configure(fingerprint=False)
+    return [line for line in lines if "timeout_s" in line] + [f"fingerprint={fingerprint}"]
+
+
+def test_a_world_set_up_before_keeps_its_timeout_and_says_so():
+    for r, lines in enumerate(run_distributed(_late_timeout, 2)):
+        assert "fingerprint=True" in lines, f"rank {r}: the comms block configures the recorder"
+        said = [line for line in lines if "has no effect" in line]
+        assert said and "init_distributed(timeout=42)" in said[0], f"rank {r}: {lines}"

@@ -74,7 +74,8 @@ def short_path(path: str) -> str:
     return rel if not rel.startswith("..") else path
 
 
-def _frame(frame: list | None) -> str:
+def frame_text(frame: list | None) -> str:
+    """``path:line in function: code`` of a recorded frame."""
     if not frame:
         return "(no Python frame)"
     path, line, fn, code = frame
@@ -111,7 +112,7 @@ class Analysis:
         call = self.waiting(rank)
         if call is not None:
             return f"{ranks_text([rank])} itself waits in {call['op']} #{call['seq']} on {_gdesc(_key(call))}"
-        where = _frame(self.records[rank].get("where"))
+        where = frame_text(self.records[rank].get("where"))
         return f"{ranks_text([rank])} is in no collective, at {where}"
 
     def findings(self) -> list[Finding]:
@@ -234,7 +235,7 @@ def _rank_lines(a: Analysis) -> list[str]:
                 f" (last: {last['op']} #{last['seq']} on group '{last['group']}')" if last else ""
             )
         lines.append(f"  rank {r} ({rec['host']}, pid {rec['pid']}): {state}")
-        lines.append(f"      at {_frame(rec.get('where'))}")
+        lines.append(f"      at {frame_text(rec.get('where'))}")
     return lines
 
 

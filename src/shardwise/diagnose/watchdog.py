@@ -8,7 +8,8 @@
    polls that key (every quarter of the margin, at most once a second), so a rank that waits
    in no collective (asleep, computing, blocked elsewhere) learns of the hang too: a thread
    runs while the main thread sleeps or waits in C++ (both release the GIL).
-3. Every rank writes its record (``dump.py``) to the diagnose dir and puts it in the store.
+3. Every rank writes its record (``dump.py``) to the diagnose dir and puts it in the store,
+   and logs one line with the innermost frames of its waiting (else main) thread.
 4. Rank 0 collects the records (up to ``WINDOW`` s for the missing ones), writes
    ``report.txt`` beside them, prints it to stderr and publishes its conclusion; if rank 0 has
    not answered by then, the first other rank to claim the report does it. A collective that
@@ -36,6 +37,7 @@ from shardwise.diagnose import dump, report
 from shardwise.topology import world_timeout
 
 WINDOW = 3.0  # seconds the reporter waits for the records that are missing
+STACK_LINES = 8  # innermost frames of the waiting thread each rank logs
 
 
 def margin(timeout: float) -> float:
@@ -152,7 +154,13 @@ class Watchdog:
         path = dump.write(directory, data)
         _call(store, "set", self._prefix + f"rank{self.rank}", json.dumps(data))
         _call(store, "add", self._prefix + "count", 1)
-        print(f"[shardwise] rank {self.rank}: {reason}; wrote {path}", file=sys.stderr, flush=True)
+        frames = data["stacks"].get(data["thread"], [])[-STACK_LINES:]
+        stack = "".join(f"\n    {report.frame_text(f)}" for f in frames)
+        print(
+            f"[shardwise] rank {self.rank}: {reason}; wrote {path}; {data['thread']} is at:{stack}",
+            file=sys.stderr,
+            flush=True,
+        )
         if self.rank == 0:
             _call(store, "compare_set", self._prefix + "reporter", "", "0")  # others: stand by
             self._report(store, directory, data, started)
