@@ -246,3 +246,35 @@ def test_a_world_set_up_before_keeps_its_timeout_and_says_so():
         assert "fingerprint=True" in lines, f"rank {r}: the comms block configures the recorder"
         said = [line for line in lines if "has no effect" in line]
         assert said and "init_distributed(timeout=42)" in said[0], f"rank {r}: {lines}"
+
+
+def _recorded() -> dict:
+    rec, rank = comm.recorder(), comm.get_rank()
+    work = comm.all_reduce(torch.ones(3), async_op=True)
+    in_flight = [c.op for c in rec.in_flight()]
+    work.wait()
+    if rank == 0:
+        comm.send(torch.ones(2), dst=1)
+        comm.isend(torch.ones(2, 2), dst=1).wait()
+    else:
+        comm.recv(torch.empty(2), src=0)
+        comm.irecv(torch.empty(2, 2), src=0).wait()
+    calls = [(c.op, c.group.name, c.group.ranks, c.seq, c.shapes) for c in rec.recent()[-3:]]
+    return {"in_flight": in_flight, "calls": calls, "open": [c.op for c in rec.in_flight()]}
+
+
+def test_the_recorder_numbers_collectives_per_group_and_messages_per_direction():
+    sent, got = run_distributed(_recorded, 2)
+    for r, out in enumerate((sent, got)):
+        assert out["in_flight"] == ["all_reduce"], f"rank {r}: async call open until wait: {out}"
+        assert out["open"] == [], f"rank {r}: every call closed once waited for: {out}"
+    (op0, g0, ranks0, seq0, _), *p2p0 = sent["calls"]
+    (op1, g1, ranks1, seq1, _), *p2p1 = got["calls"]
+    assert (op0, g0, ranks0) == (op1, g1, ranks1) == ("all_reduce", "world", (0, 1))
+    assert seq0 == seq1, f"both ranks number the world's calls alike: {seq0} vs {seq1}"
+    ops = [[c[0] for c in p2p0], [c[0] for c in p2p1]]
+    assert ops == [["send", "send"], ["recv", "recv"]], ops
+    for side in (p2p0, p2p1):
+        assert {c[1] for c in side} == {"world p2p 0->1"} and {c[2] for c in side} == {(0, 1)}
+    assert [c[3] for c in p2p0] == [c[3] for c in p2p1], f"message numbers agree: {p2p0} {p2p1}"
+    assert [c[4] for c in p2p0] == [((2,),), ((2, 2),)], f"shapes recorded: {p2p0}"

@@ -173,6 +173,8 @@ class FlightRecorder:
             return None
         pg = kw.get("group")
         pg = dist.group.WORLD if pg is None else pg
+        if pg is None:  # no world: torch raises its own error
+            return None
         info = self._groups.get(pg) or self._describe(pg)
         if op in P2P:
             info = self._channel(info, op, args[1])
