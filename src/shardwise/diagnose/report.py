@@ -47,17 +47,15 @@ def _gdesc(key: Key) -> str:
 
 
 def ranks_text(ranks: list[int]) -> str:
-    """``rank 3`` / ``ranks 0-2, 5``."""
-    ranks = sorted(ranks)
-    spans, start = [], None
-    for i, r in enumerate(ranks):
-        start = r if start is None else start
-        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
-            spans.append(
-                str(r) if r == start else f"{start}-{r}" if r > start + 1 else f"{start}, {r}"
-            )
-            start = None
-    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(spans)
+    """``rank 3`` / ``ranks 0, 1`` / ``ranks 0-5, 7``."""
+    spans: list[list[int]] = []
+    for r in sorted(ranks):
+        if spans and r == spans[-1][1] + 1:
+            spans[-1][1] = r
+        else:
+            spans.append([r, r])
+    words = [str(a) if a == b else f"{a}, {b}" if b == a + 1 else f"{a}-{b}" for a, b in spans]
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(words)
 
 
 def _site(call: dict) -> str:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import atexit
 import json
+import os
 import sys
 import threading
 import time
@@ -36,6 +37,7 @@ import torch.distributed as dist
 from shardwise.diagnose import dump, report
 from shardwise.topology import world_timeout
 
+_HERE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 WINDOW = 3.0  # seconds the reporter waits for the records that are missing
 STACK_LINES = 8  # innermost frames of the waiting thread each rank logs
 
@@ -43,6 +45,11 @@ STACK_LINES = 8  # innermost frames of the waiting thread each rank logs
 def margin(timeout: float) -> float:
     """How long before the group's timeout a call counts as hung."""
     return min(max(0.2 * timeout, 1.0), 10.0, timeout / 2)
+
+
+def _ours(path: str) -> bool:
+    """A frame of this package or of ``threading`` (the wait for the diagnosis itself)."""
+    return path.startswith(_HERE) or path == threading.__file__
 
 
 def _store() -> Any:
@@ -154,7 +161,8 @@ class Watchdog:
         path = dump.write(directory, data)
         _call(store, "set", self._prefix + f"rank{self.rank}", json.dumps(data))
         _call(store, "add", self._prefix + "count", 1)
-        frames = data["stacks"].get(data["thread"], [])[-STACK_LINES:]
+        frames = [f for f in data["stacks"].get(data["thread"], []) if not _ours(f[0])]
+        frames = frames[-STACK_LINES:]
         stack = "".join(f"\n    {report.frame_text(f)}" for f in frames)
         print(
             f"[shardwise] rank {self.rank}: {reason}; wrote {path}; {data['thread']} is at:{stack}",
