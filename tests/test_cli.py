@@ -93,11 +93,14 @@ def test_the_torchrun_argv_parses_with_torchrun_itself():
         ("nproc not a number", ["--nproc-per-node", "two", "t.py"], "--nproc-per-node='two'"),
         ("nproc zero", ["--nproc-per-node", "0", "t.py"], "--nproc-per-node='0'"),
         ("negative restarts", ["--max-restarts", "-1", "t.py"], "--max-restarts=-1"),
+        ("zero timeout", ["--timeout", "0", "t.py"], "--timeout=0 must be > 0 seconds"),
     ],
 )
 def test_build_torchrun_argv_errors_name_the_flag(case, flags, named):
     with pytest.raises(ValueError) as info:
-        build_torchrun_argv(_run_args(*flags))
+        args = _run_args(*flags)
+        build_torchrun_argv(args)
+        launch_env(args, {})
     assert named in str(info.value), f"{case}: {info.value}"
 
 
@@ -111,6 +114,11 @@ def test_build_torchrun_argv_errors_name_the_flag(case, flags, named):
             ["--max-restarts", "1", "t.py"],
             {},
             {"OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"},
+        ),
+        (
+            ["--timeout", "90", "--run-dir", "/runs/exp1", "t.py"],
+            {"OMP_NUM_THREADS": "1"},
+            {"SHARDWISE_TIMEOUT_S": "90", "SHARDWISE_RUN_DIR": "/runs/exp1"},
         ),
     ],
 )

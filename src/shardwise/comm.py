@@ -17,16 +17,16 @@ N ranks:
     gather             S/N on every rank but the root, 0 on the root
     send               S;  recv 0
 
-The log also keeps the most recent calls, so a hang can name the collective it is stuck in.
+The flight recorder (``recorder()``, shardwise/diagnose/) keeps every call, so that a hang names
+the call each rank is stuck in (docs/reliability.md, "Hangs"); errors name the call and group.
 """
 
 from __future__ import annotations
 
-import collections
 import os
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -34,28 +34,26 @@ import torch
 import torch.distributed as dist
 
 from shardwise.config.monitor import CommsLoggerConfig
+from shardwise.diagnose.recorder import FlightRecorder, process_recorder
 from shardwise.launch.env import init_distributed as _init
 from shardwise.monitor.comms import CommsLogger
 
 ReduceOp = dist.ReduceOp
-Group = dist.ProcessGroup | None  # None: the default group
-Op = ReduceOp.RedOpType  # ReduceOp.SUM, .MAX, ...
-_RECENT = 64
+Group, Op = dist.ProcessGroup | None, ReduceOp.RedOpType  # group None: the default group
 
 
 @dataclass
 class CommLog:
-    """Per-op counters and a bounded record of recent calls (this process only)."""
+    """Per-op counters and the flight recorder (this process only)."""
 
     counts: dict[str, dict[str, int]] = field(default_factory=dict)
-    recent: collections.deque = field(default_factory=lambda: collections.deque(maxlen=_RECENT))
+    flight: FlightRecorder = field(default_factory=process_recorder)
 
     def record(self, op: str, payload: int, sent: float, group_size: int) -> None:
         entry = self.counts.setdefault(op, {"calls": 0, "bytes": 0, "sent_bytes": 0})
         entry["calls"] += 1
         entry["bytes"] += int(payload)
         entry["sent_bytes"] += int(round(sent))
-        self.recent.append((time.time(), op, int(payload), group_size))
 
 
 # The log is a process-wide record (like a profiler), not a process group: no group lives here.
@@ -74,8 +72,8 @@ def total_sent_bytes() -> int:
 
 
 def reset_stats() -> None:
+    """Clear the counters (the flight recorder's sequence numbers are never reset)."""
     _LOG.counts.clear()
-    _LOG.recent.clear()
     if _PROFILER is not None:
         _PROFILER.records.clear()
 
@@ -119,10 +117,12 @@ def log_summary(show_straggler: bool = False, return_dict: bool = False) -> Any:
 
 def recent_calls() -> list[tuple[float, str, int, int]]:
     """The last calls as (time, op, payload bytes, group size), oldest first."""
-    return list(_LOG.recent)
+    return [(c.start, c.op, c.nbytes, len(c.group.ranks)) for c in _LOG.flight.recent()]
 
 
-# ----------------------------------------------------------------------------- queries
+def recorder() -> FlightRecorder:
+    """The flight recorder of this process (``configure`` it: size, watchdog, fingerprint)."""
+    return _LOG.flight
 
 
 def is_initialized() -> bool:
@@ -145,7 +145,6 @@ def get_global_rank(group: Group, group_rank: int) -> int:
 
 
 def get_local_rank() -> int:
-
     return int(os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", 0)))
 
 
@@ -174,9 +173,20 @@ def _trivial(group: Group) -> tuple[bool, int]:
     return n == 1, n
 
 
-def _issue(
-    name: str, size: int, n: int, async_op: bool, fn: Callable, /, *args: Any, **kw: Any
-) -> Any:
+def _issue(name: str, size: int, n: int, async_op: bool, fn: Any, /, *args: Any, **kw: Any) -> Any:
+    """``fn`` (``group=`` by keyword) recorded; its errors name the call, group and diagnosis."""
+    call = _LOG.flight.begin(name, size, args, kw)
+    try:
+        out = _timed(name, size, n, async_op, fn, *args, **kw)
+    except RuntimeError as e:
+        wrapped = _LOG.flight.failed(call, e)
+        if wrapped is None:
+            raise
+        raise wrapped from e
+    return _LOG.flight.finished(call, out)
+
+
+def _timed(name: str, size: int, n: int, async_op: bool, fn: Any, /, *args: Any, **kw: Any) -> Any:
     """Call ``fn``; under the comms logger (``configure``), a profiled op runs blocking and its
     latency is booked (shardwise.monitor.comms), as DeepSpeed's ``timed_op`` does."""
     if async_op:
@@ -188,7 +198,7 @@ def _issue(
     work = fn(*args, **kw)
     if async_op:
         work.wait()
-    caller = sys._getframe(2).f_code.co_name if prof.debug else ""
+    caller = sys._getframe(3).f_code.co_name if prof.debug else ""
     prof.record(name, size, (time.perf_counter() - start) * 1e3, n, caller)
     return _Done() if async_op else work
 
@@ -296,17 +306,8 @@ def reduce_scatter(
         return _Done() if async_op else None
     s = sum(_nbytes(t) for t in input_list)
     _LOG.record("reduce_scatter", s, (n - 1) / n * s, n)
-    return _issue(
-        "reduce_scatter",
-        s,
-        n,
-        async_op,
-        dist.reduce_scatter,
-        output,
-        input_list,
-        op=op,
-        group=group,
-    )
+    fn = dist.reduce_scatter
+    return _issue("reduce_scatter", s, n, async_op, fn, output, input_list, op=op, group=group)
 
 
 def gather(
@@ -324,7 +325,8 @@ def gather(
     is_root = get_rank() == dst
     s = _nbytes(tensor) * n
     _LOG.record("gather", s, 0 if is_root else s / n, n)  # every other rank sends its chunk
-    _issue("gather", s, n, False, dist.gather, tensor, gather_list if is_root else None, dst, group)
+    gl = gather_list if is_root else None
+    _issue("gather", s, n, False, dist.gather, tensor, gl, dst=dst, group=group)
 
 
 def scatter(
@@ -342,9 +344,8 @@ def scatter(
     is_root = get_rank() == src
     s = _nbytes(tensor) * n
     _LOG.record("scatter", s, (n - 1) / n * s if is_root else 0, n)
-    _issue(
-        "scatter", s, n, False, dist.scatter, tensor, scatter_list if is_root else None, src, group
-    )
+    sl = scatter_list if is_root else None
+    _issue("scatter", s, n, False, dist.scatter, tensor, sl, src=src, group=group)
 
 
 def all_to_all_single(
@@ -363,9 +364,8 @@ def all_to_all_single(
     s = _nbytes(input)
     _LOG.record("all_to_all", s, (n - 1) / n * s, n)
     splits = (output_split_sizes, input_split_sizes)
-    return _issue(
-        "all_to_all", s, n, async_op, dist.all_to_all_single, output, input, *splits, group
-    )
+    fn = dist.all_to_all_single
+    return _issue("all_to_all", s, n, async_op, fn, output, input, *splits, group=group)
 
 
 # ----------------------------------------------------------------------------- point to point
@@ -374,27 +374,26 @@ def all_to_all_single(
 def send(tensor: torch.Tensor, dst: int, group: Group = None, tag: int = 0) -> None:
     """Blocking send to global rank ``dst``."""
     _LOG.record("send", _nbytes(tensor), _nbytes(tensor), 2)
-    _issue("send", _nbytes(tensor), 2, False, dist.send, tensor, dst, group, tag)
+    _issue("send", _nbytes(tensor), 2, False, dist.send, tensor, dst, group=group, tag=tag)
 
 
 def recv(tensor: torch.Tensor, src: int | None = None, group: Group = None, tag: int = 0) -> int:
     """Blocking receive from global rank ``src`` into ``tensor``; returns the sender."""
     _LOG.record("recv", _nbytes(tensor), 0, 2)
-    return _issue("recv", _nbytes(tensor), 2, False, dist.recv, tensor, src, group, tag)
+    return _issue("recv", _nbytes(tensor), 2, False, dist.recv, tensor, src, group=group, tag=tag)
 
 
 def isend(tensor: torch.Tensor, dst: int, group: Group = None, tag: int = 0) -> Any:
     _LOG.record("send", _nbytes(tensor), _nbytes(tensor), 2)
     # Timed to its posting only (comms_logger): waiting at once could deadlock a pipeline.
-    return _issue("send", _nbytes(tensor), 2, False, dist.isend, tensor, dst, group, tag)
+    return _issue("send", _nbytes(tensor), 2, False, dist.isend, tensor, dst, group=group, tag=tag)
 
 
 def irecv(tensor: torch.Tensor, src: int | None = None, group: Group = None, tag: int = 0) -> Any:
     _LOG.record("recv", _nbytes(tensor), 0, 2)
-    return _issue("recv", _nbytes(tensor), 2, False, dist.irecv, tensor, src, group, tag)
+    return _issue("recv", _nbytes(tensor), 2, False, dist.irecv, tensor, src, group=group, tag=tag)
 
 
 def init_distributed(*args: Any, **kwargs: Any) -> Any:
     """DeepSpeed's ``deepspeed.comm.init_distributed``: see ``shardwise.init_distributed``."""
-
     return _init(*args, **kwargs)

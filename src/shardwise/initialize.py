@@ -40,7 +40,7 @@ from shardwise.parallel.tensor.hf_styles import decoder_sequence_parallel
 from shardwise.parallel.tensor.parallelize import parallelize, resolve_plan
 from shardwise.parallel.tensor.placement import get_placement
 from shardwise.precision import LossScaler, compute_dtype, fp16_master
-from shardwise.topology import ProcessMesh, Topology
+from shardwise.topology import ProcessMesh, Topology, world_timeout
 
 if TYPE_CHECKING:  # annotations only
     from torch.optim import Optimizer
@@ -80,7 +80,9 @@ def initialize(
     _refuse_unimplemented(cfg, mpu)
     params = remap.materialize(model_parameters)  # a generator is read once
 
-    init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
+    port, timeout = distributed_port, cfg.comms.timeout_s
+    init_distributed(distributed_port=port, dist_init_required=dist_init_required, timeout=timeout)
+    _configure_comms(cfg)
 
     model = pipe.prepare_model(cfg, model, loss_fn)
     mesh = _build_mesh(cfg, pipe.pipeline_stages(cfg, model))
@@ -192,6 +194,27 @@ def _counted_elsewhere(model: nn.Module, mesh: ProcessMesh) -> frozenset[int]:
         return frozenset()
 
     return frozenset(id(p) for p in model.parameters() if get_placement(p).tp_replicated)
+
+
+def _configure_comms(cfg: Config) -> None:
+    """The flight recorder, watchdog and fingerprint check from the ``comms`` block; a
+    ``timeout_s`` that came too late (the world was set up before ``initialize``) is said."""
+    block = cfg.comms
+    comm.recorder().configure(
+        size=block.flight_recorder,
+        watchdog=block.watchdog and block.flight_recorder > 0,
+        fingerprint=block.fingerprint,
+        run_dir=block.run_dir,
+    )
+    now = world_timeout() if comm.is_initialized() else None
+    if block.timeout_s is not None and now is not None and now.total_seconds() != block.timeout_s:
+        logger.warning(
+            "comms.timeout_s=%g has no effect: the world was set up before initialize() with a "
+            "timeout of %g s; pass init_distributed(timeout=%g) or set SHARDWISE_TIMEOUT_S",
+            block.timeout_s,
+            now.total_seconds(),
+            block.timeout_s,
+        )
 
 
 def _refuse_unimplemented(cfg: Config, mpu: Any) -> None:

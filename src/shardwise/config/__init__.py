@@ -5,12 +5,13 @@
 BatchSizes(train_batch_size=32, micro_batch_size=8, gradient_accumulation_steps=1)
 
 Modules: ``core`` (Config, parse_config), ``batch`` (batch arithmetic), ``schema`` (type rules),
-``zero`` / ``precision`` / ``parallel`` / ``optim_blocks`` / ``checkpoint`` (the blocks), ``keys`` (ignored and
+``zero`` / ``precision`` / ``parallel`` / ``optim_blocks`` / ``checkpoint`` / ``comms`` (the blocks), ``keys`` (ignored and
 unsupported top-level keys), ``loader`` (files, duplicate keys), ``errors``.
 """
 
 from shardwise.config.batch import BatchSizes
 from shardwise.config.checkpoint import CheckpointConfig, ParallelWriteConfig
+from shardwise.config.comms import CommsConfig
 from shardwise.config.core import Config, parse_config
 from shardwise.config.errors import ConfigError, ConfigWarning
 from shardwise.config.optim_blocks import OptimizerConfig, SchedulerConfig
@@ -32,6 +33,7 @@ __all__ = [
     "BF16Config",
     "BatchSizes",
     "CheckpointConfig",
+    "CommsConfig",
     "Config",
     "ConfigError",
     "ConfigWarning",

@@ -23,6 +23,7 @@ from typing import Any, Literal
 
 from shardwise.config.batch import GAS, MB, TB, BatchSizes, resolve_batch
 from shardwise.config.checkpoint import CheckpointConfig, parse_checkpoint
+from shardwise.config.comms import CommsConfig
 from shardwise.config.errors import ConfigError, Notes, fail
 from shardwise.config.keys import IGNORED, UNSUPPORTED, is_disabled
 from shardwise.config.loader import load_source
@@ -80,6 +81,7 @@ class Config:
         default_factory=ActivationCheckpointingConfig
     )
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    comms: CommsConfig = field(default_factory=CommsConfig)  # shardwise's own: timeouts, hangs
     tensorboard: MonitorConfig = field(default_factory=MonitorConfig)
     csv_monitor: MonitorConfig = field(default_factory=MonitorConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
@@ -183,7 +185,14 @@ def _screen_top_level(raw: dict[str, Any], notes: Notes) -> tuple[dict[str, Any]
             raise fail("bfloat16", "give 'bf16' or its legacy name 'bfloat16', not both")
         notes.deprecated.append("bfloat16 -> bf16 (the legacy top-level name)")
         data["bf16"] = data.pop("bfloat16")
-    for key in ("fp16", "bf16", "tensor_parallel", "activation_checkpointing", "zero_optimization"):
+    for key in (
+        "fp16",
+        "bf16",
+        "tensor_parallel",
+        "activation_checkpointing",
+        "zero_optimization",
+        "comms",
+    ):
         if data.get(key, "") is None:
             del data[key]  # null block = the defaults
     return data, ignored

@@ -1,11 +1,12 @@
 """The ``shardwise`` command: ``run`` launches a script, ``topo`` prints a layout,
-``inspect`` and ``export`` read a checkpoint.
+``inspect`` and ``export`` read a checkpoint, ``diagnose`` explains a hang.
 
-    shardwise run --nproc-per-node 2 train.py --lr 1e-3
+    shardwise run --nproc-per-node 2 --timeout 300 train.py --lr 1e-3
     shardwise topo --dp 2 --pp 2 --tp 2 --nnodes 2 --nproc-per-node 4
     shardwise topo --subgroup even --world-size 8
     shardwise inspect checkpoints/
     shardwise export checkpoints/ model.safetensors
+    shardwise diagnose runs/exp1
 
 Flags take torchrun's spellings and DeepSpeed's (``--num_gpus``, ``--num_nodes``,
 ``--master_port``...), so either habit works. ``topo`` starts no process.
@@ -18,6 +19,7 @@ import sys
 from collections.abc import Sequence
 
 from shardwise.checkpoint import cli as checkpoint_cli
+from shardwise.diagnose import cli as diagnose_cli
 from shardwise.launch.run import launch
 from shardwise.topology import AXIS_NAMES, Topology, TopologyError
 
@@ -42,6 +44,8 @@ RUN_FLAGS = [
     (("-e", "--exclude"), dict(default="", help="NODE[:SLOT,...][@NODE...] to drop")),
     (("--slurm",), dict(action="store_true", help="nodes, node rank and master from srun (one task per node)")),
     (("--dry-run",), dict(action="store_true", help="print the torchrun command instead of running it")),
+    (("--timeout",), dict(type=float, help="collective timeout in seconds of every group (SHARDWISE_TIMEOUT_S; default 1800)")),
+    (("--run-dir",), dict(help="where a hang's records and report go: RUN_DIR/diagnose (SHARDWISE_RUN_DIR)")),
     (("--bind_cores_to_rank", "--bind-cores-to-rank"),
      dict(action="store_true", help="pin each local rank to its share of the cores, OMP_NUM_THREADS = that share")),
     (("--bind_core_list", "--bind-core-list"), dict(help="cores to share out, e.g. 0,2-5 (default: all this process may use)")),
@@ -88,6 +92,7 @@ def make_parser() -> argparse.ArgumentParser:
     _add_run_parser(sub)
     _add_topo_parser(sub)
     checkpoint_cli.add_parsers(sub)
+    diagnose_cli.add_parser(sub)
     return parser
 
 
@@ -183,6 +188,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         if args.command in ("inspect", "export"):
             print(checkpoint_cli.run(args))
+            return 0
+        if args.command == "diagnose":
+            print(diagnose_cli.run(args))
             return 0
 
         return launch(args)

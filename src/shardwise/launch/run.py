@@ -16,6 +16,8 @@ Decisions (see docs/launch.md):
 - Preemption (launch/preempt.py): workers that saved and exited with ``PREEMPTED_EXIT_CODE``
   make this command exit with it too, with one line instead of torchrun's traceback; a signal
   that stopped the workers before they saved exits 128 + the signal's number, as a shell does.
+- ``--timeout S`` and ``--run-dir D`` reach the workers as ``SHARDWISE_TIMEOUT_S`` (every
+  group's collective timeout) and ``SHARDWISE_RUN_DIR`` (where a hang's records go).
 """
 
 from __future__ import annotations
@@ -37,9 +39,10 @@ from torch.distributed import run as torchrun
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+from shardwise.diagnose.dump import RUN_DIR_VAR
 from shardwise.launch import hostfile, slurm
 from shardwise.launch.bound import BINDING_VAR, parse_core_list, split_cores
-from shardwise.launch.env import DEFAULT_MASTER_PORT, _get_int
+from shardwise.launch.env import DEFAULT_MASTER_PORT, TIMEOUT_VAR, _get_int
 from shardwise.launch.guard import LAUNCHER_VAR
 from shardwise.launch.hostname import resolve_hostname_once
 from shardwise.launch.preempt import PREEMPTED_EXIT_CODE, REPORT_DIR_VAR, read_reports
@@ -133,6 +136,12 @@ def launch_env(args: argparse.Namespace, environ: Mapping[str, str]) -> dict[str
     if args.max_restarts > 0 and SHARE_STORE_VAR not in environ:
         # A fresh store per rendezvous round, so restarted workers never read stale keys.
         updates[SHARE_STORE_VAR] = "1"
+    if getattr(args, "timeout", None) is not None:
+        if not args.timeout > 0:
+            raise ValueError(f"--timeout={args.timeout:g} must be > 0 seconds")
+        updates[TIMEOUT_VAR] = f"{args.timeout:g}"
+    if getattr(args, "run_dir", None):
+        updates[RUN_DIR_VAR] = os.path.abspath(args.run_dir)
     if getattr(args, "visible_devices", None):
         updates["CUDA_VISIBLE_DEVICES"] = args.visible_devices
     if _binds(args):
