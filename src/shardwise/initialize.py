@@ -45,6 +45,8 @@ from shardwise.topology import ProcessMesh, Topology, world_timeout
 if TYPE_CHECKING:  # annotations only
     from torch.optim import Optimizer
 
+    from shardwise.parallel.pipeline.train_batch import PipelineRunner
+
 logger = logging.getLogger("shardwise")
 
 # Without an explicit reduce_bucket_size we pick buckets small enough to overlap with
@@ -100,10 +102,7 @@ def initialize(
     _apply_activation_checkpointing(cfg, model, mesh)  # after TP and PP, before the cast
     model.to(compute_dtype(cfg))
     opt = _build_optimizer(cfg, model, optimizer, params)
-    isolate = runner.tied.all_params() if runner is not None else []
-    skip = _counted_elsewhere(model, mesh)
-    if runner is not None:  # tied copies count once, on the first stage holding them
-        skip |= frozenset(runner.tied.counted_elsewhere)
+    isolate, skip = _isolated_and_skipped(model, mesh, runner)
     strategy = build_strategy(StrategyContext(cfg, model, opt, mesh, isolate, skip))
     if opt is not None and strategy.optimizer is not None:
         opt = strategy.optimizer  # rebuilt over the master shards
@@ -113,6 +112,17 @@ def initialize(
     engine = Engine(model, opt, sched, strategy, mesh, cfg, batch, loader, loss_fn, scaler, runner)
     engine.autosave.resume(engine)  # checkpoint.auto_resume: the newest checkpoint of save_dir
     return engine, opt, loader, sched
+
+
+def _isolated_and_skipped(
+    model: nn.Module, mesh: ProcessMesh, runner: PipelineRunner | None
+) -> tuple[list, frozenset]:
+    """Parameters the strategy leaves to the pipeline's tied-weight reduction, and those the
+    global norm counts elsewhere (tied copies count once, on the first stage holding them)."""
+    skip = _counted_elsewhere(model, mesh)
+    if runner is None:
+        return [], skip
+    return runner.tied.all_params(), skip | frozenset(runner.tied.counted_elsewhere)
 
 
 def _config_source(args: Any, config: Any, config_params: Any) -> Any:
