@@ -47,6 +47,7 @@ class StageView:
     layers: tuple[int, int]
     states: ModelStates
     activations: float  # saved-tensor bytes held at the peak
+    loss_activations: float  # the part the loss saves (last stage; in ``activations``)
     transient: float  # a checkpointed layer's recompute, on top of that
     calls: list[traffic.Call]
     work: StageWork
@@ -113,9 +114,7 @@ class Planner:
         tp, sp = layout.tp, layout.sequence_parallel
         kept = [a.checkpointed if layout.activation_checkpointing else a.plain for a in acts]
         per_mb = sum(k.per_rank(tp, sp) for k in kept)
-        last = stage == layout.pp - 1
-        if last:
-            per_mb += tr.loss.per_rank(tp, sp)
+        loss = tr.loss.per_rank(tp, sp) if stage == layout.pp - 1 else 0.0
         k = self.in_flight(layout, stage)
         transient = 0.0
         recompute = 0.0
@@ -124,7 +123,8 @@ class Planner:
             recompute = sum(a.flops for a in acts if a.checkpointed != a.plain) / tp
         calls = data + self._calls(layout, stage, params, acts, lo)
         work = StageWork(sum(a.flops for a in acts) / tp, recompute, calls, states)
-        return StageView(stage, (lo, hi), states, k * per_mb, transient, calls, work, k)
+        acts_held, loss_held = k * (per_mb + loss), k * loss
+        return StageView(stage, (lo, hi), states, acts_held, loss_held, transient, calls, work, k)
 
     def _calls(
         self, layout: Layout, stage: int, params: list, acts: list, lo: int
@@ -137,6 +137,9 @@ class Planner:
             sites += list(tr.loss_sites)
         sp_params = [p for p in params if p.sequence_parallel]
         calls += traffic.tensor_calls(sites, sp_params, layout, self.precision, stage == 0)
+        if layout.activation_checkpointing:
+            again = [s for a in acts for s in a.recompute_sites]
+            calls += traffic.tensor_calls(again, [], layout, self.precision, False, True)
         bytes_in = tr.layers[lo - 1].output_bytes if lo > 0 else 0
         out = acts[-1]
         c = 2 if self.precision != "fp32" else 4

@@ -112,24 +112,34 @@ def _zero3_calls(params: list[ParamInfo], layout: Layout, c: int, opts: Options)
     return calls
 
 
+# (forward ops, backward ops) of each traced site, without and with sequence parallelism.
+SITE_OPS = {
+    ("col_in", False): ([], ["all_reduce"]),
+    ("col_in", True): (["all_gather"], ["reduce_scatter"]),
+    ("row_out", False): (["all_reduce"], []),
+    ("row_out", True): (["reduce_scatter"], ["all_gather"]),
+}
+
+
 def tensor_calls(
     sites: list[tuple[str, int]],
     sp_params: list[ParamInfo],
     layout: Layout,
     precision: str,
     split_entry: bool,
+    forward_only: bool = False,
 ) -> list[Call]:
-    """The tensor-parallel collectives of one step, from the stage's traced sites."""
+    """The tensor-parallel collectives of one step, from the stage's traced sites
+    (``forward_only``: a checkpoint's recompute, which runs forward ops again)."""
     tp, gas, sp = layout.tp, layout.grad_accum, layout.sequence_parallel
     if tp == 1:
         return []
     calls = []
-    entered = not split_entry
+    entered = not split_entry or forward_only
     for site, size in sites:
-        if site == "col_in":
-            ops = ["all_gather", "reduce_scatter"] if sp else ["all_reduce"]
-        elif site == "row_out":
-            ops = ["reduce_scatter", "all_gather"] if sp else ["all_reduce"]
+        if site in ("col_in", "row_out"):
+            fwd, bwd = SITE_OPS[(site, sp)]
+            ops = fwd if forward_only else fwd + bwd
         elif site in ("emb_out",):
             ops = ["all_reduce"]
         elif site == "rep_out":
@@ -143,7 +153,7 @@ def tensor_calls(
         else:
             continue
         calls += [Call(op, "tensor", size, tp, gas) for op in ops]
-    if sp:
+    if sp and not forward_only:
         c = DTYPE_BYTES[precision]
         calls += [Call("all_reduce", "tensor", c * p.numel, tp, gas) for p in sp_params]
     return calls
