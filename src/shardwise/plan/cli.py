@@ -123,11 +123,12 @@ def _fixed(args: argparse.Namespace, lay: Layout) -> bool:
 
 
 def records(args: argparse.Namespace) -> tuple[Planner, list[dict]]:
-    if args.global_batch is None or args.seq is None and not args.model:
-        raise ValueError("shardwise plan needs --global-batch (and --seq)")
-    shape, machine = model_shape(args), cluster(args)
-    seq = args.seq or 1
-    planner = Planner(shape, machine, args.global_batch, seq, args.precision)
+    shape = model_shape(args)
+    for flag in ("seq", "global_batch"):
+        if getattr(args, flag) is None:
+            raise ValueError(f"shardwise plan needs --{flag.replace('_', '-')}")
+    machine = cluster(args)
+    planner = Planner(shape, machine, args.global_batch, args.seq, args.precision)
     lays = candidates(shape, machine.world, machine.procs_per_node, args.global_batch)
     return planner, planner.plan([lay for lay in lays if _fixed(args, lay)])
 
