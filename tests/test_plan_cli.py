@@ -36,7 +36,9 @@ def test_json_records_have_the_documented_keys(capsys):
             "tensor",
             "pipeline",
         }
-        assert r["dp"] * r["tp"] * r["pp"] == 4 and r["dp"] * r["micro_batch"] * r["grad_accum"] == 8
+        assert (
+            r["dp"] * r["tp"] * r["pp"] == 4 and r["dp"] * r["micro_batch"] * r["grad_accum"] == 8
+        )
     times = [r["step_time_s"] for r in recs if r["feasible"]]
     assert times == sorted(times), "feasible layouts are ranked by predicted step time"
     kinds = {(r["tp"] > 1, r["pp"] > 1, r["zero_stage"]) for r in recs}
@@ -80,14 +82,17 @@ def test_bad_flags_name_the_flag(capsys, flags, message):
 
 
 def _train_with(config_path: str, pp: int) -> float:
-    import shardwise
     from plan_runs import gpt, pipeline
+
+    import shardwise
 
     cfg = json.loads(open(config_path).read())
     model = pipeline() if pp > 1 else gpt()
     engine, *_ = shardwise.initialize(model=model, config=cfg)
     g = torch.Generator().manual_seed(engine.dp_rank)
-    x = torch.randint(0, SMALL["vocab_size"], (cfg["train_micro_batch_size_per_gpu"], 16), generator=g)
+    x = torch.randint(
+        0, SMALL["vocab_size"], (cfg["train_micro_batch_size_per_gpu"], 16), generator=g
+    )
     data = iter([(x, torch.roll(x, -1, 1))] * cfg["gradient_accumulation_steps"])
     return float(engine.train_batch(data))
 

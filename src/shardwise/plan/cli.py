@@ -17,6 +17,7 @@ import importlib
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -68,17 +69,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--simulate", type=int, metavar="RANK", help="set up RANK in a fake world")
     for flag, kind in LAYOUT_FLAGS:
         p.add_argument(flag, type=kind, default=None, help="fix this part of the layout")
-    p.add_argument("--checkpointing", action="store_true", help="with --simulate")
-    p.add_argument("--sequence-parallel", action="store_true", help="with --simulate")
 
 
 def model_shape(args: argparse.Namespace) -> ModelShape:
     """The model of ``--model`` (built on meta) or of the shape flags."""
     if args.model:
-        module_name, _, fn_name = args.model.partition(":")
-        if not fn_name:
-            raise ValueError(f"--model {args.model!r}: give pkg.module:build_fn")
-        fn = getattr(importlib.import_module(module_name), fn_name)
+        fn = _build_fn(args.model)
         with torch.device("meta"):
             return read_model(fn(), name=args.model)
     missing = [f for f in ("layers", "hidden", "heads", "vocab", "seq") if getattr(args, f) is None]
@@ -133,6 +129,33 @@ def records(args: argparse.Namespace) -> tuple[Planner, list[dict]]:
     return planner, planner.plan([lay for lay in lays if _fixed(args, lay)])
 
 
+def _simulate(args: argparse.Namespace) -> dict:
+    """--simulate RANK: the layout the flags fix (the rest as the planner ranks best)."""
+    planner, recs = records(args)
+    fixed = [r for r in recs if r["feasible"]] or recs
+    if not fixed:
+        raise ValueError("--simulate: no layout matches the flags given")
+    lay = Layout(**{k: fixed[0][k] for k in Layout.__dataclass_fields__})
+    if not 0 <= args.simulate < lay.world:
+        raise ValueError(f"--simulate {args.simulate}: ranks are 0..{lay.world - 1}")
+    if args.model:
+        fn = _build_fn(args.model)
+        with torch.device("meta"):
+            model = fn()
+    else:
+        model = build(planner.shape.dims)
+    model = simulate.pipeline_model(model, lay.pp)
+    engine, _ = simulate.simulate(model, lay, args.simulate, args.precision, planner.shape)
+    return simulate.report(engine, planner, lay, args.simulate)
+
+
+def _build_fn(spec: str) -> Any:
+    module_name, _, fn_name = spec.partition(":")
+    if not fn_name:
+        raise ValueError(f"--model {spec!r}: give pkg.module:build_fn")
+    return getattr(importlib.import_module(module_name), fn_name)
+
+
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``shardwise plan`` (the parser is ``add_parser``'s)."""
     if args.calibrate:
@@ -141,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"calibration saved to {path}; use --cluster this-machine")
         return 0
     if args.simulate is not None:
-        print(rank_text(simulate.from_args(args)))
+        print(rank_text(_simulate(args)))
         return 0
     planner, recs = records(args)
     if args.json:

@@ -105,6 +105,10 @@ class Planner:
             self._states[key] = (params, isolate, states, data)
         return self._states[key]
 
+    def model_states(self, layout: Layout, stage: int) -> ModelStates:
+        """A rank's model states on ``stage`` (no trace needed)."""
+        return self._stage_states(layout, stage)[2]
+
     def stage_view(self, layout: Layout, stage: int) -> StageView:
         bounds = self.bounds(layout.pp)
         lo, hi = bounds[stage], bounds[stage + 1]

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 
+from shardwise.parallel.tensor.heads import heads_to_divide
 from shardwise.plan.shape import ModelShape
 
 PRECISIONS = ("bf16", "fp16", "fp32")
@@ -68,9 +69,20 @@ def _tp_sizes(shape: ModelShape, world: int, per_node: int) -> list[int]:
             for p in shape.params
             if p.split is not None and shape.styles.get(p.module) != "vocab"
         )
-        if even:
+        if even and _heads_divide(shape, tp):
             out.append(tp)
     return out
+
+
+def _heads_divide(shape: ModelShape, tp: int) -> bool:
+    """The library's own check (tensor/heads.py): every attention keeps whole heads."""
+    if shape.module is None:
+        return True
+    try:
+        heads_to_divide(shape.module, shape.styles, tp)
+    except ValueError:
+        return False
+    return True
 
 
 def candidates(

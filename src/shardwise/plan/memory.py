@@ -60,6 +60,7 @@ class ModelStates:
     optimizer: int
     host: int = 0
     buffers: int = 0  # transient communication buffers at their peak
+    masters: int = 0  # the fp32 master copies, part of ``optimizer`` (there before any step)
 
     @property
     def device(self) -> int:
@@ -158,7 +159,7 @@ def model_states(
     if layout.zero_stage >= 2:  # full flat gradients of the buckets in flight (stage12.py)
         buffers = c * sum(sorted((lay.padded for lay in lays), reverse=True)[:3])
     host = opt if layout.offload else 0
-    return ModelStates(c * padded, grads, opt, host, buffers)
+    return ModelStates(c * padded, grads, opt, host, buffers, master * shard)
 
 
 def _zero3(
@@ -174,7 +175,7 @@ def _zero3(
     window = min(sum(gathered), opts.prefetch_elements + max(gathered, default=0), opts.max_live)
     buffers = c * (window + 3 * max(gathered, default=0))  # gathered + reduce-scatter sends
     host = opt if layout.offload else 0
-    return ModelStates(c * held + c * frozen, c * held, opt, host, buffers)
+    return ModelStates(c * held + c * frozen, c * held, opt, host, buffers, master * held)
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -67,17 +67,23 @@ def rank_text(view: dict[str, Any]) -> str:
     lines = [f"rank {view['rank']} of {view['world']}: {view['coords']}"]
     lines.append(f"  layout {view['layout']}")
     lines.append(f"  stage {view['stage']}: layers {view['layers'][0]}-{view['layers'][1] - 1}")
-    m = view["memory"]
+    m, held = view["memory"], view["held"]
     lines.append(
-        "  model states: "
+        "  predicted at the step: "
         + ", ".join(f"{k} {m[k]:,} B" for k in ("params", "grads", "optimizer"))
         + f"; activations {m['activations']:,} B; peak {m['peak']:,} B"
     )
+    lines.append(
+        "  held after the simulated setup (no step yet: optimizer = fp32 masters): "
+        + ", ".join(f"{k} {held[k]:,} B" for k in ("params", "grads", "optimizer"))
+    )
+    lines.append("  parameters as this rank holds them:")
     for name, shape in view.get("shards", [])[:12]:
         lines.append(f"    {name}: {tuple(shape)}")
     more = len(view.get("shards", [])) - 12
     if more > 0:
         lines.append(f"    ... {more} more")
+    lines.append("  predicted collectives per step:")
     for op, e in view["comm_ops"].items():
         lines.append(f"  {op}: {e['calls']} calls, {e['bytes']:,} B, {e['sent_bytes']:,} B sent")
     return "\n".join(lines)

@@ -104,15 +104,23 @@ class ModelShape:
     def pipeline_plan(self) -> dict[str, str]:
         """The TP styles under the names a PipelineModule of these layers gives its modules
         (``"<layer index>.<name in the layer>"``), for a config with ``pipeline.stages``."""
-        out = {}
+        named: dict[str, str] = {}
         for name, style in self.styles.items():
             for i, layer in enumerate(self.layers):
                 if layer.name and (name == layer.name or name.startswith(layer.name + ".")):
-                    out[f"{i}{name[len(layer.name) :]}"] = style
+                    named[f"{i}{name[len(layer.name) :]}"] = style
                     break
             else:
-                out[name] = style  # outside the layers: the loss module, named alike
-        return out
+                named[name] = style  # outside the layers: the loss module, named alike
+        # One pattern per module of the blocks: "1.mlp.fc", "2.mlp.fc" -> "*.mlp.fc".
+        groups: dict[tuple[str, str], list[str]] = {}
+        for name, style in named.items():
+            index, _, rest = name.partition(".")
+            groups.setdefault((rest if index.isdigit() else name, style), []).append(name)
+        return {
+            (f"*.{rest}" if len(names) > 1 else names[0]): style
+            for (rest, style), names in groups.items()
+        }
 
     def layer_counts(self) -> list[int]:
         """Trainable parameters per layer (a tied layer's module counted at each use, as

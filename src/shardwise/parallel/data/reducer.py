@@ -200,12 +200,14 @@ class DataParallelReducer:
 def broadcast_parameters(
     module: torch.nn.Module, src: int, group: ProcessGroup | None = None
 ) -> None:
-    """Make every rank of ``group`` start from global rank ``src``'s weights and buffers."""
+    """Make every rank of ``group`` start from global rank ``src``'s weights and buffers
+    (meta-device tensors have no values yet: they are drawn alike on every rank later)."""
     if comm.get_world_size(group) == 1:
         return
     with torch.no_grad():
         for t in list(module.parameters()) + list(module.buffers()):
-            comm.broadcast(t.data, src=src, group=group)
+            if not t.is_meta:
+                comm.broadcast(t.data, src=src, group=group)
 
 
 class LocalGradients:
