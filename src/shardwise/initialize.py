@@ -38,7 +38,7 @@ from shardwise.parallel.strategy import StrategyContext
 from shardwise.parallel.tensor.hf_styles import decoder_sequence_parallel
 from shardwise.parallel.tensor.parallelize import parallelize, resolve_plan
 from shardwise.parallel.tensor.placement import get_placement
-from shardwise.parallel.zero.partition import materialize_model
+from shardwise.parallel.zero.materialize import materialize_model
 from shardwise.precision import LossScaler, cast_module, compute_dtype, fp16_master
 from shardwise.topology import ProcessMesh, Topology
 
