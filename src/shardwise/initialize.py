@@ -39,7 +39,8 @@ from shardwise.parallel.strategy import StrategyContext
 from shardwise.parallel.tensor.hf_styles import decoder_sequence_parallel
 from shardwise.parallel.tensor.parallelize import parallelize, resolve_plan
 from shardwise.parallel.tensor.placement import get_placement
-from shardwise.precision import LossScaler, compute_dtype, fp16_master
+from shardwise.parallel.zero.materialize import materialize_model
+from shardwise.precision import LossScaler, cast_module, compute_dtype, fp16_master
 from shardwise.topology import ProcessMesh, Topology, world_timeout
 
 if TYPE_CHECKING:  # annotations only
@@ -97,10 +98,12 @@ def initialize(
         params = _apply_tensor_parallel(cfg, model, mesh, optimizer, runner, params)
     else:
         broadcast_parameters(model, src=mesh.axis_ranks("dp")[0], group=mesh.dp_group)
+    if cfg.zero_optimization.stage != 3:  # ZeRO-3 materializes a meta model shard by shard
+        materialize_model(model)  # a meta model, once cut: each rank only what it keeps
     if runner is not None:
         runner.tied.broadcast()
     _apply_activation_checkpointing(cfg, model, mesh)  # after TP and PP, before the cast
-    model.to(compute_dtype(cfg))
+    cast_module(model, compute_dtype(cfg))
     opt = _build_optimizer(cfg, model, optimizer, params)
     isolate, skip = _isolated_and_skipped(model, mesh, runner)
     strategy = build_strategy(StrategyContext(cfg, model, opt, mesh, isolate, skip))

@@ -25,7 +25,9 @@ KINDS = ("params", "grads", "optimizer", "comm_buffers")
 
 
 def _storage_key(t: torch.Tensor) -> tuple[int, int]:
-    return (t.untyped_storage().data_ptr(), t.device.index or 0)
+    # The storage's own identity (views share it), not its data pointer: fake tensors (a
+    # simulated rank, plan/simulate.py) have none.
+    return (t.untyped_storage()._cdata, t.device.index or 0)
 
 
 def _bytes(tensors: Iterable[torch.Tensor], seen: set) -> int:

@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
 
 from shardwise.config import ConfigError
 from shardwise.ops.adam import DeepSpeedCPUAdam
@@ -36,6 +37,20 @@ def compute_dtype(config: Config) -> torch.dtype:
     if config.fp16.enabled:
         return torch.float16
     return torch.float32
+
+
+def cast_module(module: nn.Module, dtype: torch.dtype) -> None:
+    """``module.to(dtype)`` for its floating parameters and buffers, in place: each tensor's
+    ``data`` is replaced, so parameters keep their identity. Unlike ``nn.Module.to`` this
+    never swaps tensor objects, which tensor subclasses (fake tensors in plan/simulate.py)
+    refuse."""
+    for m in module.modules():
+        for p in m.parameters(recurse=False):
+            if p.is_floating_point() and p.dtype != dtype:
+                p.data = p.data.to(dtype)
+        for name, b in m._buffers.items():
+            if b is not None and b.is_floating_point() and b.dtype != dtype:
+                m._buffers[name] = b.to(dtype)
 
 
 class LossScaler:

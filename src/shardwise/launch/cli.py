@@ -1,5 +1,6 @@
 """The ``shardwise`` command: ``run`` launches a script, ``topo`` prints a layout,
-``inspect`` and ``export`` read a checkpoint, ``diagnose`` explains a hang.
+``inspect`` and ``export`` read a checkpoint, ``diagnose`` explains a hang, ``plan`` ranks
+layouts (docs/planner.md).
 
     shardwise run --nproc-per-node 2 --timeout 300 train.py --lr 1e-3
     shardwise topo --dp 2 --pp 2 --tp 2 --nnodes 2 --nproc-per-node 4
@@ -21,6 +22,7 @@ from collections.abc import Sequence
 from shardwise.checkpoint import cli as checkpoint_cli
 from shardwise.diagnose import cli as diagnose_cli
 from shardwise.launch.run import launch
+from shardwise.plan import cli as plan_cli
 from shardwise.topology import AXIS_NAMES, Topology, TopologyError
 
 # (flags, argparse options): torchrun's spelling first, then the aliases DeepSpeed users type.
@@ -93,6 +95,7 @@ def make_parser() -> argparse.ArgumentParser:
     _add_topo_parser(sub)
     checkpoint_cli.add_parsers(sub)
     diagnose_cli.add_parser(sub)
+    plan_cli.add_parser(sub)
     return parser
 
 
@@ -192,6 +195,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "diagnose":
             print(diagnose_cli.run(args))
             return 0
+        if args.command == "plan":
+            return plan_cli.run(args)
 
         return launch(args)
     except (ValueError, TopologyError) as e:

@@ -223,11 +223,14 @@ def broadcast_parameters(
     module: torch.nn.Module, src: int, group: ProcessGroup | None = None
 ) -> None:
     """Make every rank of ``group`` start from global rank ``src``'s weights and buffers (a
-    parameter held by part of the group, replicas.py: from the first rank of its copies)."""
+    parameter held by part of the group, replicas.py: from the first rank of its copies;
+    meta-device tensors have no values yet: they are drawn alike on every rank later)."""
     if comm.get_world_size(group) == 1:
         return
     with torch.no_grad():
         for t in list(module.parameters()) + list(module.buffers()):
+            if t.is_meta:
+                continue
             rep = get_replicas(t, group, [src])
             if len(rep.ranks) > 1 or rep.group is group:
                 comm.broadcast(t.data, src=rep.ranks[0], group=rep.group)

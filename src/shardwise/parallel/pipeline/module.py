@@ -159,8 +159,11 @@ class PipelineModule(nn.Module):
         self._tied_layers: dict[int, tuple[str, Callable | None]] = {}  # idx -> (key, forward_fn)
         self._tied_home: dict[str, int] = {}  # key -> its first layer on this stage
         tied_built: dict[str, nn.Module] = {}
+        # Module names of every stage's layers, when every layer is seen here (None: not).
+        names: list[str] | None = []
         for idx, spec in enumerate(self._specs):
             chunk = self._chunk_of(idx)
+            module = spec if isinstance(spec, nn.Module) else None
             if isinstance(spec, TiedLayerSpec):
                 self._build_tied(idx, spec, chunk, tied_built)
             elif isinstance(spec, LayerSpec):
@@ -173,11 +176,27 @@ class PipelineModule(nn.Module):
                 if isinstance(spec, nn.Module):
                     self._register(idx, spec)
                 self._funcs.append((idx, spec, chunk))
+            names = self._add_names(names, idx, spec, module)
+        self.all_stage_module_names = names
         # Other stages' modules are dropped here; the list keeps names and specs only.
         self._specs = [
             x if self._chunk_of(i) is not None or not isinstance(x, nn.Module) else None
             for i, x in enumerate(self._specs)
         ]
+
+    def _add_names(
+        self, names: list[str] | None, idx: int, spec: Any, module: nn.Module | None
+    ) -> list[str] | None:
+        """``names`` plus layer ``idx``'s module names as its stage names them; None once a
+        layer is unknown here (a LayerSpec another stage builds alone, a tied module)."""
+        if names is None or isinstance(spec, TiedLayerSpec):
+            return None
+        if isinstance(spec, LayerSpec) and module is None:
+            return None
+        if module is None:
+            return names  # a plain callable: no modules
+        prefix = self._name_of(idx)
+        return names + [f"{prefix}.{n}" if n else prefix for n, _ in module.named_modules()]
 
     def virtual_stage(self, chunk: int) -> int:
         """The position in the whole pipeline of this rank's ``chunk``: chunk * stages + stage."""

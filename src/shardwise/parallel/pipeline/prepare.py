@@ -148,14 +148,24 @@ def stage_plan(model: nn.Module, plan: dict[str, str], mesh: ProcessMesh) -> dic
     """The tensor-parallel plan restricted to the patterns that name a module of this stage.
 
     A plan names modules of the whole model; a stage holds some of them. Each pattern must
-    still match on some stage (a typo matches nowhere): the stages compare notes over the
-    pipeline group, so every rank raises the same error."""
+    still match on some stage (a typo matches nowhere). A PipelineModule that saw every
+    layer while building its stage knows every stage's module names, and checks alone; else
+    the stages compare notes over the pipeline group. Either way every rank raises the same
+    error."""
 
     names = [name for name, _ in model.named_modules() if name]
     here = [any(pattern_regex(p).fullmatch(n) for n in names) for p in plan]
-    found = torch.tensor(here, dtype=torch.int32)
-    comm.all_reduce(found, op=comm.ReduceOp.MAX, group=mesh.pp_group)
-    missing = [p for p, f in zip(plan, found.tolist(), strict=True) if not f]
+    every = getattr(model, "all_stage_module_names", None)
+    if every is not None:
+        found = [
+            h or any(pattern_regex(p).fullmatch(n) for n in every)
+            for p, h in zip(plan, here, strict=True)
+        ]
+    else:
+        flags = torch.tensor(here, dtype=torch.int32)
+        comm.all_reduce(flags, op=comm.ReduceOp.MAX, group=mesh.pp_group)
+        found = flags.tolist()
+    missing = [p for p, f in zip(plan, found, strict=True) if not f]
     if missing:
         raise ValueError(
             f"tensor-parallel plan patterns {missing} match no module on any pipeline stage "

@@ -51,6 +51,7 @@ from shardwise import comm
 from shardwise.config import parse_config
 from shardwise.launch.env import init_distributed
 from shardwise.parallel.flat import ceil_div
+from shardwise.parallel.zero.materialize import materialize_meta, sync_rng
 from shardwise.precision import compute_dtype
 
 if TYPE_CHECKING:  # annotations only
@@ -107,51 +108,6 @@ def _repartition(p: nn.Parameter) -> None:
     group = p.ds_group
     del p.ds_tensor
     partition(p, group)
-
-
-# ----------------------------------------------------------------------------- RNG, meta
-def sync_rng(group: ProcessGroup | None = None) -> torch.Tensor | None:
-    """Every rank takes the CPU RNG state of the group's rank 0. Returns this rank's previous
-    state if it differed (so that a caller can give it back), else None."""
-    if comm.get_world_size(group) == 1:
-        return None
-    own = torch.get_rng_state()
-    common = own.clone()
-    comm.broadcast(common, src=comm.get_global_rank(group, 0), group=group)
-    torch.set_rng_state(common)
-    return None if torch.equal(own, common) else own
-
-
-def materialize_meta(module: nn.Module, device: torch.device | None = None) -> None:
-    """Give ``module``'s own meta-device tensors real storage and values (reset_parameters()).
-
-    Parameters keep their identity (``torch.utils.swap_tensors``), so an optimizer built over
-    them still refers to them. Floating tensors are drawn in fp32 and then cast to the meta
-    tensor's dtype, as a model built in fp32 and then converted would be."""
-    metas = [p for p in module.parameters(recurse=False) if p.is_meta]
-    metas_b = [n for n, b in module.named_buffers(recurse=False) if b.is_meta]
-    if not metas and not metas_b:
-        return
-    reset = getattr(module, "reset_parameters", None) or getattr(module, "_reset_parameters", None)
-    if reset is None:
-        raise ValueError(
-            f"{type(module).__name__} has parameters on the meta device but no reset_parameters() "
-            "to create their values: build the model under shardwise.parallel.zero.partition.Init() instead"
-        )
-    device = device or torch.device("cpu")
-    dtypes = {}
-    for p in metas:
-        dtypes[id(p)] = p.dtype
-        draw = torch.get_default_dtype() if p.is_floating_point() else p.dtype
-        real = nn.Parameter(torch.empty(p.shape, dtype=draw, device=device), p.requires_grad)
-        torch.utils.swap_tensors(p, real)
-    for name in metas_b:
-        b = module._buffers[name]
-        module._buffers[name] = torch.empty(b.shape, dtype=b.dtype, device=device)
-    with torch.no_grad():
-        reset()
-    for p in metas:
-        p.data = p.data.to(dtypes[id(p)])
 
 
 # ----------------------------------------------------------------------------- writes

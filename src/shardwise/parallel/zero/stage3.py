@@ -206,20 +206,34 @@ class Zero3Strategy:
         return units_of
 
     def _make_unit(self, params: list[nn.Parameter], persistent: bool) -> Unit:
-        """Lay ``params`` end to end, keep this rank's shard (or all of it if persistent)."""
+        """Lay ``params`` end to end, keep this rank's shard (or all of it if persistent).
+
+        A sharded unit never exists whole on a rank: its shard is filled piece by piece
+        from each parameter's overlap with it (``FlatLayout.overlaps``)."""
         shapes = [p.ds_shape if is_partitioned(p) else p.shape for p in params]
         layout = FlatLayout.of(params, 1 if persistent else self.world, shapes)
-        flat = torch.zeros(layout.padded, dtype=params[0].dtype, device=params[0].device)
-        for i, p in enumerate(params):
-            layout.view(flat, i).copy_(full_value(p))
-        shard = flat if persistent else self._keep(layout.shard(flat, self.rank))
-        u = Unit(layout, shard, persistent, self.group, self.rank, self.live, device=flat.device)
+        dtype, device = params[0].dtype, params[0].device
+        if persistent:
+            flat = torch.zeros(layout.padded, dtype=dtype, device=device)
+            for i, p in enumerate(params):
+                layout.view(flat, i).copy_(full_value(p))
+            shard = flat
+        else:
+            shard = torch.zeros(layout.shard_numel, dtype=dtype, device=device)
+            pieces = {i: (start, at, n) for i, start, at, n in layout.overlaps(self.rank)}
+            for i, p in enumerate(params):
+                value = full_value(p)  # on every rank, in order: a collective when partitioned
+                if i in pieces:
+                    start, at, n = pieces[i]
+                    shard[at : at + n].copy_(value.reshape(-1)[start : start + n])
+            shard = self._keep(shard)
+        u = Unit(layout, shard, persistent, self.group, self.rank, self.live, device=device)
         for i, p in enumerate(params):
             for name in ("ds_tensor", "ds_group"):
                 if hasattr(p, name):
                     delattr(p, name)
             p.ds_shape, p.ds_numel, p._shardwise_unit = layout.shapes[i], _numel(p), u
-            p.data = layout.view(flat, i) if persistent else flat.new_empty(0)
+            p.data = layout.view(shard, i) if persistent else shard.new_empty(0)
         self.units.append(u)
         return u
 
@@ -227,7 +241,7 @@ class Zero3Strategy:
         """A copy of this rank's shard where it lives between uses: on the compute device, or
         in host memory under offload_param (pinned if asked and an accelerator can use it)."""
         if self.param_offload_device is None:
-            return shard.clone()
+            return shard
         kept = shard.to(self.param_offload_device, copy=True)
         if self.pin_memory and shard.device.type != "cpu":
             kept = kept.pin_memory()

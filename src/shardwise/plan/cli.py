@@ -1,0 +1,184 @@
+"""``shardwise plan``: every layout of a model on a cluster, ranked by predicted step time.
+
+    shardwise plan --arch llama --layers 80 --hidden 8192 --heads 64 --kv-heads 8 --ffn 28672 \\
+        --vocab 128256 --seq 4096 --nodes 128 --procs-per-node 8 --cluster a100-80g \\
+        --global-batch 1024 --top 10
+    shardwise plan --model mypkg.models:build --seq 1024 --procs-per-node 2 \\
+        --cluster this-machine --global-batch 16 --json
+    shardwise plan ... --write-config ds_config.json      # the best layout's config
+    shardwise plan --calibrate                             # measure this machine
+    shardwise plan ... --simulate 517 --dp 16 --tp 8 --pp 8 --zero-stage 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shardwise.plan import calibrate, simulate
+from shardwise.plan.cluster import PRESETS, Cluster, load, parse_bytes, with_overrides
+from shardwise.plan.evaluate import Planner
+from shardwise.plan.layout import PRECISIONS, Layout, candidates, to_config
+from shardwise.plan.models import Dims, build
+from shardwise.plan.report import rank_text, table
+from shardwise.plan.shape import ModelShape, read_model
+
+MODEL_FLAGS = [
+    ("--arch", dict(default="gpt", choices=["gpt", "llama"], help="the decoder's kind")),
+    ("--layers", dict(type=int, help="transformer blocks")),
+    ("--hidden", dict(type=int, help="hidden size")),
+    ("--heads", dict(type=int, help="attention heads")),
+    ("--kv-heads", dict(type=int, help="key/value heads (grouped-query attention)")),
+    ("--ffn", dict(type=int, help="MLP width (default 4 x hidden, Llama: about 8/3)")),
+    ("--vocab", dict(type=int, help="vocabulary size")),
+    ("--seq", dict(type=int, help="sequence length (tokens per sequence)")),
+    ("--model", dict(help="pkg.module:build_fn, any nn.Module factory (built on meta)")),
+]  # fmt: skip
+CLUSTER_FLAGS = [
+    ("--cluster", dict(default="a100-80g", help=f"{', '.join(PRESETS)}, this-machine or a .json")),
+    ("--nodes", dict(type=int, default=1)),
+    ("--procs-per-node", dict(type=int, default=None, help="ranks per node (default: preset's)")),
+    ("--device-memory", dict(default=None, help="bytes per rank, e.g. 80GiB")),
+    ("--peak-tflops", dict(type=float, default=None, help="16-bit TFLOP/s per rank")),
+    ("--intra-node-gbps", dict(type=float, default=None, help="GB/s between ranks of a node")),
+    ("--inter-node-gbps", dict(type=float, default=None, help="GB/s per rank across nodes")),
+    ("--latency-us", dict(type=float, default=None, help="microseconds per collective step")),
+]  # fmt: skip
+LAYOUT_FLAGS = [("--dp", int), ("--tp", int), ("--pp", int), ("--zero-stage", int),
+                ("--micro-batch", int), ("--grad-accum", int)]  # fmt: skip
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plan", help="rank every layout of a model on a cluster (starts nothing)")
+    for flag, opts in MODEL_FLAGS + CLUSTER_FLAGS:
+        p.add_argument(flag, **opts)
+    p.add_argument("--global-batch", type=int, help="sequences per optimizer step")
+    p.add_argument("--precision", default="bf16", choices=PRECISIONS)
+    p.add_argument("--top", type=int, default=10, help="feasible layouts to show")
+    p.add_argument("--json", action="store_true", help="every record as JSON")
+    p.add_argument("--write-config", metavar="PATH", help="write the best layout's config")
+    p.add_argument("--calibrate", action="store_true", help="measure this machine; save it")
+    p.add_argument("--calibrate-procs", default="1,2,4", help="process counts to measure")
+    p.add_argument("--output", help="where --calibrate saves (default ~/.cache/shardwise)")
+    p.add_argument("--simulate", type=int, metavar="RANK", help="set up RANK in a fake world")
+    for flag, kind in LAYOUT_FLAGS:
+        p.add_argument(flag, type=kind, default=None, help="fix this part of the layout")
+
+
+def model_shape(args: argparse.Namespace) -> ModelShape:
+    """The model of ``--model`` (built on meta) or of the shape flags."""
+    if args.model:
+        fn = _build_fn(args.model)
+        with torch.device("meta"):
+            return read_model(fn(), name=args.model)
+    missing = [f for f in ("layers", "hidden", "heads", "vocab", "seq") if getattr(args, f) is None]
+    if missing:
+        flags = ", ".join("--" + m for m in missing)
+        raise ValueError(f"shardwise plan needs {flags} (or --model pkg.module:build_fn)")
+    d = Dims(
+        args.layers,
+        args.hidden,
+        args.heads,
+        args.vocab,
+        args.seq,
+        args.kv_heads,
+        args.ffn,
+        args.arch,
+    )
+    return read_model(build(d), name=f"{args.arch} {d.layers}x{d.hidden}")
+
+
+def cluster(args: argparse.Namespace) -> Cluster:
+    base = load(args.cluster)
+    memory = parse_bytes(args.device_memory) if args.device_memory else None
+    return with_overrides(
+        base,
+        nodes=args.nodes,
+        procs_per_node=args.procs_per_node,
+        device_memory=memory,
+        peak_tflops=args.peak_tflops,
+        intra_gbps=args.intra_node_gbps,
+        inter_gbps=args.inter_node_gbps,
+        latency_us=args.latency_us,
+    )
+
+
+def _fixed(args: argparse.Namespace, lay: Layout) -> bool:
+    for flag, _ in LAYOUT_FLAGS:
+        name = flag[2:].replace("-", "_")
+        want = getattr(args, name)
+        if want is not None and getattr(lay, name) != want:
+            return False
+    return True
+
+
+def records(args: argparse.Namespace) -> tuple[Planner, list[dict]]:
+    shape = model_shape(args)
+    for flag in ("seq", "global_batch"):
+        if getattr(args, flag) is None:
+            raise ValueError(f"shardwise plan needs --{flag.replace('_', '-')}")
+    machine = cluster(args)
+    planner = Planner(shape, machine, args.global_batch, args.seq, args.precision)
+    lays = candidates(shape, machine.world, machine.procs_per_node, args.global_batch)
+    return planner, planner.plan([lay for lay in lays if _fixed(args, lay)])
+
+
+def _simulate(args: argparse.Namespace) -> dict:
+    """--simulate RANK: the layout the flags fix (the rest as the planner ranks best)."""
+    planner, recs = records(args)
+    fixed = [r for r in recs if r["feasible"]] or recs
+    if not fixed:
+        raise ValueError("--simulate: no layout matches the flags given")
+    lay = Layout(**{k: fixed[0][k] for k in Layout.__dataclass_fields__})
+    if not 0 <= args.simulate < lay.world:
+        raise ValueError(f"--simulate {args.simulate}: ranks are 0..{lay.world - 1}")
+    if args.model:
+        fn = _build_fn(args.model)
+        with torch.device("meta"):
+            model = fn()
+    else:
+        model = build(planner.shape.dims)
+    model = simulate.pipeline_model(model, lay.pp)
+    engine, _ = simulate.simulate(model, lay, args.simulate, args.precision, planner.shape)
+    return simulate.report(engine, planner, lay, args.simulate)
+
+
+def _build_fn(spec: str) -> Any:
+    module_name, _, fn_name = spec.partition(":")
+    if not fn_name:
+        raise ValueError(f"--model {spec!r}: give pkg.module:build_fn")
+    return getattr(importlib.import_module(module_name), fn_name)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Entry point of ``shardwise plan`` (the parser is ``add_parser``'s)."""
+    if args.calibrate:
+        procs = [int(n) for n in args.calibrate_procs.split(",")]
+        path = calibrate.save(calibrate.measure(procs), args.output)
+        print(f"calibration saved to {path}; use --cluster this-machine")
+        return 0
+    if args.simulate is not None:
+        print(rank_text(_simulate(args)))
+        return 0
+    planner, recs = records(args)
+    if args.json:
+        json.dump(recs, sys.stdout, indent=1)
+        print()
+    else:
+        print(table(recs, args.top))
+    if args.write_config:
+        best = next((r for r in recs if r["feasible"]), None)
+        if best is None:
+            raise ValueError("--write-config: no feasible layout to write")
+        fields = Layout.__dataclass_fields__
+        lay = Layout(**{k: best[k] for k in fields})
+        cfg = to_config(lay, args.precision, planner.shape)
+        Path(args.write_config).write_text(json.dumps(cfg, indent=1) + "\n")
+        print(f"wrote {args.write_config}: {lay.name()}", file=sys.stderr)
+    return 0

@@ -1,0 +1,134 @@
+"""The machines a plan is for: presets for common GPUs, and "this machine" once calibrated.
+
+A ``Cluster`` is ``nodes`` x ``procs_per_node`` ranks, each with ``device_memory`` bytes,
+``peak_tflops`` of dense matrix arithmetic in 16 bits (``fp32_tflops`` in 32), and links:
+``intra_gbps`` between the ranks of a node, ``inter_gbps`` per rank across nodes (GB/s of bus
+bandwidth, what a ring collective sustains), ``latency_us`` per collective. Three fractions
+turn peaks into times: ``efficiency`` (what a transformer layer reaches of the peak),
+``overlap`` (the share of data-parallel traffic hidden behind backward) and the optimizer's
+``optimizer_gbps`` (bytes of model state an update reads and writes per second).
+
+A calibration (``shardwise plan --calibrate``, calibrate.py) measures these on the real
+backend at several sizes and process counts; its fits replace the preset's peaks, per
+operation and per group size.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class Cluster:
+    name: str
+    nodes: int = 1
+    procs_per_node: int = 8
+    device_memory: int = 80 * GIB
+    peak_tflops: float = 312.0
+    fp32_tflops: float = 19.5
+    intra_gbps: float = 230.0
+    inter_gbps: float = 23.0
+    latency_us: float = 10.0
+    efficiency: float = 0.55
+    overlap: float = 0.8
+    optimizer_gbps: float = 1000.0
+    host_gbps: float = 20.0  # offload: device <-> host per rank
+    host_optimizer_gbps: float = 20.0  # the optimizer step in host memory
+    # Calibrated fits: op -> group size -> [latency s, bytes/s]; processes -> TFLOP/s.
+    collectives: dict = field(default_factory=dict)
+    compute: dict = field(default_factory=dict)
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.procs_per_node
+
+    def tflops(self, precision: str) -> float:
+        """Sustained TFLOP/s of one rank on transformer layers (its share of a node)."""
+        measured = self.compute.get(precision) or self.compute.get("fp32")
+        if measured:
+            by_procs = {int(k): v for k, v in measured.items()}
+            n = min(by_procs, key=lambda k: abs(k - self.procs_per_node))
+            return by_procs[n] * n / max(self.procs_per_node, n)
+        peak = self.fp32_tflops if precision == "fp32" else self.peak_tflops
+        return peak * self.efficiency
+
+    def collective_time(self, op: str, payload: int, n: int, inter: bool) -> float:
+        """Seconds for one call of ``op`` with ``payload`` bytes on ``n`` ranks (ring model)."""
+        if n <= 1:
+            return 0.0
+        ring = {"all_reduce": 2.0 * (n - 1) / n, "send": 1.0, "recv": 0.0}.get(op, (n - 1) / n)
+        fit = self.collectives.get(op, {})
+        if fit:
+            sizes = {int(k): v for k, v in fit.items()}
+            lat, bw = sizes[min(sizes, key=lambda k: abs(k - n))]
+            return lat + ring * payload / bw
+        steps = 2 * (n - 1) if op == "all_reduce" else max(n - 1, 1)
+        gbps = self.inter_gbps if inter else self.intra_gbps
+        return steps * self.latency_us * 1e-6 + ring * payload / (gbps * 1e9)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1, sort_keys=True)
+
+
+PRESETS = {
+    "a100-80g": Cluster("a100-80g"),
+    "a100-40g": Cluster("a100-40g", device_memory=40 * GIB),
+    "h100-80g": Cluster(
+        "h100-80g", peak_tflops=989.0, fp32_tflops=67.0, intra_gbps=360.0, inter_gbps=45.0
+    ),
+    "v100-32g": Cluster(
+        "v100-32g",
+        device_memory=32 * GIB,
+        peak_tflops=125.0,
+        fp32_tflops=15.7,
+        intra_gbps=130.0,
+        inter_gbps=10.0,
+    ),
+}
+
+
+def default_calibration_path() -> Path:
+    return Path.home() / ".cache" / "shardwise" / "calibration.json"
+
+
+def load(spec: str) -> Cluster:
+    """A preset name, ``this-machine`` (the saved calibration) or a calibration JSON file."""
+    if spec in PRESETS:
+        return PRESETS[spec]
+    path = default_calibration_path() if spec in ("this-machine", "local") else Path(spec)
+    if not path.exists():
+        hint = "run `shardwise plan --calibrate` first" if spec in ("this-machine", "local") else ""
+        known = ", ".join([*PRESETS, "this-machine", "a calibration .json"])
+        raise ValueError(f"--cluster {spec!r}: no such preset or file ({known}) {hint}".strip())
+    data = json.loads(path.read_text())
+    return Cluster(**data)
+
+
+_UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12}
+_UNITS.update({"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40})
+
+
+def parse_bytes(text: str) -> int:
+    """``80GiB``, ``40GB``, ``512MiB``, ``1e9`` -> bytes."""
+    m = re.fullmatch(r"\s*([0-9.]+(?:e[+-]?\d+)?)\s*([a-z]*)\s*", str(text).lower())
+    if not m or m.group(2) not in _UNITS:
+        raise ValueError(f"--device-memory {text!r}: give a size like 80GiB, 40GB or 1e9")
+    return int(float(m.group(1)) * _UNITS[m.group(2)])
+
+
+def with_overrides(base: Cluster, **given: object) -> Cluster:
+    """``base`` with the flags the user gave (None: keep the preset's)."""
+    return replace(base, **{k: v for k, v in given.items() if v is not None})
+
+
+def fmt_bytes(n: float) -> str:
+    if n >= GIB:
+        return f"{n / GIB:.1f} GiB"
+    if n >= 1 << 20:
+        return f"{n / (1 << 20):.1f} MiB"
+    return f"{n / 1024:.1f} KiB" if n >= 1024 else f"{int(n)} B"

@@ -1,0 +1,210 @@
+"""One layout's prediction: per-rank memory, traffic, step time; feasible or why not.
+
+``Planner(model_shape, cluster, global_batch, seq, precision)`` evaluates layouts; its records
+are plain dicts (the JSON of ``shardwise plan --json``), bytes per rank and seconds:
+
+    dp, tp, pp, zero_stage, micro_batch, grad_accum, activation_checkpointing, offload,
+    sequence_parallel, schedule, feasible, reason,
+    memory {params, grads, optimizer, activations, buffers, peak, host},
+    comm_bytes {data, tensor, pipeline}, comm_ops {op: {calls, bytes, sent_bytes}},
+    bubble, step_time_s, time {compute, exposed_comm, bubble}, tokens_per_s, mfu, stage
+
+The numbers are the worst rank's: the stage with the highest device memory (memory and
+feasibility), the slowest stage (time). ``rank_view`` gives any one rank's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from shardwise.parallel.pipeline.partition import PartitionError
+from shardwise.plan import traffic
+from shardwise.plan.activations import Trace, trace_layers
+from shardwise.plan.cluster import Cluster, fmt_bytes
+from shardwise.plan.layout import Layout
+from shardwise.plan.memory import (
+    ModelStates,
+    Options,
+    model_states,
+    stage_bounds,
+    stage_params,
+    tied_params,
+)
+from shardwise.plan.shape import ModelShape
+from shardwise.plan.timing import StageWork, step_time
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@dataclass
+class StageView:
+    """What one rank of stage ``stage`` holds and does."""
+
+    stage: int
+    layers: tuple[int, int]
+    states: ModelStates
+    activations: float  # saved-tensor bytes held at the peak
+    loss_activations: float  # the part the loss saves (last stage; in ``activations``)
+    transient: float  # a checkpointed layer's recompute, on top of that
+    calls: list[traffic.Call]
+    work: StageWork
+    in_flight: int
+
+    @property
+    def peak(self) -> float:
+        return self.states.device + self.activations + self.transient + self.states.buffers
+
+
+@dataclass
+class Planner:
+    shape: ModelShape
+    cluster: Cluster
+    global_batch: int
+    seq: int
+    precision: str = "bf16"
+    opts: Options = field(default_factory=Options)
+    gradient_clipping: bool = True
+    _traces: dict[int, Trace] = field(default_factory=dict)
+    _bounds: dict[int, list[int]] = field(default_factory=dict)
+    _states: dict[tuple, tuple] = field(default_factory=dict)
+
+    def trace(self, micro_batch: int) -> Trace:
+        if micro_batch not in self._traces:
+            dtype = DTYPES[self.precision]
+            self._traces[micro_batch] = trace_layers(self.shape, micro_batch, self.seq, dtype)
+        return self._traces[micro_batch]
+
+    def in_flight(self, layout: Layout, stage: int) -> int:
+        """Micro-batches whose activations a stage holds at once (schedule.py)."""
+        if layout.pp == 1:
+            return 1
+        if layout.schedule == "gpipe":
+            return layout.grad_accum
+        return min(layout.pp - stage, layout.grad_accum)
+
+    def bounds(self, pp: int) -> list[int]:
+        """The stages' layer boundaries (PipelineModule's partition; computed once per pp)."""
+        if pp not in self._bounds:
+            self._bounds[pp] = stage_bounds(self.shape, pp, self.opts.partition_method)
+        return self._bounds[pp]
+
+    def _stage_states(self, layout: Layout, stage: int) -> tuple:
+        """(params, isolated, model states, data-parallel calls), cached: they do not depend
+        on the micro-batch or on checkpointing."""
+        key = (layout.tp, layout.pp, layout.dp, layout.zero_stage, layout.offload, stage)
+        key += (layout.grad_accum,)
+        if key not in self._states:
+            bounds = self.bounds(layout.pp)
+            params = stage_params(self.shape, bounds, stage)
+            isolate = tied_params(self.shape, bounds, stage)
+            states = model_states(params, layout, self.precision, self.opts, isolate)
+            data = traffic.data_calls(params, layout, self.precision, self.opts, isolate)
+            self._states[key] = (params, isolate, states, data)
+        return self._states[key]
+
+    def model_states(self, layout: Layout, stage: int) -> ModelStates:
+        """A rank's model states on ``stage`` (no trace needed)."""
+        return self._stage_states(layout, stage)[2]
+
+    def stage_view(self, layout: Layout, stage: int) -> StageView:
+        bounds = self.bounds(layout.pp)
+        lo, hi = bounds[stage], bounds[stage + 1]
+        params, isolate, states, data = self._stage_states(layout, stage)
+        tr = self.trace(layout.micro_batch)
+        acts = tr.layers[lo:hi]
+        tp, sp = layout.tp, layout.sequence_parallel
+        kept = [a.checkpointed if layout.activation_checkpointing else a.plain for a in acts]
+        per_mb = sum(k.per_rank(tp, sp) for k in kept)
+        loss = tr.loss.per_rank(tp, sp) if stage == layout.pp - 1 else 0.0
+        k = self.in_flight(layout, stage)
+        transient = 0.0
+        recompute = 0.0
+        if layout.activation_checkpointing:
+            transient = max((a.plain.per_rank(tp, sp) for a in acts), default=0.0)
+            recompute = sum(a.flops for a in acts if a.checkpointed != a.plain) / tp
+        calls = data + self._calls(layout, stage, params, acts, lo)
+        work = StageWork(sum(a.flops for a in acts) / tp, recompute, calls, states)
+        acts_held, loss_held = k * (per_mb + loss), k * loss
+        return StageView(stage, (lo, hi), states, acts_held, loss_held, transient, calls, work, k)
+
+    def _calls(
+        self, layout: Layout, stage: int, params: list, acts: list, lo: int
+    ) -> list[traffic.Call]:
+        """Tensor, pipeline and scalar calls of one step (the data calls are cached)."""
+        tr = self.trace(layout.micro_batch)
+        calls = []
+        sites = [s for a in acts for s in a.tp_sites]
+        if stage == layout.pp - 1:
+            sites += list(tr.loss_sites)
+        sp_params = [p for p in params if p.sequence_parallel]
+        calls += traffic.tensor_calls(sites, sp_params, layout, self.precision, stage == 0)
+        if layout.activation_checkpointing:
+            again = [s for a in acts for s in a.recompute_sites]
+            calls += traffic.tensor_calls(again, [], layout, self.precision, False, True)
+        bytes_in = tr.layers[lo - 1].output_bytes if lo > 0 else 0
+        out = acts[-1]
+        c = 2 if self.precision != "fp32" else 4
+        calls += traffic.pipeline_calls(
+            layout, stage, bytes_in, out.output_bytes, out.output_ndim, c
+        )
+        norm = self.gradient_clipping or self.precision == "fp16"
+        calls += traffic.scalar_calls(layout, stage, self.precision, norm)
+        return calls
+
+    def evaluate(self, layout: Layout) -> dict[str, Any]:
+        try:
+            views = [self.stage_view(layout, s) for s in range(layout.pp)]
+        except PartitionError as e:
+            return _record(layout, None, None, reason=f"pipeline partition: {e}".split("\n")[0])
+        worst = max(views, key=lambda v: v.peak)
+        time = step_time([v.work for v in views], layout, self.cluster, self.precision)
+        rec = _record(layout, worst, time)
+        tokens = layout.global_batch * self.seq
+        rec["tokens_per_s"] = tokens / time.total if time.total > 0 else 0.0
+        flops = 3 * sum(a.flops for a in self.trace(layout.micro_batch).layers)
+        rate = self.cluster.peak_tflops if self.precision != "fp32" else self.cluster.fp32_tflops
+        useful = flops * layout.grad_accum * layout.dp
+        rec["mfu"] = useful / (time.total * layout.world * rate * 1e12) if time.total else 0.0
+        if worst.peak > self.cluster.device_memory:
+            rec["feasible"] = False
+            rec["reason"] = (
+                f"needs {fmt_bytes(worst.peak)} per rank, has {fmt_bytes(self.cluster.device_memory)}"
+            )
+        return rec
+
+    def plan(self, layouts: list[Layout]) -> list[dict[str, Any]]:
+        """Records of ``layouts``: feasible ones by predicted step time, then the others."""
+        recs = [self.evaluate(lay) for lay in layouts]
+        return sorted(recs, key=lambda r: (not r["feasible"], r["step_time_s"] or 0.0))
+
+
+def _record(layout: Layout, view: StageView | None, time: Any, reason: str = "") -> dict:
+    rec: dict[str, Any] = layout.as_dict()
+    rec["feasible"], rec["reason"] = view is not None, reason
+    if view is None:
+        rec.update(memory=None, comm_bytes=None, step_time_s=None, tokens_per_s=0.0, mfu=0.0)
+        return rec
+    s = view.states
+    rec["memory"] = {
+        "params": s.params,
+        "grads": s.grads,
+        "optimizer": s.optimizer,
+        "activations": int(view.activations),
+        "buffers": int(s.buffers + view.transient),
+        "peak": int(view.peak),
+        "host": s.host,
+    }
+    rec["comm_bytes"] = traffic.by_axis(view.calls)
+    rec["comm_ops"] = traffic.by_op(view.calls)
+    rec["stage"] = view.stage
+    rec["bubble"] = time.bubble / time.total if time.total else 0.0
+    rec["step_time_s"] = time.total
+    rec["time"] = {
+        "compute": time.compute,
+        "exposed_comm": time.exposed_comm,
+        "bubble": time.bubble,
+    }
+    return rec

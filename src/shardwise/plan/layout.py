@@ -1,0 +1,154 @@
+"""A layout: how one training step is spread over the world, and the config that runs it.
+
+    world = dp x tp x pp   (tensor parallelism inside a node: its ranks are neighbours)
+    global batch (sequences) = dp x micro_batch x grad_accum
+
+A pipeline runs ``grad_accum`` micro-batches per step through its stages (1F1B by default).
+``candidates`` lists every layout the library can run for a model and a world; ``to_config``
+writes the DeepSpeed-style config that runs one as is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+
+from shardwise.parallel.tensor.heads import heads_to_divide
+from shardwise.plan.shape import ModelShape
+
+PRECISIONS = ("bf16", "fp16", "fp32")
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp: int
+    tp: int
+    pp: int
+    zero_stage: int
+    micro_batch: int
+    grad_accum: int
+    activation_checkpointing: bool = False
+    offload: bool = False
+    sequence_parallel: bool = False
+    schedule: str = "1f1b"
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def global_batch(self) -> int:
+        return self.dp * self.micro_batch * self.grad_accum
+
+    def name(self) -> str:
+        parts = [f"dp{self.dp}", f"tp{self.tp}" + ("sp" if self.sequence_parallel else "")]
+        parts += [f"pp{self.pp}", f"z{self.zero_stage}", f"mb{self.micro_batch}x{self.grad_accum}"]
+        parts += ["ckpt"] if self.activation_checkpointing else []
+        parts += ["offload"] if self.offload else []
+        return " ".join(parts)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _tp_sizes(shape: ModelShape, world: int, per_node: int) -> list[int]:
+    """Tensor-parallel sizes that fit in a node and split every planned dimension evenly
+    (the vocabulary may be padded; heads and MLP widths may not)."""
+    if not shape.styles:
+        return [1]
+    out = []
+    for tp in divisors(min(world, per_node)):
+        if world % tp:
+            continue
+        even = all(
+            p.shape[p.split] % tp == 0
+            for p in shape.params
+            if p.split is not None and shape.styles.get(p.module) != "vocab"
+        )
+        if even and _heads_divide(shape, tp):
+            out.append(tp)
+    return out
+
+
+def _heads_divide(shape: ModelShape, tp: int) -> bool:
+    """The library's own check (tensor/heads.py): every attention keeps whole heads."""
+    if shape.module is None:
+        return True
+    try:
+        heads_to_divide(shape.module, shape.styles, tp)
+    except ValueError:
+        return False
+    return True
+
+
+def candidates(
+    shape: ModelShape,
+    world: int,
+    per_node: int,
+    global_batch: int,
+    micro_batches: list[int] | None = None,
+) -> Iterator[Layout]:
+    """Every layout the library runs for ``shape`` on ``world`` ranks (module docstring).
+    ZeRO-3 runs without tensor or pipeline parallelism only (the library refuses the mix);
+    sequence parallelism only with tensor parallelism."""
+    pps = [p for p in divisors(world) if p <= len(shape.layers)] if shape.pipeline else [1]
+    for tp in _tp_sizes(shape, world, per_node):
+        for pp in pps:
+            if (world // tp) % pp:
+                continue
+            dp = world // (tp * pp)
+            if global_batch % dp:
+                continue
+            yield from _per_mesh(dp, tp, pp, global_batch // dp, micro_batches)
+
+
+def _per_mesh(
+    dp: int, tp: int, pp: int, per_replica: int, micro_batches: list[int] | None
+) -> Iterator[Layout]:
+    sizes = [m for m in divisors(per_replica) if micro_batches is None or m in micro_batches]
+    stages = [0, 1, 2, 3] if tp == pp == 1 else [0, 1, 2]
+    for mb in sizes:
+        for zero in stages:
+            for sp in (False, True) if tp > 1 else (False,):
+                for ckpt in (False, True):
+                    for offload in (False, True):
+                        yield Layout(dp, tp, pp, zero, mb, per_replica // mb, ckpt, offload, sp)
+
+
+def precision_block(precision: str) -> dict:
+    if precision not in PRECISIONS:
+        raise ValueError(f"--precision {precision!r}: use one of {', '.join(PRECISIONS)}")
+    return {} if precision == "fp32" else {precision: {"enabled": True}}
+
+
+def to_config(layout: Layout, precision: str, shape: ModelShape | None = None) -> dict:
+    """The config that runs ``layout`` (AdamW, as the planner's memory model assumes; gradient
+    clipping at 1.0, whose norm the traffic counts). With ``pipeline.stages`` > 1 the script
+    passes the model as a PipelineModule of its layers (``model.pipeline_layers()``)."""
+    cfg: dict = {
+        "train_batch_size": layout.global_batch,
+        "train_micro_batch_size_per_gpu": layout.micro_batch,
+        "gradient_accumulation_steps": layout.grad_accum,
+        "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "weight_decay": 0.0}},
+        "gradient_clipping": 1.0,
+        "zero_optimization": {"stage": layout.zero_stage},
+        **precision_block(precision),
+    }
+    if layout.offload:
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    is_pipe = shape is not None and shape.module_is_pipeline
+    if layout.tp > 1:
+        cfg["tensor_parallel"] = {"size": layout.tp, "sequence_parallel": layout.sequence_parallel}
+        if layout.pp > 1 and shape is not None and not is_pipe:  # the layers' names in a pipeline
+            cfg["tensor_parallel"]["plan"] = shape.pipeline_plan()
+    if layout.pp > 1 or is_pipe:
+        cfg["pipeline"] = {"stages": layout.pp, "schedule": layout.schedule}
+        if layout.activation_checkpointing:
+            cfg["pipeline"]["activation_checkpoint_interval"] = 1
+    elif layout.activation_checkpointing:
+        cfg["activation_checkpointing"] = {"checkpoint_layers": "all"}
+    return cfg

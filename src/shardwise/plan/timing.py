@@ -1,0 +1,98 @@
+"""Step time: compute, exposed communication and pipeline bubble, from a stage's numbers.
+
+Per micro-batch, a stage runs its forward (F FLOPs / t on each TP rank), a backward of 2F,
+with checkpointing a second forward of the checkpointed layers, and the collectives that sit
+on that path (tensor parallelism, the pipeline's messages). The step is (PTD-P eq. 1)
+
+    gas x t_mb  +  (p - 1) x t_mb            (the slowest stage's t_mb; the bubble)
+    + (1 - overlap) x data-parallel traffic  (buckets reduced while backward runs)
+    + the optimizer update                   (model-state bytes through memory; offloaded:
+                                              through the host link and the host's optimizer)
+
+Compute runs at the cluster's sustained TFLOP/s (cluster.tflops); each collective costs its
+latency plus its ring bytes over the bandwidth of its group (inside a node, or across nodes
+when the group spans them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shardwise.plan.cluster import Cluster
+from shardwise.plan.layout import Layout
+from shardwise.plan.memory import ModelStates
+from shardwise.plan.traffic import Call
+
+
+@dataclass(frozen=True)
+class StageWork:
+    """One stage's work per micro-batch and per step (see the module docstring)."""
+
+    flops: float  # forward FLOPs per micro-batch on this rank
+    recompute_flops: float
+    calls: list[Call]
+    states: ModelStates
+
+
+@dataclass(frozen=True)
+class StepTime:
+    compute: float
+    exposed_comm: float
+    bubble: float
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.exposed_comm + self.bubble
+
+
+def _spans_nodes(axis: str, layout: Layout, cluster: Cluster) -> bool:
+    """Does a group of ``axis`` reach across nodes? (tp innermost, then dp, then pp.)"""
+    inner = {"tensor": layout.tp, "data": layout.tp * layout.dp, "pipeline": layout.world}[axis]
+    return inner > cluster.procs_per_node
+
+
+def _comm(calls: list[Call], layout: Layout, cluster: Cluster, axis: str) -> float:
+    """Seconds of the calls of ``axis`` in one step."""
+    total = 0.0
+    for c in calls:
+        if c.axis == axis and c.op != "recv":
+            inter = _spans_nodes(axis, layout, cluster)
+            total += c.count * cluster.collective_time(c.op, c.payload, c.n, inter)
+    return total
+
+
+def micro_batch_time(work: StageWork, layout: Layout, cluster: Cluster, precision: str) -> float:
+    """The stage's forward + backward (+ recompute) and its on-path communication, once."""
+    rate = cluster.tflops(precision) * 1e12
+    compute = (3 * work.flops + work.recompute_flops) / rate
+    path = _comm(work.calls, layout, cluster, "tensor") + _comm(
+        work.calls, layout, cluster, "pipeline"
+    )
+    return compute + path / layout.grad_accum
+
+
+def optimizer_time(states: ModelStates, layout: Layout, cluster: Cluster) -> float:
+    on_device = states.params + states.grads + states.optimizer - states.host
+    t = on_device / (cluster.optimizer_gbps * 1e9)
+    if layout.offload:  # gradients down, parameters up, the update on the host
+        t += (states.grads + states.params) / (cluster.host_gbps * 1e9)
+        t += states.host / (cluster.host_optimizer_gbps * 1e9)
+    return t
+
+
+def step_time(
+    stages: list[StageWork], layout: Layout, cluster: Cluster, precision: str
+) -> StepTime:
+    """The step of the slowest stage (module docstring)."""
+    rate = cluster.tflops(precision) * 1e12
+    per_mb = [micro_batch_time(w, layout, cluster, precision) for w in stages]
+    slow = max(range(len(stages)), key=lambda i: per_mb[i])
+    w = stages[slow]
+    gas = layout.grad_accum
+    compute = gas * (3 * w.flops + w.recompute_flops) / rate
+    on_path = per_mb[slow] * gas - compute
+    data = _comm(w.calls, layout, cluster, "data")
+    exposed = on_path + (1.0 - cluster.overlap) * data
+    compute += optimizer_time(w.states, layout, cluster)
+    bubble = (layout.pp - 1) * per_mb[slow]
+    return StepTime(compute, exposed, bubble)

@@ -1,0 +1,205 @@
+"""Communication per step and per rank: every collective the library issues, as comm.py books it.
+
+A rank's step is a list of ``Call`` s (op, axis, payload bytes, group size, calls per step);
+``comm.stats()`` sums the same numbers per op, so a prediction can be compared call for call.
+Sent bytes follow comm.py's ring model (rounded per call, as comm.py rounds them):
+all-reduce 2 (n-1)/n S, reduce-scatter / all-gather / broadcast (n-1)/n S, send S, recv 0.
+
+    data       DP: one all-reduce per bucket per step (on the accumulation boundary);
+               ZeRO-1: reduce-scatter + all-gather per bucket per step; ZeRO-2: reduce-scatter
+               every micro-batch; ZeRO-3: per unit and micro-batch an all-gather in forward,
+               another in backward and a reduce-scatter, persistent units all-reduced per step
+    tensor     per micro-batch, at each site the trace found (activations.py): without
+               sequence parallelism a column layer all-reduces its input's gradient, a row
+               layer its output, the vocabulary embedding its output; with it, all-gather /
+               reduce-scatter pairs instead, and the sequence-parallel weights' gradients are
+               all-reduced; a vocabulary-parallel loss all-reduces N maxima and 2N sums
+    pipeline   per micro-batch, activations to the next stage and their gradients back (in
+               1/t chunks, all-gathered by the receiving TP ranks, when TP splits them), and
+               once per batch the activation's description (two int64 messages)
+
+Scalars: the step's mean loss (train_batch), the gradient norm's partial sums (clipping or
+fp16 on). Steady state: the first step adds one-off messages (split decisions) left out here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shardwise.plan.layout import Layout
+from shardwise.plan.memory import DTYPE_BYTES, Options, buckets, zero3_units
+from shardwise.plan.shape import ParamInfo
+
+RING = {"all_reduce": 2.0, "reduce_scatter": 1.0, "all_gather": 1.0, "broadcast": 1.0}
+
+
+@dataclass(frozen=True)
+class Call:
+    op: str
+    axis: str  # data, tensor or pipeline
+    payload: int  # bytes, as comm.py counts the op's payload
+    n: int  # group size
+    count: int = 1  # calls per step
+
+    @property
+    def sent_each(self) -> int:
+        if self.op == "send":
+            return self.payload
+        if self.op == "recv":
+            return 0
+        return int(round(RING[self.op] * (self.n - 1) / self.n * self.payload))
+
+    @property
+    def sent(self) -> int:
+        return self.count * self.sent_each
+
+
+def by_op(calls: list[Call]) -> dict[str, dict[str, int]]:
+    """``{op: {"calls", "bytes", "sent_bytes"}}``: comm.stats()'s form."""
+    out: dict[str, dict[str, int]] = {}
+    for c in calls:
+        if c.count == 0:
+            continue
+        e = out.setdefault(c.op, {"calls": 0, "bytes": 0, "sent_bytes": 0})
+        e["calls"] += c.count
+        e["bytes"] += c.count * c.payload
+        e["sent_bytes"] += c.sent
+    return out
+
+
+def by_axis(calls: list[Call]) -> dict[str, int]:
+    out = {"data": 0, "tensor": 0, "pipeline": 0}
+    for c in calls:
+        out[c.axis] += c.sent
+    return out
+
+
+def data_calls(
+    params: list[ParamInfo], layout: Layout, precision: str, opts: Options, isolate: set[int]
+) -> list[Call]:
+    """The data-parallel gradient reduction and parameter gathers of one step."""
+    dp, gas, c = layout.dp, layout.grad_accum, DTYPE_BYTES[precision]
+    if dp == 1:
+        return []
+    trained = [p for p in params if p.trainable]
+    if layout.zero_stage == 3:
+        return _zero3_calls(trained, layout, c, opts)
+    stage = layout.zero_stage
+    plain = stage == 0 and c == 4 and not layout.offload
+    parts = dp if stage >= 1 else 1
+    calls = []
+    for lay in buckets(trained, layout.tp, parts, opts.bucket_elements, isolate):
+        size = (4 if plain else c) * lay.padded
+        if stage == 0:
+            calls.append(Call("all_reduce", "data", size, dp))
+        else:
+            calls.append(Call("reduce_scatter", "data", size, dp, gas if stage == 2 else 1))
+            calls.append(Call("all_gather", "data", size, dp))
+    return calls
+
+
+def _zero3_calls(params: list[ParamInfo], layout: Layout, c: int, opts: Options) -> list[Call]:
+    dp, gas = layout.dp, layout.grad_accum
+    units = zero3_units(params, dp, opts.persistence_threshold, opts.model_persistence_threshold)
+    calls = []
+    for lay, persistent in units:
+        size = c * lay.padded
+        if persistent:
+            calls.append(Call("all_reduce", "data", size, dp))
+        else:
+            calls.append(Call("all_gather", "data", size, dp, 2 * gas))
+            calls.append(Call("reduce_scatter", "data", size, dp, gas))
+    return calls
+
+
+# (forward ops, backward ops) of each traced site, without and with sequence parallelism.
+SITE_OPS = {
+    ("col_in", False): ([], ["all_reduce"]),
+    ("col_in", True): (["all_gather"], ["reduce_scatter"]),
+    ("row_out", False): (["all_reduce"], []),
+    ("row_out", True): (["reduce_scatter"], ["all_gather"]),
+}
+
+
+def tensor_calls(
+    sites: list[tuple[str, int]],
+    sp_params: list[ParamInfo],
+    layout: Layout,
+    precision: str,
+    split_entry: bool,
+    forward_only: bool = False,
+) -> list[Call]:
+    """The tensor-parallel collectives of one step, from the stage's traced sites
+    (``forward_only``: a checkpoint's recompute, which runs forward ops again)."""
+    tp, gas, sp = layout.tp, layout.grad_accum, layout.sequence_parallel
+    if tp == 1:
+        return []
+    calls = []
+    entered = not split_entry or forward_only
+    for site, size in sites:
+        if site in ("col_in", "row_out"):
+            fwd, bwd = SITE_OPS[(site, sp)]
+            ops = fwd if forward_only else fwd + bwd
+        elif site in ("emb_out",):
+            ops = ["all_reduce"]
+        elif site == "rep_out":
+            ops = ["all_gather"]
+        elif site == "ce_rows":  # N maxima, then N sums of exp and N picked logits, in fp32
+            calls += [Call("all_reduce", "tensor", 4 * size, tp, gas)]
+            calls += [Call("all_reduce", "tensor", 8 * size, tp, gas)]
+            continue
+        elif site == "sp_in" and sp and not entered:  # the sequence split: gathered back
+            entered, ops = True, ["all_gather"]
+        else:
+            continue
+        calls += [Call(op, "tensor", size, tp, gas) for op in ops]
+    if sp and not forward_only:
+        c = DTYPE_BYTES[precision]
+        calls += [Call("all_reduce", "tensor", c * p.numel, tp, gas) for p in sp_params]
+    return calls
+
+
+def pipeline_calls(
+    layout: Layout, stage: int, bytes_in: int, bytes_out: int, ndim: int, c: int
+) -> list[Call]:
+    """Activations to the next stage, gradients to the previous one, per micro-batch; the
+    description of the activation once per step; partitioned over TP when it applies."""
+    pp, tp, gas = layout.pp, layout.tp, layout.grad_accum
+    if pp == 1:
+        return []
+    chunked = tp > 1 and not layout.sequence_parallel
+    calls = []
+    for size, to_next in ((bytes_out, True), (bytes_in, False)):
+        if (stage == pp - 1 and to_next) or (stage == 0 and not to_next):
+            continue
+        # With SP the boundary tensor is already 1/t of the sequence; with TP alone each TP
+        # rank sends ceil(numel / t) elements of it (p2p.flat_chunk).
+        wire = (
+            c * -(-size // c // tp) if chunked else size // (tp if layout.sequence_parallel else 1)
+        )
+        calls.append(Call("send", "pipeline", wire, 2, gas))  # to_next: activations, else grads
+        calls.append(Call("recv", "pipeline", wire, 2, gas))  # the opposite message
+        if chunked:  # this rank all-gathers what it receives (the peer's chunks of it)
+            calls.append(Call("all_gather", "tensor", size, tp, gas))
+    meta = 8 * (6 + ndim)  # [split, is_tuple, count, dtype, requires_grad, ndim, *shape]
+    if stage < pp - 1:
+        calls += [Call("send", "pipeline", 8, 2), Call("send", "pipeline", meta, 2)]
+    if stage > 0:
+        calls += [Call("recv", "pipeline", 8, 2), Call("recv", "pipeline", meta, 2)]
+    return calls
+
+
+def scalar_calls(layout: Layout, stage: int, precision: str, norm: bool) -> list[Call]:
+    """The step's mean loss (train_batch) and the gradient norm's partial sums."""
+    dp, mp = layout.dp, layout.pp * layout.tp
+    calls = []
+    last = stage == layout.pp - 1
+    if dp > 1 and last:
+        calls.append(Call("all_reduce", "data", 4, dp))
+    if layout.pp > 1:
+        calls.append(Call("broadcast", "pipeline", 4, layout.pp))
+    if norm and dp > 1 and layout.zero_stage >= 1:  # ZeRO: each rank holds a shard's part
+        calls.append(Call("all_reduce", "data", 4, dp))
+    if norm and mp > 1:
+        calls.append(Call("all_reduce", "pipeline" if layout.pp > 1 else "tensor", 4, mp))
+    return calls
