@@ -82,11 +82,9 @@ def initialize(
     cfg = parse_config(_config_source(args, config, config_params))
     _refuse_unimplemented(cfg, mpu)
     params = remap.materialize(model_parameters)  # a generator is read once
-
     port, timeout = distributed_port, cfg.comms.timeout_s
     init_distributed(distributed_port=port, dist_init_required=dist_init_required, timeout=timeout)
     _configure_comms(cfg)
-
     model = pipe.prepare_model(cfg, model, loss_fn)
     mesh = _build_mesh(cfg, pipe.pipeline_stages(cfg, model))
     bind_experts(model, mesh)  # MoE: expert groups, before any broadcast or reduction
