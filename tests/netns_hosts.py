@@ -19,9 +19,11 @@ from pathlib import Path
 
 import pytest
 
-NAMESPACES = ("sw-host0", "sw-host1")
+# Named per test run (pid), so two runs on one machine never delete each other's hosts.
+_RUN = os.getpid() % 100000
+NAMESPACES = (f"sw-h0-{_RUN}", f"sw-h1-{_RUN}")
 ADDRESSES = ("10.77.0.1", "10.77.0.2")
-LINKS = ("sw-veth0", "sw-veth1")
+LINKS = (f"sw-v0-{_RUN}", f"sw-v1-{_RUN}")
 # Two ways a host may name itself: by its own address, or Debian's default (127.0.1.1).
 HOSTS_FILES = {
     "own address": "127.0.0.1 localhost\n{addr} {name}\n10.77.0.1 host0\n10.77.0.2 host1\n",
