@@ -24,6 +24,9 @@ _RUN = os.getpid() % 100000
 NAMESPACES = (f"sw-h0-{_RUN}", f"sw-h1-{_RUN}")
 ADDRESSES = ("10.77.0.1", "10.77.0.2")
 LINKS = (f"sw-v0-{_RUN}", f"sw-v1-{_RUN}")
+# Variables that describe one host's world and must not leak from the test process.
+HOST_LOCAL_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                   "MASTER_PORT", "GLOO_SOCKET_IFNAME")  # fmt: skip
 # Two ways a host may name itself: by its own address, or Debian's default (127.0.1.1).
 HOSTS_FILES = {
     "own address": "127.0.0.1 localhost\n{addr} {name}\n10.77.0.1 host0\n10.77.0.2 host1\n",
@@ -50,6 +53,15 @@ class Hosts:
     """The two hosts: run ``argv`` on host ``i`` with its name and a hosts-file flavour."""
 
     tmp: Path
+
+    @staticmethod
+    def environment(**extra: str) -> dict[str, str]:
+        """This process's environment without what belongs to one host's world: a rank set by
+        a launcher, a master address, and a gloo interface pinned to loopback by an earlier
+        one-host test in this pytest process (both hosts then listened on loopback)."""
+        env = {k: v for k, v in os.environ.items() if k not in HOST_LOCAL_VARS}
+        env.update(OMP_NUM_THREADS="1", **extra)
+        return env
 
     def command(self, i: int, argv: list[str], hosts: str = "own address") -> list[str]:
         name = f"host{i}"

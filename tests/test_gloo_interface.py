@@ -74,3 +74,18 @@ def test_the_launcher_asks_dns_for_its_name_at_most_once(monkeypatch, one_node):
     want = {socket.gethostname()} if one_node else {"n1.example"}
     assert names == want, f"one_node={one_node}: {names}"
     assert len(lookups) == (0 if one_node else 1), f"one_node={one_node}: {len(lookups)} lookups"
+
+
+@pytest.mark.skipif(LO is None, reason="this machine has no loopback interface named lo/lo0")
+def test_an_inherited_loopback_interface_on_two_hosts_is_named(capsys):
+    """A shell or job that ran one-host work keeps GLOO_SOCKET_IFNAME=lo; on two hosts gloo
+    then listens where the other host is refused. The user's setting is kept, but named."""
+    from shardwise.launch.interface import choose_gloo_interface
+
+    environ = {IFNAME_VAR: LO, "LOCAL_WORLD_SIZE": "2"}
+    assert choose_gloo_interface("gloo", 4, 2, "10.77.0.1", environ) is None
+    assert environ[IFNAME_VAR] == LO, "the user's choice must be kept"
+    err = capsys.readouterr().err
+    assert f"{IFNAME_VAR}={LO}" in err and "spans hosts" in err, err
+    choose_gloo_interface("gloo", 4, 4, "127.0.0.1", {IFNAME_VAR: LO, "LOCAL_WORLD_SIZE": "4"})
+    assert "spans hosts" not in capsys.readouterr().err, "one host: no warning"

@@ -44,8 +44,7 @@ def one_process(tmp_path_factory):
 
 
 def _run_two_hosts(hosts, out, nproc: int, extra: tuple, flavour: str) -> list[str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR")}
-    env.update(OMP_NUM_THREADS="1", SHARDWISE_TIMEOUT_S="120")
+    env = hosts.environment(SHARDWISE_TIMEOUT_S="120")
     procs = []
     for i in range(2):
         argv = [sys.executable, "-m", "shardwise", "run", "--nnodes", "2", "--node-rank", str(i),
@@ -101,9 +100,7 @@ def test_a_host_that_loses_its_link_is_named_on_both_sides(two_hosts, tmp_path):
     teardown, exit non-zero, and say which host (or the store's host) it lost."""
     marker = tmp_path / "started"
     script = str(Path(__file__).parent / "scripts" / "long_dp.py")
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR")}
-    env.update(OMP_NUM_THREADS="1", SHARDWISE_TIMEOUT_S="600")
-    env["SHARDWISE_HOST_TIMEOUT_S"] = str(LOST_AFTER_S)
+    env = two_hosts.environment(SHARDWISE_TIMEOUT_S="600", SHARDWISE_HOST_TIMEOUT_S=str(LOST_AFTER_S))
     procs = []
     for i in range(2):
         argv = [sys.executable, "-m", "shardwise", "run", "--nnodes", "2", "--node-rank", str(i),

@@ -141,9 +141,12 @@ def choose_gloo_interface(
     host name resolves to loopback, the interface that reaches ``master_addr``. The name set,
     or None when gloo keeps its own choice."""
     pinned = pin_gloo_to_loopback(backend, world_size, local_world_size, master_addr, environ)
-    if pinned is not None or backend != "gloo" or environ.get(IFNAME_VAR):
+    if pinned is not None or backend != "gloo":
         return pinned
     if world_is_on_this_host(world_size, local_world_size, master_addr, environ):
+        return None
+    if environ.get(IFNAME_VAR):
+        _warn_if_loopback(environ[IFNAME_VAR], master_addr)
         return None
     if not host_name_is_loopback():
         return None
@@ -164,3 +167,15 @@ def choose_gloo_interface(
         file=sys.stderr,
     )
     return name
+
+
+def _warn_if_loopback(name: str, master_addr: str) -> None:
+    """A loopback ``GLOO_SOCKET_IFNAME`` on a world that spans hosts cannot connect (the other
+    hosts are refused at 127.0.0.1); it is often inherited from a one-host shell or job."""
+    if name in LOOPBACK_NAMES:
+        print(
+            f"[shardwise] warning: {IFNAME_VAR}={name} is the loopback interface but the world "
+            f"spans hosts: other hosts cannot reach it; unset {IFNAME_VAR} or name the "
+            f"interface that reaches the master {master_addr}",
+            file=sys.stderr,
+        )
