@@ -100,7 +100,9 @@ def test_a_host_that_loses_its_link_is_named_on_both_sides(two_hosts, tmp_path):
     teardown, exit non-zero, and say which host (or the store's host) it lost."""
     marker = tmp_path / "started"
     script = str(Path(__file__).parent / "scripts" / "long_dp.py")
-    env = two_hosts.environment(SHARDWISE_TIMEOUT_S="600", SHARDWISE_HOST_TIMEOUT_S=str(LOST_AFTER_S))
+    env = two_hosts.environment(
+        SHARDWISE_TIMEOUT_S="600", SHARDWISE_HOST_TIMEOUT_S=str(LOST_AFTER_S)
+    )
     procs = []
     for i in range(2):
         argv = [sys.executable, "-m", "shardwise", "run", "--nnodes", "2", "--node-rank", str(i),
