@@ -92,3 +92,10 @@ def run_case(case: str, layout: str, steps: int, init: str, out: str, bug: str =
             run_layout(setup, parse_layout(layout), steps, init, out)
     else:
         run_layout(setup, parse_layout(layout), steps, init, out)
+
+
+def run_script(script: str, layout: str, steps: int, init: str, out: str) -> None:
+    """One rank's run of ``layout`` on a script's own entry point (the examples)."""
+    from shardwise.verify.setup import load_setup
+
+    run_layout(load_setup(script), parse_layout(layout), steps, init, out)

@@ -19,13 +19,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from shardwise.verify.compare import TOLERANCES, Verdict, compare, failed, tolerance_for
+from shardwise.verify.compare import TOLERANCES, Verdict, compare, failed, still, tolerance_for
 from shardwise.verify.layouts import EXAMPLE, Layout, LayoutError, check_batch, parse_layouts
 from shardwise.verify.report import render
-from shardwise.verify.results import RESULT_JSON, RunResult, load_result
+from shardwise.verify.results import RESULT_JSON, RunResult, load_result, load_weights
 from shardwise.verify.setup import DEFAULT_ENTRY, VerifySetup, batch_rows, load_setup
 from shardwise.verify.worker import run_reference, write_initial_weights
 
+NOT_MOVED = "no parameter moved in the reference run (lr 0 or a warmup from 0?): give more steps"
 ERROR_TAIL = 12  # lines of a failed layout's stderr shown in its finding
 
 
@@ -103,6 +104,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         print(f"verify: reference run, 1 process, {args.steps} steps", file=sys.stderr, flush=True)
         want = _reference(setup, args.steps, work / "init.safetensors")
+        if still(want, load_weights(work / "init.safetensors")):
+            print(f"verify: warning: {NOT_MOVED}", file=sys.stderr, flush=True)
         verdicts = []
         for layout in layouts:
             print(f"verify: {layout.name}, {layout.world} processes", file=sys.stderr, flush=True)

@@ -60,6 +60,12 @@ def per_step(verdicts: Sequence[Verdict]) -> str:
 def render(script: str, steps: int, tol: Tolerance, verdicts: Sequence[Verdict]) -> str:
     """The whole report; the last line says whether any layout diverged."""
     parts = [header(script, steps, tol), table(verdicts), per_step(verdicts)]
+    unjudged = sorted({n for v in verdicts for n in v.unjudged})
+    if unjudged:
+        parts.append(
+            f"not judged: {', '.join(unjudged)} (gradient zero up to rounding in one process: "
+            "an optimizer like Adam moves it by up to lr on noise alone; it cannot move the loss)"
+        )
     bad = [v for v in verdicts if v.diverged]
     if bad:
         findings = ["findings:"] + [f"  {v.layout}: {f}" for v in bad for f in v.findings]

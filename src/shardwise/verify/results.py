@@ -27,6 +27,7 @@ class RunResult:
     names: list[str]  # single-process names, in the model's order
     params: list[dict[str, torch.Tensor]] = field(default_factory=list)  # one dict per step
     streams: list[str] = field(default_factory=list)  # random-stream findings (streams.py)
+    zero_grad: list[str] = field(default_factory=list)  # gradient 0 up to rounding (reference)
 
 
 def save_result(result: RunResult, out: str | Path) -> None:

@@ -19,10 +19,20 @@ import torch
 from torch import nn
 
 from shardwise.initialize import initialize
+from shardwise.parallel.pipeline.module import PipelineModule
+from shardwise.verify.gradients import GradNorms, zero_gradient
 from shardwise.verify.layouts import REFERENCE, Layout, layout_config, parse_layout
 from shardwise.verify.results import RunResult, load_weights, save_result, save_weights
 from shardwise.verify.setup import DEFAULT_ENTRY, VerifySetup, batch_rows, load_setup, micro_batches
 from shardwise.verify.streams import check_streams, silence_dropout
+
+
+def _layers(net: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name prefix, module) of each layer: a PipelineModule holds its layers unregistered
+    until ``initialize`` builds its stage, under the names its stage will give them."""
+    if not isinstance(net, PipelineModule):
+        return [("", net)]
+    return [(net._name_of(i), s) for i, s in enumerate(net._specs) if isinstance(s, nn.Module)]
 
 
 def _single_names(model: nn.Module, net: nn.Module) -> dict[str, str]:
@@ -31,12 +41,17 @@ def _single_names(model: nn.Module, net: nn.Module) -> dict[str, str]:
     by_id = {}
     for name, t in model.state_dict(keep_vars=True).items():
         by_id.setdefault(id(t), name)
-    return {n: by_id.get(id(t), n) for n, t in net.state_dict(keep_vars=True).items()}
+    names = {}
+    for prefix, layer in _layers(net):
+        for n, t in layer.state_dict(keep_vars=True).items():
+            names[f"{prefix}.{n}" if prefix else n] = by_id.get(id(t), n)
+    return names
 
 
 def build_engine(setup: VerifySetup, layout: Layout, init: str | Path, rows: int) -> tuple:
     """(engine, dropouts, name map): the script's model with the initial weights, split for
-    ``layout`` by ``shardwise.initialize``."""
+    ``layout`` by ``shardwise.initialize``. The map covers parameters only: buffers (BatchNorm
+    running statistics) follow from the parameters and are not compared."""
     torch.manual_seed(int(setup.config.get("seed", 0)))
     model = setup.model()
     model.load_state_dict(load_weights(init))
@@ -47,6 +62,7 @@ def build_engine(setup: VerifySetup, layout: Layout, init: str | Path, rows: int
             raise ValueError(f"layout {layout.name} needs the setup's 'pipeline' builder")
         net = setup.pipeline(model)
     names = _single_names(model, net)
+    names = {k: v for k, v in names.items() if v in dict(model.named_parameters())}
     config = layout_config(setup.config, layout, rows)
     engine, *_ = initialize(model=net, config=config, loss_fn=setup.loss_fn)
     if setup.prepare is not None:
@@ -64,20 +80,24 @@ def run_layout(
     rows = batch_rows(batches[0])
     engine, dropouts, names = build_engine(setup, layout, init, rows)
     dp, dp_rank = engine.dp_world_size, engine.dp_rank
+    probe = GradNorms(engine.module) if layout.world == 1 else None
     losses, norms, params = [], [], []
     for batch in batches:
         loss = engine.train_batch(micro_batches(batch, setup.gas, dp, dp_rank))
         losses.append(float(loss))
         norms.append(engine.get_global_grad_norm())
+        if probe is not None:
+            probe.end_step()
         state = engine.consolidated_state_dict()  # collective: every rank calls it
-        params.append({names.get(k, k): v.float() for k, v in state.items()})
+        params.append({names[k]: v.float() for k, v in state.items() if k in names})
     streams = []
     if dropouts and layout.tp > 1 and engine.pipeline is None:
         first = next(micro_batches(batches[0], setup.gas, dp, dp_rank))
         streams = check_streams(engine, dropouts, first)
     order = [n for n in dict.fromkeys(names.values()) if n in params[0]]
-    order += [n for n in params[0] if n not in order]
     result = RunResult(layout.name, losses, norms, order, params, streams)
+    if probe is not None:
+        result.zero_grad = zero_gradient(probe.steps, norms)
     if out is not None and engine.global_rank == 0:
         save_result(result, out)
     return result
