@@ -144,3 +144,19 @@ def test_the_command_runs_a_layout_through_the_launcher_and_exits_1_on_a_bug(tmp
     assert "fc1.weight (step 1)" in row and row.endswith("DIVERGED"), out
     assert "loss at step 1" in out, out
     assert (tmp_path / "tp2" / "params.safetensors").is_file(), "--out keeps each run's files"
+
+
+def test_the_entry_point_in_the_docs_loads_and_trains(tmp_path):
+    """docs/verify.md's example, as a script: loaded as verify loads it, trained in one process."""
+    from shardwise.verify.setup import load_setup
+    from shardwise.verify.worker import run_reference, write_initial_weights
+
+    page = (REPO / "docs" / "verify.md").read_text()
+    code = page.split("```python\n", 1)[1].split("```", 1)[0]
+    script = tmp_path / "train.py"
+    script.write_text(code + '\nif __name__ == "__main__":\n    raise SystemExit("ran as main")\n')
+    setup = load_setup(script)
+    write_initial_weights(setup, tmp_path / "init.safetensors")
+    run = run_reference(setup, 2, tmp_path / "init.safetensors")
+    assert len(run.losses) == 2 and run.norms[0] > 0, run
+    assert run.names == ["0.weight", "0.bias", "2.weight", "2.bias"], run.names
