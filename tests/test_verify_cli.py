@@ -160,3 +160,10 @@ def test_the_entry_point_in_the_docs_loads_and_trains(tmp_path):
     run = run_reference(setup, 2, tmp_path / "init.safetensors")
     assert len(run.losses) == 2 and run.norms[0] > 0, run
     assert run.names == ["0.weight", "0.bias", "2.weight", "2.bias"], run.names
+
+
+def test_the_layout_name_decides_sizes_the_script_config_already_sets():
+    base = {"zero_optimization": {"stage": 2}, "tensor_parallel": {"size": 2}}
+    cfg = layout_config(base, Layout("dp2", dp=2), global_batch=8)
+    assert cfg["zero_optimization"]["stage"] == 0, f"dp2 runs without ZeRO: {cfg}"
+    assert cfg["tensor_parallel"]["size"] == 1, f"dp2 runs without TP: {cfg}"

@@ -105,14 +105,21 @@ def layout_config(base: dict, layout: Layout, global_batch: int) -> dict:
     )
     if not cfg.get("gradient_clipping"):
         cfg["gradient_clipping"] = NO_CLIP_NORM  # the engine reports the norm only when clipping
-    if layout.zero:
-        cfg["zero_optimization"] = {**cfg.get("zero_optimization", {}), "stage": layout.zero}
-    if layout.tp > 1:
-        tp = cfg.get("tensor_parallel", {})
-        cfg["tensor_parallel"] = {**tp, "size": layout.tp, "sequence_parallel": layout.sp}
-    if layout.pp > 1:
-        cfg["pipeline"] = {**cfg.get("pipeline", {}), "stages": layout.pp}
+    # The layout's name decides each size, also over blocks the script's config already has
+    # (a script written for tp2 still runs "dp2" and the reference with one TP rank).
+    if layout.zero or "zero_optimization" in cfg:
+        cfg["zero_optimization"] = {**_block(cfg, "zero_optimization"), "stage": layout.zero}
+    if layout.tp > 1 or "tensor_parallel" in cfg:
+        tp = {"size": layout.tp, "sequence_parallel": layout.sp}
+        cfg["tensor_parallel"] = {**_block(cfg, "tensor_parallel"), **tp}
+    if layout.pp > 1 or "pipeline" in cfg:
+        cfg["pipeline"] = {**_block(cfg, "pipeline"), "stages": layout.pp}
     return cfg
+
+
+def _block(cfg: dict, key: str) -> dict:
+    value = cfg.get(key)
+    return dict(value) if isinstance(value, dict) else {}  # DeepSpeed's `"zero_optimization": true`
 
 
 def check_batch(layout: Layout, global_batch: int, gas: int) -> None:
