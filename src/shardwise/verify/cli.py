@@ -110,6 +110,7 @@ def run(args: argparse.Namespace) -> int:
         for layout in layouts:
             print(f"verify: {layout.name}, {layout.world} processes", file=sys.stderr, flush=True)
             out = work / layout.name
+            shutil.rmtree(out, ignore_errors=True)  # a rerun with --out never reads stale files
             verdict = _launch(args, layout, work / "init.safetensors", out)
             verdicts.append(verdict or compare(load_result(out), want, tol, layout.world))
     finally:
