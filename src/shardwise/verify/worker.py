@@ -61,8 +61,8 @@ def build_engine(setup: VerifySetup, layout: Layout, init: str | Path, rows: int
         if setup.pipeline is None:
             raise ValueError(f"layout {layout.name} needs the setup's 'pipeline' builder")
         net = setup.pipeline(model)
-    names = _single_names(model, net)
-    names = {k: v for k, v in names.items() if v in dict(model.named_parameters())}
+    params = dict(model.named_parameters())
+    names = {k: v for k, v in _single_names(model, net).items() if v in params}
     config = layout_config(setup.config, layout, rows)
     engine, *_ = initialize(model=net, config=config, loss_fn=setup.loss_fn)
     if setup.prepare is not None:
