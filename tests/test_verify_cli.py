@@ -167,3 +167,13 @@ def test_the_layout_name_decides_sizes_the_script_config_already_sets():
     cfg = layout_config(base, Layout("dp2", dp=2), global_batch=8)
     assert cfg["zero_optimization"]["stage"] == 0, f"dp2 runs without ZeRO: {cfg}"
     assert cfg["tensor_parallel"]["size"] == 1, f"dp2 runs without TP: {cfg}"
+
+
+def test_a_layout_that_did_not_run_counts_as_diverged():
+    from shardwise.verify.compare import failed
+
+    v = failed("pp2", 2, "exit code 1\n      ValueError: boom")
+    text = render("s.py", 2, FP32, [v])
+    row = next(line for line in text.splitlines() if line.startswith("pp2 "))
+    assert v.diverged and row.endswith("DIVERGED"), text
+    assert "pp2: did not run: exit code 1" in text and "ValueError: boom" in text, text
