@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Iterator
 
 import torch
 from sklearn.datasets import load_digits
@@ -73,6 +74,29 @@ def evaluate(engine: shardwise.Engine, val_set: TensorDataset) -> float:
         acc.update_logits(engine(x), y)
     engine.train()
     return acc.compute(group=engine.mesh.dp_group)
+
+
+def shardwise_verify() -> dict:
+    """Entry point of ``shardwise verify examples/classify/train.py --layouts dp2,zero2x2``
+    (docs/verify.md): this model, loss and optimizer on 32 training images per step. Data
+    layouts only: the CNN has no tensor-parallel plan. SyncBatchNorm normalizes over the
+    whole micro-batch of all data ranks, so the statistics match one process's."""
+    train_set, _ = digits(val_fraction=0.2, seed=0)
+    x, y = train_set.tensors
+
+    def batches() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        g = torch.Generator().manual_seed(0)  # the same images at every call
+        while True:
+            picks = torch.randperm(len(y), generator=g)[:32]
+            yield x[picks], y[picks]
+
+    config = {"optimizer": {"type": "Adam", "params": {"lr": 3e-3}}, "seed": 0}
+    return {
+        "model": lambda: convert_sync_batchnorm(make_model()),
+        "loss_fn": nn.CrossEntropyLoss(),
+        "batches": batches,
+        "config": config,
+    }
 
 
 def main() -> None:

@@ -359,6 +359,33 @@ def sample(out: Path, n_chars: int, prompt: str = "def ", seed: int = 0) -> str:
     return tok.decode(ids[0])
 
 
+def shardwise_verify() -> dict:
+    """Entry point of ``shardwise verify examples/gpt/train.py --layouts dp2,tp2,pp2``
+    (docs/verify.md): a 2-layer GPT, 8 windows per step in 2 micro-batches, this script's
+    optimizer and clipping at a constant lr; no dropout, so every layout can match one process."""
+    small = "--n-layer 2 --n-embd 32 --n-head 2 --block-size 32 --corpus-mb 0.1 --grad-accum 2"
+    args = parse_args(small.split())
+    train_set, _, tok, _ = build_datasets(args.corpus_mb, args.block_size)
+    gcfg = GPTConfig(tok.vocab_size, args.block_size, args.n_layer, args.n_head, args.n_embd)
+
+    def batches() -> Iterator:
+        g = torch.Generator().manual_seed(args.seed)  # the same windows at every call
+        while True:
+            picks = torch.randint(len(train_set), (8,), generator=g).tolist()
+            yield tuple(torch.stack(t) for t in zip(*(train_set[i] for i in picks), strict=True))
+
+    def pipeline(model: GPT) -> PipelineModule:
+        pipe = PipelineModule(
+            pipeline_layers(model), loss_fn=LMLoss(), partition_method="type:Block"
+        )
+        pipe.tp_plan = pipeline_tp_plan(args.n_layer)  # GPT.tp_plan in the pipeline's names
+        return pipe
+
+    cfg = build_config(args)
+    del cfg["scheduler"]  # its warmup holds lr at 0 for the first steps: nothing would move
+    return {"model": lambda: GPT(gcfg), "batches": batches, "config": cfg, "pipeline": pipeline}
+
+
 def main(argv: list[str] | None = None) -> None:
     train(parse_args(argv))
 

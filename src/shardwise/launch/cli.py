@@ -1,6 +1,6 @@
 """The ``shardwise`` command: ``run`` launches a script, ``topo`` prints a layout,
 ``inspect`` and ``export`` read a checkpoint, ``diagnose`` explains a hang, ``plan`` ranks
-layouts (docs/planner.md).
+layouts (docs/planner.md), ``verify`` compares layouts with one process (docs/verify.md).
 
     shardwise run --nproc-per-node 2 --timeout 300 train.py --lr 1e-3
     shardwise topo --dp 2 --pp 2 --tp 2 --nnodes 2 --nproc-per-node 4
@@ -24,6 +24,7 @@ from shardwise.diagnose import cli as diagnose_cli
 from shardwise.launch.run import launch
 from shardwise.plan import cli as plan_cli
 from shardwise.topology import AXIS_NAMES, Topology, TopologyError
+from shardwise.verify import cli as verify_cli
 
 # (flags, argparse options): torchrun's spelling first, then the aliases DeepSpeed users type.
 RUN_FLAGS = [
@@ -96,6 +97,7 @@ def make_parser() -> argparse.ArgumentParser:
     checkpoint_cli.add_parsers(sub)
     diagnose_cli.add_parser(sub)
     plan_cli.add_parser(sub)
+    verify_cli.add_parser(sub)
     return parser
 
 
@@ -197,6 +199,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         if args.command == "plan":
             return plan_cli.run(args)
+        if args.command == "verify":
+            return verify_cli.run(args)
 
         return launch(args)
     except (ValueError, TopologyError) as e:

@@ -1,0 +1,120 @@
+"""``shardwise verify script.py --layouts dp2,zero3x2,tp2,pp2,dp2xtp2 --steps 5``.
+
+Order of work: every flag and layout is checked, and the script's setup loaded and checked
+against each layout, before anything launches. Then the initial weights are written, the
+single-process reference trains in this process, and each layout runs as real workers through
+``shardwise run`` (the project's launcher); their results are compared with the reference.
+Exit code 0 when every layout matches, 1 when any diverges or fails, 2 for a bad command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from shardwise.verify.compare import TOLERANCES, Verdict, compare, failed, still, tolerance_for
+from shardwise.verify.layouts import EXAMPLE, Layout, LayoutError, check_batch, parse_layouts
+from shardwise.verify.report import render
+from shardwise.verify.results import RESULT_JSON, RunResult, load_result, load_weights
+from shardwise.verify.setup import DEFAULT_ENTRY, VerifySetup, batch_rows, load_setup
+from shardwise.verify.worker import run_reference, write_initial_weights
+
+NOT_MOVED = "no parameter moved in the reference run (lr 0 or a warmup from 0?): give more steps"
+ERROR_TAIL = 12  # lines of a failed layout's stderr shown in its finding
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "verify", help="train a script in several layouts and compare each with one process"
+    )
+    p.add_argument("script", help="training script defining the entry point (docs/verify.md)")
+    p.add_argument("--layouts", required=True, help=f"comma-separated, e.g. {EXAMPLE}")
+    p.add_argument("--steps", type=int, default=5, help="optimizer steps per layout (default 5)")
+    p.add_argument("--entry", default=DEFAULT_ENTRY, help="the script's entry point function")
+    p.add_argument(
+        "--tolerance",
+        choices=sorted(TOLERANCES),
+        help="bounds to use (default: the config's precision)",
+    )
+    p.add_argument("--out", help="keep every run's files here (default: a temporary directory)")
+    p.add_argument("--layout-timeout", type=float, default=600, help="seconds per layout run")
+
+
+def check(args: argparse.Namespace) -> tuple[list[Layout], VerifySetup]:
+    """Everything that can be refused before a process starts, refused."""
+    if args.steps < 1:
+        raise LayoutError(f"--steps {args.steps}: give at least 1 step")
+    if args.layout_timeout <= 0:
+        raise LayoutError(f"--layout-timeout {args.layout_timeout}: give seconds > 0")
+    layouts = parse_layouts(args.layouts)
+    setup = load_setup(args.script, args.entry)
+    first = next(iter(setup.batches()), None)
+    if first is None:
+        raise ValueError(f"{args.script}: the setup's batches are empty")
+    for layout in layouts:
+        check_batch(layout, batch_rows(first), setup.gas)
+        if layout.pp > 1 and setup.pipeline is None:
+            raise LayoutError(
+                f"--layouts {layout.name}: the setup has no 'pipeline' builder; add "
+                "'pipeline': lambda model: PipelineModule(...) to it, or drop the ppN layouts"
+            )
+    return layouts, setup
+
+
+def _launch(args: argparse.Namespace, layout: Layout, init: Path, out: Path) -> Verdict | None:
+    """Run ``layout`` through ``shardwise run``; a Verdict when it failed, else None."""
+    cmd = [sys.executable, "-m", "shardwise", "run", "--nproc-per-node", str(layout.world)]
+    cmd += ["--omp-num-threads", "1", "-m", "shardwise.verify.worker", str(args.script)]
+    cmd += ["--layout", layout.name, "--steps", str(args.steps), "--init", str(init)]
+    cmd += ["--out", str(out), "--entry", args.entry]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.layout_timeout)
+    except subprocess.TimeoutExpired:
+        return failed(layout.name, layout.world, f"no result within {args.layout_timeout:.0f}s")
+    if done.returncode != 0 or not (out / RESULT_JSON).is_file():
+        tail = "\n      ".join(done.stderr.strip().splitlines()[-ERROR_TAIL:])
+        return failed(layout.name, layout.world, f"exit code {done.returncode}\n      {tail}")
+    return None
+
+
+def _reference(setup: VerifySetup, steps: int, init: Path) -> RunResult:
+    """The single-process run, in this process, then its process group released."""
+    torch.set_num_threads(1)  # as each worker: one thread, the same sums in the same order
+    write_initial_weights(setup, init)
+    try:
+        return run_reference(setup, steps, init)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run(args: argparse.Namespace) -> int:
+    """The verify command: print the report; 1 if any layout diverged, else 0."""
+    layouts, setup = check(args)
+    tol = TOLERANCES[args.tolerance] if args.tolerance else tolerance_for(setup.config)
+    work = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="shardwise-verify-"))
+    work.mkdir(parents=True, exist_ok=True)
+    try:
+        print(f"verify: reference run, 1 process, {args.steps} steps", file=sys.stderr, flush=True)
+        want = _reference(setup, args.steps, work / "init.safetensors")
+        if still(want, load_weights(work / "init.safetensors")):
+            print(f"verify: warning: {NOT_MOVED}", file=sys.stderr, flush=True)
+        verdicts = []
+        for layout in layouts:
+            print(f"verify: {layout.name}, {layout.world} processes", file=sys.stderr, flush=True)
+            out = work / layout.name
+            shutil.rmtree(out, ignore_errors=True)  # a rerun with --out never reads stale files
+            verdict = _launch(args, layout, work / "init.safetensors", out)
+            verdicts.append(verdict or compare(load_result(out), want, tol, layout.world))
+    finally:
+        if not args.out:
+            shutil.rmtree(work, ignore_errors=True)
+    print(render(args.script, args.steps, tol, verdicts))
+    return 1 if any(v.diverged for v in verdicts) else 0

@@ -1,0 +1,132 @@
+"""Layout names of ``shardwise verify --layouts`` and the config each one trains with.
+
+A layout is parts joined by ``x``: ``dpN`` (data-parallel ranks), ``tpN`` (tensor-parallel
+ranks), ``ppN`` (pipeline stages), ``zeroS`` (ZeRO stage S over the data ranks), ``sp``
+(sequence parallelism, with ``tpN``) and a bare ``N`` (the data-parallel size, so ``zero3x2``
+is ZeRO-3 on two data ranks). The processes launched are dp x tp x pp.
+
+Every layout trains on the same global batch of G rows per step, so a data rank's micro-batch
+is G / (dp x gas) rows: the mean loss over the global batch is then the mean, over data ranks,
+of their micro-batch means, exactly as in one process (equal sizes make the means compose).
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from dataclasses import dataclass
+
+GRAMMAR = "dpN, tpN, ppN, zeroS (S = 1, 2, 3), sp, or a bare N (data ranks), joined by x"
+EXAMPLE = "dp2,zero3x2,tp2,pp2,dp2xtp2"
+NO_CLIP_NORM = 1e12  # a clipping bound never reached: the engine then measures the norm only
+
+
+class LayoutError(ValueError):
+    """A bad ``--layouts`` value; the message names the flag and the fix."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One way to run the user's setup: sizes of each axis and the ZeRO stage."""
+
+    name: str
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    zero: int = 0
+    sp: bool = False
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp
+
+
+REFERENCE = Layout("1 process")
+
+
+def _part(layout: str, part: str, sizes: dict) -> None:
+    m = re.fullmatch(r"(dp|tp|pp|zero)?(\d+)|sp", part)
+    if m is None:
+        raise LayoutError(f"--layouts: unknown part {part!r} in {layout!r}: use {GRAMMAR}")
+    key = "sp" if part == "sp" else (m.group(1) or "dp")
+    if key in sizes:
+        raise LayoutError(f"--layouts: {layout!r} gives {key} twice; give each part once")
+    sizes[key] = True if key == "sp" else int(m.group(2))
+
+
+def parse_layout(text: str) -> Layout:
+    """``"zero3x2"`` -> Layout(dp=2, zero=3); refuses what cannot run, naming the fix."""
+    sizes: dict = {}
+    for part in text.lower().split("x"):
+        _part(text, part, sizes)
+    layout = Layout(name=text, **sizes)
+    if min(layout.dp, layout.tp, layout.pp) < 1:
+        raise LayoutError(f"--layouts: {text!r} has a size 0; every size is at least 1")
+    if layout.zero not in (0, 1, 2, 3):
+        raise LayoutError(f"--layouts: {text!r}: ZeRO stages are zero1, zero2 and zero3")
+    if layout.zero and layout.dp == 1:
+        raise LayoutError(
+            f"--layouts: {text!r} shards ZeRO state over one data rank, which splits nothing: "
+            f"give the data ranks, e.g. zero{layout.zero}x2"
+        )
+    if layout.zero == 3 and layout.pp > 1:
+        raise LayoutError(f"--layouts: {text!r}: ZeRO-3 does not combine with pipelines; use zero1")
+    if layout.sp and layout.tp == 1:
+        raise LayoutError(f"--layouts: {text!r}: sp splits the sequence over TP ranks; add tp2")
+    if layout.world == 1:
+        raise LayoutError(f"--layouts: {text!r} is one process, the reference itself; use dp2")
+    return layout
+
+
+def parse_layouts(text: str) -> list[Layout]:
+    """The comma-separated ``--layouts`` value, each name once."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names:
+        raise LayoutError(f"--layouts is empty: give names such as {EXAMPLE}")
+    if len(set(names)) != len(names):
+        raise LayoutError(f"--layouts {text!r} names a layout twice")
+    return [parse_layout(n) for n in names]
+
+
+def layout_config(base: dict, layout: Layout, global_batch: int) -> dict:
+    """The script's config with the batch sizes and the layout's parallel blocks set.
+
+    The gradient accumulation stays the script's in every layout (it is also the number of
+    pipeline micro-batches), so BatchNorm statistics cover the same rows everywhere.
+    """
+    cfg = copy.deepcopy(base)
+    gas = int(cfg.get("gradient_accumulation_steps", 1))
+    for key in ("train_batch_size", "train_micro_batch_size_per_gpu"):
+        cfg.pop(key, None)
+    cfg.update(
+        train_batch_size=global_batch,
+        train_micro_batch_size_per_gpu=global_batch // (gas * layout.dp),
+        gradient_accumulation_steps=gas,
+    )
+    if not cfg.get("gradient_clipping"):
+        cfg["gradient_clipping"] = NO_CLIP_NORM  # the engine reports the norm only when clipping
+    # The layout's name decides each size, also over blocks the script's config already has
+    # (a script written for tp2 still runs "dp2" and the reference with one TP rank).
+    if layout.zero or "zero_optimization" in cfg:
+        cfg["zero_optimization"] = {**_block(cfg, "zero_optimization"), "stage": layout.zero}
+    if layout.tp > 1 or "tensor_parallel" in cfg:
+        tp = {"size": layout.tp, "sequence_parallel": layout.sp}
+        cfg["tensor_parallel"] = {**_block(cfg, "tensor_parallel"), **tp}
+    if layout.pp > 1 or "pipeline" in cfg:
+        cfg["pipeline"] = {**_block(cfg, "pipeline"), "stages": layout.pp}
+    return cfg
+
+
+def _block(cfg: dict, key: str) -> dict:
+    value = cfg.get(key)
+    return dict(value) if isinstance(value, dict) else {}  # DeepSpeed's `"zero_optimization": true`
+
+
+def check_batch(layout: Layout, global_batch: int, gas: int) -> None:
+    """Refuse before launching a layout whose data ranks cannot split the global batch evenly."""
+    if global_batch % (gas * layout.dp):
+        raise LayoutError(
+            f"--layouts {layout.name}: the script's batches have {global_batch} rows, not a "
+            f"multiple of dp {layout.dp} x gradient_accumulation_steps {gas}; yield batches of "
+            f"a multiple of {gas * layout.dp} rows"
+        )

@@ -1,0 +1,132 @@
+"""One layout's run, on every rank: ``python -m shardwise run ... -m shardwise.verify.worker``.
+
+Each rank builds the script's model, loads the reference's initial weights (so every layout
+starts from the same values whatever its random calls), lets ``shardwise.initialize`` split it
+for the layout, and trains ``steps`` steps on its rows of the same global batches. After each
+step the engine gathers the full parameters (``consolidated_state_dict``: ZeRO shards,
+tensor-parallel slices and pipeline stages put back under single-process names); rank 0 keeps
+them and writes the result files (results.py) for the parent to compare.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from shardwise.initialize import initialize
+from shardwise.parallel.pipeline.module import PipelineModule
+from shardwise.verify.gradients import GradNorms, zero_gradient
+from shardwise.verify.layouts import REFERENCE, Layout, layout_config, parse_layout
+from shardwise.verify.results import RunResult, load_weights, save_result, save_weights
+from shardwise.verify.setup import DEFAULT_ENTRY, VerifySetup, batch_rows, load_setup, micro_batches
+from shardwise.verify.streams import check_streams, silence_dropout
+
+
+def _layers(net: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name prefix, module) of each layer: a PipelineModule holds its layers unregistered
+    until ``initialize`` builds its stage, under the names its stage will give them."""
+    if not isinstance(net, PipelineModule):
+        return [("", net)]
+    return [(net._name_of(i), s) for i, s in enumerate(net._specs) if isinstance(s, nn.Module)]
+
+
+def _single_names(model: nn.Module, net: nn.Module) -> dict[str, str]:
+    """Names of ``net`` (a pipeline built from ``model``'s modules) -> ``model``'s names, by
+    tensor identity; taken before shardwise replaces any parameter."""
+    by_id = {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        by_id.setdefault(id(t), name)
+    names = {}
+    for prefix, layer in _layers(net):
+        for n, t in layer.state_dict(keep_vars=True).items():
+            names[f"{prefix}.{n}" if prefix else n] = by_id.get(id(t), n)
+    return names
+
+
+def build_engine(setup: VerifySetup, layout: Layout, init: str | Path, rows: int) -> tuple:
+    """(engine, dropouts, name map): the script's model with the initial weights, split for
+    ``layout`` by ``shardwise.initialize``. The map covers parameters only: buffers (BatchNorm
+    running statistics) follow from the parameters and are not compared."""
+    torch.manual_seed(int(setup.config.get("seed", 0)))
+    model = setup.model()
+    model.load_state_dict(load_weights(init))
+    dropouts = silence_dropout(model)
+    net = model
+    if layout.pp > 1:
+        if setup.pipeline is None:
+            raise ValueError(f"layout {layout.name} needs the setup's 'pipeline' builder")
+        net = setup.pipeline(model)
+    params = dict(model.named_parameters())
+    names = {k: v for k, v in _single_names(model, net).items() if v in params}
+    config = layout_config(setup.config, layout, rows)
+    engine, *_ = initialize(model=net, config=config, loss_fn=setup.loss_fn)
+    if setup.prepare is not None:
+        setup.prepare(engine)
+    return engine, dropouts, names
+
+
+def run_layout(
+    setup: VerifySetup, layout: Layout, steps: int, init: str | Path, out: str | Path | None
+) -> RunResult:
+    """Train ``steps`` steps in ``layout``; rank 0 writes the result to ``out`` (if given)."""
+    batches = list(itertools.islice(iter(setup.batches()), steps))
+    if len(batches) < steps:
+        raise ValueError(f"the setup's batches ended after {len(batches)} of {steps} steps")
+    rows = batch_rows(batches[0])
+    engine, dropouts, names = build_engine(setup, layout, init, rows)
+    dp, dp_rank = engine.dp_world_size, engine.dp_rank
+    probe = GradNorms(engine.module) if layout.world == 1 else None
+    losses, norms, params = [], [], []
+    for batch in batches:
+        loss = engine.train_batch(micro_batches(batch, setup.gas, dp, dp_rank))
+        losses.append(float(loss))
+        norms.append(engine.get_global_grad_norm())
+        if probe is not None:
+            probe.end_step()
+        state = engine.consolidated_state_dict()  # collective: every rank calls it
+        params.append({names[k]: v.float() for k, v in state.items() if k in names})
+    streams = []
+    if dropouts and layout.tp > 1 and engine.pipeline is None:
+        first = next(micro_batches(batches[0], setup.gas, dp, dp_rank))
+        streams = check_streams(engine, dropouts, first)
+    order = [n for n in dict.fromkeys(names.values()) if n in params[0]]
+    result = RunResult(layout.name, losses, norms, order, params, streams)
+    if probe is not None:
+        result.zero_grad = zero_gradient(probe.steps, norms)
+    if out is not None and engine.global_rank == 0:
+        save_result(result, out)
+    return result
+
+
+def write_initial_weights(setup: VerifySetup, path: str | Path) -> None:
+    """The weights every run starts from: the script's model, built once under its seed."""
+    torch.manual_seed(int(setup.config.get("seed", 0)))
+    save_weights(setup.model().state_dict(), path)
+
+
+def run_reference(setup: VerifySetup, steps: int, init: str | Path) -> RunResult:
+    """The same setup in this one process: the run every layout must match."""
+    return run_layout(setup, REFERENCE, steps, init, out=None)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description="one layout of shardwise verify (started by it)")
+    p.add_argument("script")
+    p.add_argument("--layout", required=True)
+    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--init", required=True, help="safetensors file of the initial weights")
+    p.add_argument("--out", required=True)
+    p.add_argument("--entry", default=DEFAULT_ENTRY)
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)  # one thread per rank, as the reference: repeatable bit for bit
+    setup = load_setup(args.script, args.entry)
+    run_layout(setup, parse_layout(args.layout), args.steps, args.init, args.out)
+
+
+if __name__ == "__main__":
+    main()
