@@ -100,9 +100,36 @@ def train(rank: int, layout: Layout, warmup: int, steps: int) -> list[float]:
     return times[warmup:]
 
 
-def measure(layout: Layout, warmup: int, steps: int) -> float:
+def busy_share(seconds: float = 2.0) -> float:
+    """The machine's busy share of CPU time over ``seconds`` (/proc/stat; 0 where absent)."""
+
+    def sample() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            ticks = [int(v) for v in f.readline().split()[1:]]
+        return sum(ticks), ticks[3] + ticks[4]  # total, idle + iowait
+
+    if not os.path.exists("/proc/stat"):
+        return 0.0
+    (t0, i0), _ = sample(), time.sleep(seconds)
+    t1, i1 = sample()
+    return 1.0 - (i1 - i0) / max(t1 - t0, 1)
+
+
+def wait_quiet(limit_s: float) -> float:
+    """Wait (up to ``limit_s``) until other jobs leave the cores idle: a step timed while the
+    machine is shared measures the other jobs. Returns the last busy share seen."""
+    deadline = time.monotonic() + limit_s
+    busy = busy_share()
+    while busy > 0.15 and time.monotonic() < deadline:
+        busy = busy_share()
+    return busy
+
+
+def measure(layout: Layout, warmup: int, steps: int, quiet_s: float = 0.0) -> float:
     from shardwise.spawn import spawn
 
+    if quiet_s:
+        wait_quiet(quiet_s)
     ranks = spawn(train, layout.world, args=(layout, warmup, steps), backend="gloo", timeout=900)
     return statistics.median(max(step) for step in zip(*ranks, strict=True))
 
@@ -116,7 +143,7 @@ def rows_for(planner: Planner, layouts: list[Layout], args: argparse.Namespace) 
     rows = []
     for lay in layouts:
         rec = planner.evaluate(lay)
-        measured = measure(lay, args.warmup, args.steps)
+        measured = measure(lay, args.warmup, args.steps, args.wait_quiet)
         predicted = rec["step_time_s"]
         rows.append(dict(layout=lay, predicted=predicted, measured=measured, rec=rec))
         err = abs(predicted - measured) / measured
@@ -165,11 +192,18 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--procs", default="2,4", help="worlds to run")
+    p.add_argument(
+        "--wait-quiet",
+        type=float,
+        default=120.0,
+        help="seconds to wait for idle cores before each measurement (0: never)",
+    )
     args = p.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if args.calibration:
         data = json.loads(Path(args.calibration).read_text())
     else:
+        print(f"waiting for idle cores: busy {wait_quiet(args.wait_quiet):.0%}", flush=True)
         data = calibrate.measure([1, 2, 4], progress=print)
         if args.save_calibration:
             calibrate.save(data, args.save_calibration)

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from shardwise.launch.cli import main
-from shardwise.plan import Cluster, calibrate
+from shardwise.plan import Cluster, Dims, Layout, Planner, build, calibrate, read_model
 from shardwise.plan.calibrate_ops import OPS, RING
 from shardwise.plan.cluster import load
 
@@ -35,7 +35,10 @@ def test_fit_keeps_a_physical_line_on_noise():
 
 
 def _rank(rate: float, coll: dict) -> dict:
-    return {"compute": {"fp32": rate, "bf16": rate / 2}, "block": rate / 2, "optimizer": 4e9,
+    """A rank's synthetic measurements: GEMMs at ``rate`` FLOP/s, blocks at half of it after
+    a fixed 1 ms, AdamW at 4 GB/s."""
+    blocks = [(flops, 1e-3 + flops / (rate / 2)) for flops in (1e9, 1e3)]
+    return {"compute": {"fp32": rate, "bf16": rate / 2}, "blocks": blocks, "optimizer": 4e9,
             "collectives": coll}  # fmt: skip
 
 
@@ -50,10 +53,12 @@ def test_summary_is_a_preset_whose_times_are_the_fit():
     machine = Cluster(**preset)
     assert machine.compute["fp32"] == {"1": 0.04, "2": 0.03}, "the slowest rank's TFLOP/s"
     assert machine.efficiency == pytest.approx(0.5) and machine.cores >= 1
+    assert machine.layer_overhead_us == pytest.approx(1000.0), "the blocks' fixed cost"
     for op in OPS:
         t = machine.collective_time(op, 1 << 20, 2, inter=False)
         assert t == pytest.approx(100e-6 + ring[op] * (1 << 20) / 1e9, rel=1e-6), op
-    assert machine.tflops("fp32") == pytest.approx(0.015 if machine.cores == 2 else 0.02)
+    two = Cluster(**{**preset, "procs_per_node": 2})
+    assert two.tflops("fp32") == pytest.approx(0.5 * 0.03), "2 ranks: their GEMM rate x 0.5"
 
 
 def test_real_calibration_with_two_processes(tmp_path):
@@ -96,3 +101,22 @@ def test_bad_calibration_flags_name_the_flag(tmp_path, capsys, flags, message):
     assert main(argv) == 2, argv
     err = capsys.readouterr().err
     assert message in err and flags[-2] in err, (argv, err)
+
+
+def _compute_s(shape, ppn: int, cores: int, mb: int) -> float:
+    preset = calibrate.summarize({1: [_rank(4e10, {})]}, SIZES)
+    machine = Cluster(**{**preset, "layer_overhead_us": 1000.0, "cores": cores,
+                         "procs_per_node": ppn})  # fmt: skip
+    lay = Layout(ppn, 1, 1, 0, mb, 8 // ppn // mb)
+    return Planner(shape, machine, 8, 32, "fp32").evaluate(lay)["time"]["compute"]
+
+
+def test_fixed_layer_cost_favours_fewer_larger_micro_batches():
+    """With a calibrated fixed cost per layer and pass, 4 micro-batches of 1 pay it 4 times
+    where one of 4 pays it once; 4 ranks time-sharing 2 cores pay it twice as long."""
+    shape = read_model(build(Dims(layers=2, hidden=64, heads=2, vocab=64, seq=32)))
+    fixed = len(shape.layers) * 1e-3
+    small, large = _compute_s(shape, 2, 2, 1), _compute_s(shape, 2, 2, 4)
+    assert small - large == pytest.approx(3 * fixed, rel=1e-6), "dp2: mb 1x4 against 4x1"
+    shared, own = _compute_s(shape, 4, 2, 1), _compute_s(shape, 4, 4, 1)
+    assert shared - own == pytest.approx(2 * fixed, rel=1e-6), "dp4 mb 1x2: 2 or 4 cores"

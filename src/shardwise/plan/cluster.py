@@ -140,8 +140,14 @@ def parse_bytes(text: str) -> int:
 
 
 def with_overrides(base: Cluster, **given: object) -> Cluster:
-    """``base`` with the flags the user gave (None: keep the preset's)."""
-    return replace(base, **{k: v for k, v in given.items() if v is not None})
+    """``base`` with the flags the user gave (None: keep the preset's). A flag wins over a
+    calibration: --peak-tflops drops the measured compute rates, a link flag the fits."""
+    given = {k: v for k, v in given.items() if v is not None}
+    if "peak_tflops" in given:
+        given["compute"] = {}
+    if given.keys() & {"intra_gbps", "inter_gbps", "latency_us"}:
+        given["collectives"] = {}
+    return replace(base, **given)
 
 
 def fmt_bytes(n: float) -> str:
