@@ -112,11 +112,11 @@ def summarize(worlds: dict[int, list[dict]], sizes: Sequence[int]) -> dict[str, 
     for n, ranks in sorted(worlds.items()):
         for prec in compute:  # the slowest rank sets the pace of a synchronous step
             compute[prec][str(n)] = min(r["compute"][prec] for r in ranks) / 1e12
-        if n == min(worlds):  # the fixed costs of a layer, on an unshared core if there is one
+        if n == min(worlds):  # per-core costs, on unshared cores if there are enough
             fits = [fit_line(*zip(*r["blocks"], strict=True)) for r in ranks]
             overhead += [a for a, _ in fits]
             eff += [rate / r["compute"]["fp32"] for (_, rate), r in zip(fits, ranks, strict=True)]
-        opt += [r["optimizer"] for r in ranks]
+            opt += [r["optimizer"] for r in ranks]
         for op in ranks[0]["collectives"]:
             ring = RING[op](n)
             slowest = [max(r["collectives"][op][i] for r in ranks) for i in range(len(sizes))]

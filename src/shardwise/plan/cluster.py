@@ -49,6 +49,11 @@ class Cluster:
     def world(self) -> int:
         return self.nodes * self.procs_per_node
 
+    def share(self) -> float:
+        """How many ranks take turns on each core: procs_per_node / cores when the ranks
+        share fewer CPU cores (a calibrated CPU machine), else 1."""
+        return max(1.0, self.procs_per_node / self.cores) if self.cores else 1.0
+
     def tflops(self, precision: str) -> float:
         """Sustained TFLOP/s of one rank on transformer layers: the GEMM rate x efficiency.
 

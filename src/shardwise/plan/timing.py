@@ -70,9 +70,8 @@ def compute_time(work: StageWork, cluster: Cluster, precision: str) -> float:
     (a recomputed forward is a third of a layer's forward + backward), which ranks
     sharing cores pay in turn: x procs_per_node / cores when there are fewer cores."""
     rate = cluster.tflops(precision) * 1e12
-    share = max(1.0, cluster.procs_per_node / cluster.cores) if cluster.cores else 1.0
     fixed = (work.layers + work.recompute_layers / 3) * cluster.layer_overhead_us * 1e-6
-    return (3 * work.flops + work.recompute_flops) / rate + fixed * share
+    return (3 * work.flops + work.recompute_flops) / rate + fixed * cluster.share()
 
 
 def micro_batch_time(work: StageWork, layout: Layout, cluster: Cluster, precision: str) -> float:
@@ -85,12 +84,13 @@ def micro_batch_time(work: StageWork, layout: Layout, cluster: Cluster, precisio
 
 
 def optimizer_time(states: ModelStates, layout: Layout, cluster: Cluster) -> float:
+    """Model-state bytes through memory (ranks sharing cores take turns: x share)."""
     on_device = states.params + states.grads + states.optimizer - states.host
     t = on_device / (cluster.optimizer_gbps * 1e9)
     if layout.offload:  # gradients down, parameters up, the update on the host
         t += (states.grads + states.params) / (cluster.host_gbps * 1e9)
         t += states.host / (cluster.host_optimizer_gbps * 1e9)
-    return t
+    return t * cluster.share()
 
 
 def step_time(
