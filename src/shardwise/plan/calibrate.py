@@ -6,13 +6,15 @@ starts workers, all ranks busy at once, so a machine with fewer cores than proce
 its sharing in the numbers:
 
     compute     per rank, TFLOP/s of fp32 (and bf16) GEMMs of transformer shapes,
-                (tokens x h) @ (h x 3h), (h x 4h), (4h x h): 2 m k n FLOPs / median seconds
+                (tokens x h) @ (h x 3h), (h x 4h), (4h x h): 2 m k n FLOPs / best seconds
     layers      a pre-LN block's forward + backward at that size and at a tiny one, fitted
                 t = overhead + FLOPs / rate: ``layer_overhead_us`` (the fixed cost of a
-                layer's ops, what dominates small micro-batches) and ``efficiency`` = rate /
-                GEMM rate (what norms, softmax and GELU leave of the GEMMs' speed)
+                layer's ops, what dominates small micro-batches) and the block's rate,
+                which is the preset's ``compute`` per process count (bf16: the bf16 GEMM
+                rate x the fp32 block's share of the fp32 GEMM rate); the GEMM rates
+                themselves become the peaks (MFU)
     collectives for each op (comm.py's, as the library issues them) and payload S, the
-                median seconds t of one call; fitted (``fit_line``) to the ring model that
+                best seconds t of one call (other jobs only add time); fitted (``fit_line``) to the ring model that
                 cluster.Cluster.collective_time charges:
 
                     t = latency + r(op, n) x S / bandwidth
@@ -105,18 +107,22 @@ def cores() -> int:
 
 
 def summarize(worlds: dict[int, list[dict]], sizes: Sequence[int]) -> dict[str, Any]:
-    """A ``Cluster``'s fields from each world's per-rank measurements."""
+    """A ``Cluster``'s fields from each world's per-rank measurements: per process count,
+    the sustained rate of a transformer block (the slowest rank's: it paces a synchronous
+    step), in bf16 the bf16 GEMM rate x the same efficiency; a layer's fixed cost and the
+    optimizer's speed from the smallest world (unshared cores, if there are enough)."""
     compute: dict[str, dict[str, float]] = {p: {} for p in DTYPES}
     collectives: dict[str, dict[str, list[float]]] = {}
     eff, opt, overhead = [], [], []
     for n, ranks in sorted(worlds.items()):
-        for prec in compute:  # the slowest rank sets the pace of a synchronous step
-            compute[prec][str(n)] = min(r["compute"][prec] for r in ranks) / 1e12
-        if n == min(worlds):  # per-core costs, on unshared cores if there are enough
-            fits = [fit_line(*zip(*r["blocks"], strict=True)) for r in ranks]
-            overhead += [a for a, _ in fits]
-            eff += [rate / r["compute"]["fp32"] for (_, rate), r in zip(fits, ranks, strict=True)]
-            opt += [r["optimizer"] for r in ranks]
+        fits = [fit_line(*zip(*r["blocks"], strict=True)) for r in ranks]
+        ratio = [rate / r["compute"]["fp32"] for (_, rate), r in zip(fits, ranks, strict=True)]
+        for prec in compute:
+            rates = [r["compute"][prec] * e for r, e in zip(ranks, ratio, strict=True)]
+            compute[prec][str(n)] = min(rates) / 1e12
+        if n == min(worlds):
+            overhead, eff = [a for a, _ in fits], ratio
+            opt = [r["optimizer"] for r in ranks]
         for op in ranks[0]["collectives"]:
             ring = RING[op](n)
             slowest = [max(r["collectives"][op][i] for r in ranks) for i in range(len(sizes))]
@@ -131,8 +137,9 @@ def _preset(compute: dict, collectives: dict, block: tuple[float, float], opt_bp
     ref = collectives.get("all_gather", {})
     lat, bw = ref[min(ref, key=int)] if ref else (50e-6, 1e9)
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    fp32 = compute["fp32"].get("1") or max(compute["fp32"].values())
-    bf16 = compute["bf16"].get("1") or max(compute["bf16"].values())
+    # Peaks (MFU's denominator): the best sustained rate / the efficiency, a GEMM's rate.
+    fp32 = max(compute["fp32"].values()) / block[0]
+    bf16 = max(compute["bf16"].values()) / block[0]
     machine = Cluster(
         "this-machine",
         procs_per_node=c,
@@ -142,7 +149,7 @@ def _preset(compute: dict, collectives: dict, block: tuple[float, float], opt_bp
         intra_gbps=bw / 1e9,
         inter_gbps=bw / 1e9,
         latency_us=lat * 1e6,
-        efficiency=min(block[0], 1.0),
+        efficiency=1.0,  # the measured rates are a block's already
         layer_overhead_us=block[1] * 1e6,
         overlap=0.0,  # gloo's copies and sums run on the same busy cores as backward
         optimizer_gbps=opt_bps / 1e9,

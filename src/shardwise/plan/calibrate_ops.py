@@ -1,13 +1,13 @@
 """The timed kernels of a calibration, as one rank runs them (calibrate.py explains the fits).
 
-Times are medians of single calls after a warm-up: the first call of a size allocates, and
-a shared machine has outliers either way. Collectives go through ``shardwise.comm``, the
+Times are the best of several single calls after a warm-up (the first call of a size
+allocates): other jobs on the machine only ever add time, so the fastest call is the
+closest to what the machine does alone. Collectives go through ``shardwise.comm``, the
 calls the library issues, so their bookkeeping is part of what is measured.
 """
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable
 
@@ -29,7 +29,7 @@ RING: dict[str, Callable[[int], float]] = {
 GEMM = (1024, 256)  # (tokens, hidden): a micro-batch of 1024 tokens, hidden size 256
 
 
-def _median_time(fn: Callable[[], object], repeats: int, warmup: int = 2) -> float:
+def _best_time(fn: Callable[[], object], repeats: int, warmup: int = 2) -> float:
     for _ in range(warmup):
         fn()
     times = []
@@ -37,10 +37,10 @@ def _median_time(fn: Callable[[], object], repeats: int, warmup: int = 2) -> flo
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return min(times)
 
 
-def gemm_rate(dtype: torch.dtype, gemm: tuple[int, int] = GEMM, repeats: int = 3) -> float:
+def gemm_rate(dtype: torch.dtype, gemm: tuple[int, int] = GEMM, repeats: int = 5) -> float:
     """FLOP/s of a transformer layer's GEMMs (h -> 3h, h -> 4h, 4h -> h) on one thread."""
     g = torch.Generator().manual_seed(0)
     m, h = gemm
@@ -49,13 +49,13 @@ def gemm_rate(dtype: torch.dtype, gemm: tuple[int, int] = GEMM, repeats: int = 3
     for m, k, n in shapes:
         a = torch.randn(m, k, generator=g).to(dtype)
         b = torch.randn(k, n, generator=g).to(dtype)
-        seconds += _median_time(lambda a=a, b=b: a @ b, repeats)
+        seconds += _best_time(lambda a=a, b=b: a @ b, repeats)
         flops += 2.0 * m * k * n
     return flops / seconds
 
 
-def block_time(gemm: tuple[int, int] = GEMM, repeats: int = 3) -> tuple[float, float]:
-    """(FLOPs, median seconds) of a pre-LN transformer block's forward + backward (fp32) on
+def block_time(gemm: tuple[int, int] = GEMM, repeats: int = 5) -> tuple[float, float]:
+    """(FLOPs, best seconds) of a pre-LN transformer block's forward + backward (fp32) on
     ``gemm`` = (tokens, hidden); FLOPs by torch's counter, as the planner's trace counts them
     (norms, softmax and GELU cost time and no counted FLOPs)."""
     torch.manual_seed(0)
@@ -73,7 +73,7 @@ def block_time(gemm: tuple[int, int] = GEMM, repeats: int = 3) -> tuple[float, f
     counter = FlopCounterMode(display=False)
     with counter:
         step()
-    return float(counter.get_total_flops()), _median_time(step, repeats)
+    return float(counter.get_total_flops()), _best_time(step, repeats)
 
 
 def optimizer_rate(elements: int = 1 << 20, repeats: int = 5) -> float:
@@ -81,11 +81,11 @@ def optimizer_rate(elements: int = 1 << 20, repeats: int = 5) -> float:
     p = nn.Parameter(torch.zeros(elements))
     p.grad = torch.ones(elements)
     opt = torch.optim.AdamW([p], lr=1e-3)
-    return 16.0 * elements / _median_time(opt.step, repeats)
+    return 16.0 * elements / _best_time(opt.step, repeats)
 
 
 def time_op(op: str, size: int, repeats: int) -> float:
-    """Median seconds of one ``op`` with a ``size``-byte payload on the default group (every
+    """Best seconds of one ``op`` with a ``size``-byte payload on the default group (every
     rank calls it). ``send``: half a ping-pong between ranks 2k and 2k + 1 (0 when unpaired)."""
     n, rank = comm.get_world_size(), comm.get_rank()
     elems = max(size // 4 // n, 1) * n  # fp32, divisible by n for the gathers and scatters
@@ -108,6 +108,6 @@ def time_op(op: str, size: int, repeats: int) -> float:
             second(full, peer)
 
         comm.barrier()
-        return _median_time(pingpong, repeats) / 2
+        return _best_time(pingpong, repeats) / 2
     comm.barrier()
-    return _median_time(calls[op], repeats)
+    return _best_time(calls[op], repeats)
