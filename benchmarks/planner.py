@@ -8,7 +8,8 @@
 2. Each layout of ``LAYOUTS`` (and the planner's own top choice per world, if not among
    them) trains the example GPT (examples/gpt/model.py) for ``--warmup`` + ``--steps``
    ``train_batch`` steps on 2 or 4 gloo processes started by ``shardwise.spawn``, one thread
-   each; a step's time is the slowest rank's, the layout's the median of the timed steps.
+   each; a step's time is the slowest rank's, a run's the median of its timed steps, the
+   layout's the median of ``--rounds`` runs (interleaved with the other layouts').
 3. A table: predicted and measured seconds, the error |p - m| / m per layout, the mean
    error, and whether the planner's top choice per world is within 10% of the fastest
    measured layout of that world.
@@ -140,10 +141,16 @@ def name(lay: Layout) -> str:
 
 
 def rows_for(planner: Planner, layouts: list[Layout], args: argparse.Namespace) -> list[dict]:
+    """Each layout measured ``--rounds`` times, the rounds interleaved (a burst of another
+    job's work then lands on several layouts a little rather than on one a lot)."""
+    times: dict[Layout, list[float]] = {lay: [] for lay in layouts}
+    for _ in range(args.rounds):
+        for lay in layouts:
+            times[lay].append(measure(lay, args.warmup, args.steps, args.wait_quiet))
     rows = []
     for lay in layouts:
         rec = planner.evaluate(lay)
-        measured = measure(lay, args.warmup, args.steps, args.wait_quiet)
+        measured = statistics.median(times[lay])
         predicted = rec["step_time_s"]
         rows.append(dict(layout=lay, predicted=predicted, measured=measured, rec=rec))
         err = abs(predicted - measured) / measured
@@ -192,6 +199,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--procs", default="2,4", help="worlds to run")
+    p.add_argument("--rounds", type=int, default=2, help="measurements per layout (median)")
     p.add_argument(
         "--wait-quiet",
         type=float,
