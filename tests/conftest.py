@@ -23,8 +23,15 @@ def _worlds():
 @pytest.fixture(autouse=True)
 def _fresh_default_group():
     """A single-process engine test initializes torch.distributed in the pytest process;
-    tear it down after each test so that no test depends on which ran before it."""
+    tear it down after each test so that no test depends on which ran before it. The gloo
+    interface it pinned goes too: inherited by a later launch on two hosts, it made both
+    listen on loopback."""
+    ifname = os.environ.get("GLOO_SOCKET_IFNAME")
     yield
+    if ifname is None:
+        os.environ.pop("GLOO_SOCKET_IFNAME", None)
+    else:
+        os.environ["GLOO_SOCKET_IFNAME"] = ifname
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():

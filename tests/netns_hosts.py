@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -62,6 +63,18 @@ class Hosts:
         env = {k: v for k, v in os.environ.items() if k not in HOST_LOCAL_VARS}
         env.update(OMP_NUM_THREADS="1", **extra)
         return env
+
+    @staticmethod
+    def kill_all() -> None:
+        """SIGKILL every process on both hosts: torch's launcher starts its workers in
+        sessions of their own, so killing the launcher's group leaves them running."""
+        for ns in NAMESPACES:
+            pids = _ip("netns", "pids", ns, check=False).stdout.split()
+            for pid in pids:
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
 
     def command(self, i: int, argv: list[str], hosts: str = "own address") -> list[str]:
         name = f"host{i}"

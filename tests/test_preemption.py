@@ -77,13 +77,12 @@ def killed(tmp_path_factory):
     draws = {name: (rng.randrange(2), rng.randint(INTERVAL + 1, STEPS)) for name in LAYOUTS}
     out = tmp_path_factory.mktemp("killed")
     phases = [f"{name}:kill:{rank}:{step}" for name, (rank, step) in draws.items()]
-    run = subprocess.run(
-        _cmd(str(out), *phases, restarts=len(LAYOUTS)),
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=150,
-    )
+    cmd = _cmd(str(out), *phases, restarts=len(LAYOUTS))
+    try:
+        run = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=150)
+    except subprocess.TimeoutExpired as e:  # reported by each row, with the seed that replays it
+        err = e.stderr.decode() if isinstance(e.stderr, bytes) else e.stderr or ""
+        run = subprocess.CompletedProcess(cmd, -1, "", err + "\n[timed out after 150 s]")
     return out, run, draws, seed
 
 

@@ -14,9 +14,7 @@ reaches the master and says so.
 
 from __future__ import annotations
 
-import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -59,7 +57,7 @@ def _run_two_hosts(hosts, out, nproc: int, extra: tuple, flavour: str) -> list[s
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 text=True,
-                start_new_session=True,  # a timeout kills the host's launcher and workers
+                start_new_session=True,
             )
         )
     logs = []
@@ -67,8 +65,7 @@ def _run_two_hosts(hosts, out, nproc: int, extra: tuple, flavour: str) -> list[s
         try:
             logs.append(p.communicate(timeout=150)[0])
         except subprocess.TimeoutExpired:
-            for q in procs:
-                os.killpg(q.pid, signal.SIGKILL)
+            hosts.kill_all()
             raise
     codes = [p.returncode for p in procs]
     assert codes == [0, 0], f"exit codes {codes}:\n" + "\n---\n".join(x[-3000:] for x in logs)
@@ -126,9 +123,7 @@ def test_a_host_that_loses_its_link_is_named_on_both_sides(two_hosts, tmp_path):
             took.append(time.monotonic() - cut)
     finally:
         set_link(1, up=True)
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
+        two_hosts.kill_all()
     codes = [p.returncode for p in procs]
     assert all(c != 0 for c in codes), f"exit codes {codes}"
     assert "[shardwise] lost host host1 (node 1), ranks 2-3" in logs[0], logs[0][-3000:]

@@ -81,7 +81,7 @@ class Heartbeat(threading.Thread):
         """The store side: beat, read the others' counters. A store call on a dead link can
         block far beyond its timeout, so this runs apart from ``run``, which only watches."""
         store, beat = None, 0
-        while not self.stop.wait(self.interval if beat else 0):
+        while not self.stop.wait(self._pause(beat)):
             try:
                 store = store or self._store()
                 beat += 1
@@ -95,6 +95,14 @@ class Heartbeat(threading.Thread):
                             self.seen[n] = (int(count), time.monotonic())
             except (RuntimeError, OSError, ValueError):
                 store = None  # reconnect next time; the silence is measured by run()
+
+    def _pause(self, beat: int) -> float:
+        """Until every other host has been heard once, poll fast: a host lost in the first
+        seconds is then named by its host name, not only by its node rank."""
+        if beat == 0:
+            return 0.0
+        named = all(name.startswith("host ") for name in self.names.values())
+        return self.interval if named else min(0.5, self.interval)
 
     def run(self) -> None:
         self.reached = time.monotonic()

@@ -1,0 +1,58 @@
+"""The heartbeat between hosts, in one process over a real TCPStore (the two-host tests cut a
+real link; these pin the timing rules without namespaces).
+
+* Each host learns the others' host names within about a second of starting, even with the
+  5 s beat: a host lost right after the start is named by its host name.
+* A host whose counter stops is reported after ``lost_after`` seconds, by name, with its ranks.
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+import time
+
+import torch.distributed as dist
+
+from shardwise.launch.heartbeat import INTERVAL_S, Heartbeat
+
+
+def _store() -> dist.TCPStore:
+    timeout = datetime.timedelta(seconds=10)
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timeout)
+
+
+def test_hosts_are_named_within_a_second_of_a_late_start():
+    store, lost = _store(), []
+    first = Heartbeat(0, 2, 2, ("127.0.0.1", store.port), 30.0, on_lost=lost.append)
+    second = Heartbeat(1, 2, 2, ("127.0.0.1", store.port), 30.0, on_lost=lost.append)
+    first.start()
+    time.sleep(0.3)  # node 1 starts after node 0's first beat has read nothing
+    second.start()
+    time.sleep(1.5)
+    host = socket.gethostname()
+    try:
+        assert first.names == {1: f"host {host} (node 1)"}, f"node 0 knows {first.names}"
+        assert second.names == {0: f"host {host} (node 0)"}, f"node 1 knows {second.names}"
+        assert not lost, lost
+    finally:
+        first.stop.set()
+        second.stop.set()
+    assert INTERVAL_S > 1.5, "the test must finish before the regular beat would name them"
+
+
+def test_a_silent_host_is_named_with_its_ranks():
+    store, lost = _store(), []
+    watcher = Heartbeat(0, 2, 4, ("127.0.0.1", store.port), 2.0, interval=0.2, on_lost=lost.append)
+    silent = Heartbeat(1, 2, 4, ("127.0.0.1", store.port), 60.0, interval=0.2)
+    silent.start()
+    watcher.start()
+    time.sleep(0.8)
+    silent.stop.set()  # its counter stops: the host is gone
+    deadline = time.monotonic() + 10
+    while not lost and time.monotonic() < deadline:
+        time.sleep(0.1)
+    watcher.stop.set()
+    assert lost, "no host was reported lost within 10 s of a 2 s limit"
+    want = f"lost host {socket.gethostname()} (node 1), ranks 4-7: no heartbeat for"
+    assert lost[0].startswith(want), lost
