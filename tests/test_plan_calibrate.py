@@ -58,7 +58,7 @@ def test_summary_is_a_preset_whose_times_are_the_fit():
     for op in OPS:
         t = machine.collective_time(op, 1 << 20, 2, inter=False)
         assert t == pytest.approx(100e-6 + ring[op] * (1 << 20) / 1e9, rel=1e-6), op
-    two = Cluster(**{**preset, "procs_per_node": 2})
+    two = Cluster(**{**preset, "procs_per_node": 2, "cores": 2})
     assert two.tflops("fp32") == pytest.approx(0.015), "2 ranks: the slower one's block"
 
 

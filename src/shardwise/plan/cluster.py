@@ -57,14 +57,16 @@ class Cluster:
     def tflops(self, precision: str) -> float:
         """Sustained TFLOP/s of one rank on transformer layers: the GEMM rate x efficiency.
 
-        Calibrated, the GEMM rate is the one measured with the process count nearest
-        ``procs_per_node`` all busy at once (ranks sharing cores show it), and beyond the
-        largest count measured, that rate x measured / procs_per_node (cores shared further).
+        Calibrated, the rate is the one measured with the process count nearest
+        ``procs_per_node`` all busy at once, capped at the cores: more ranks than cores take
+        turns, rate x cores / procs_per_node (measured with every rank busy at once, a
+        shared core looked slower still than turns make it in a step, where ranks also wait).
         """
         measured = self.compute.get(precision) or self.compute.get("fp32")
         if measured:
             by_procs = {int(k): v for k, v in measured.items()}
-            n = min(by_procs, key=lambda k: abs(k - self.procs_per_node))
+            want = min(self.procs_per_node, self.cores) if self.cores else self.procs_per_node
+            n = min(by_procs, key=lambda k: abs(k - want))
             return by_procs[n] * n / max(self.procs_per_node, n) * self.efficiency
         peak = self.fp32_tflops if precision == "fp32" else self.peak_tflops
         return peak * self.efficiency
