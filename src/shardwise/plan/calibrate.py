@@ -1,14 +1,204 @@
-"""``shardwise plan --calibrate``: measure this machine (compute, collectives) as a preset."""
+"""``shardwise plan --calibrate``: measure this machine (compute, collectives) as a preset.
+
+Every measurement runs in ``n`` local processes started by ``shardwise.spawn`` (torch's
+process launcher, a FileStore rendezvous: no port), one thread each as ``shardwise run``
+starts workers, all ranks busy at once, so a machine with fewer cores than processes shows
+its sharing in the numbers:
+
+    compute     per rank, TFLOP/s of fp32 (and bf16) GEMMs of transformer shapes,
+                (tokens x h) @ (h x 3h), (h x 4h), (4h x h): 2 m k n FLOPs / best seconds
+    layers      a pre-LN block's forward + backward at that size and at a tiny one, fitted
+                t = overhead + FLOPs / rate: ``layer_overhead_us`` (the fixed cost of a
+                layer's ops, what dominates small micro-batches) and the block's rate,
+                which is the preset's ``compute`` per process count (bf16: the bf16 GEMM
+                rate x the fp32 block's share of the fp32 GEMM rate); the GEMM rates
+                themselves become the peaks (MFU)
+    collectives for each op (comm.py's, as the library issues them) and payload S, the
+                best seconds t of one call (other jobs only add time); fitted (``fit_line``) to the ring model that
+                cluster.Cluster.collective_time charges:
+
+                    t = latency + r(op, n) x S / bandwidth
+                    r = 2 (n-1)/n all-reduce, 1 send (a ping-pong's half), (n-1)/n others
+
+    optimizer   bytes of model state an AdamW step streams per second (params, grads and
+                two moments: 16 bytes per element): ``optimizer_gbps``
+
+The result is a ``Cluster``'s fields (a JSON preset: ``--cluster path.json``, or the default
+path for ``--cluster this-machine``).
+"""
 
 from __future__ import annotations
 
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+import torch.distributed as dist
 
-def measure(procs: list[int]) -> dict[str, Any]:
-    raise NotImplementedError("--calibrate is not available yet")
+from shardwise.plan.calibrate_ops import (
+    GEMM,
+    OPS,
+    RING,
+    block_time,
+    gemm_rate,
+    optimizer_rate,
+    time_op,
+)
+from shardwise.plan.cluster import Cluster, default_calibration_path
+from shardwise.spawn import spawn
+
+SIZES = (1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 22)  # payload bytes, 1 KiB .. 4 MiB
+REPEATS = 7
+TINY_BLOCK = (8, 8)  # (tokens, hidden): a block whose time is all fixed costs
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def save(data: dict[str, Any], path: str | None) -> Path:
-    raise NotImplementedError
+def fit_line(xs: Sequence[float], ts: Sequence[float]) -> tuple[float, float]:
+    """Least squares ``t = a + x / bw`` with weights 1 / t^2 (relative error: the smallest
+    payloads set the latency, the largest the bandwidth). Returns (a >= 0 s, bw bytes/s)."""
+    if len(xs) != len(ts) or len(xs) < 2:
+        raise ValueError("fit_line needs two or more (bytes, seconds) points")
+    w = [1.0 / max(t, 1e-12) ** 2 for t in ts]
+    sw = sum(w)
+    sx = sum(wi * x for wi, x in zip(w, xs, strict=True))
+    st = sum(wi * t for wi, t in zip(w, ts, strict=True))
+    sxx = sum(wi * x * x for wi, x in zip(w, xs, strict=True))
+    sxt = sum(wi * x * t for wi, x, t in zip(w, xs, ts, strict=True))
+    det = sw * sxx - sx * sx
+    slope = (sw * sxt - sx * st) / det if det > 0 else 0.0
+    a = (st - slope * sx) / sw
+    if a < 0 or slope <= 0:  # noise: keep the physical form (no negative latency or speed)
+        a = max(min(ts), 0.0) if slope <= 0 else 0.0
+        slope = max(sum(wi * x * (t - a) for wi, x, t in zip(w, xs, ts, strict=True)) / sxx, 1e-15)
+    return a, 1.0 / slope
+
+
+def _rank_work(rank: int, sizes: Sequence[int], repeats: int, gemm: tuple[int, int]) -> dict:
+    """One rank's measurements (runs inside ``spawn``: the default group exists)."""
+    n = dist.get_world_size()
+    out: dict[str, Any] = {"collectives": {}}
+    dist.barrier()  # every rank multiplies at once: cores are shared as in a run
+    out["compute"] = {p: gemm_rate(DTYPES[p], gemm) for p in DTYPES}
+    dist.barrier()
+    # A block as measured and one too small to cost anything but its fixed per-op time.
+    out["blocks"] = [block_time(gemm), block_time(TINY_BLOCK, repeats=2 * repeats)]
+    dist.barrier()
+    out["optimizer"] = optimizer_rate()
+    for op in OPS if n > 1 else ():
+        out["collectives"][op] = [time_op(op, size, repeats) for size in sizes]
+    return out
+
+
+def run_world(
+    n: int, sizes: Sequence[int], repeats: int, gemm: tuple[int, int] = GEMM
+) -> list[dict]:
+    """Every rank's measurements in a world of ``n`` local processes."""
+    return spawn(_rank_work, n, args=(tuple(sizes), repeats, gemm), backend="gloo", timeout=600)
+
+
+def cores() -> int:
+    """Cores this process may run on (its affinity; a container's limit shows there)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def summarize(worlds: dict[int, list[dict]], sizes: Sequence[int]) -> dict[str, Any]:
+    """A ``Cluster``'s fields from each world's per-rank measurements: per process count,
+    the sustained rate of a transformer block (the slowest rank's: it paces a synchronous
+    step), in bf16 the bf16 GEMM rate x the same efficiency; a layer's fixed cost and the
+    optimizer's speed from the smallest world (unshared cores, if there are enough)."""
+    compute: dict[str, dict[str, float]] = {p: {} for p in DTYPES}
+    collectives: dict[str, dict[str, list[float]]] = {}
+    eff, opt, overhead = [], [], []
+    for n, ranks in sorted(worlds.items()):
+        fits = [fit_line(*zip(*r["blocks"], strict=True)) for r in ranks]
+        ratio = [rate / r["compute"]["fp32"] for (_, rate), r in zip(fits, ranks, strict=True)]
+        for prec in compute:
+            rates = [r["compute"][prec] * e for r, e in zip(ranks, ratio, strict=True)]
+            compute[prec][str(n)] = min(rates) / 1e12
+        if n == min(worlds):
+            overhead, eff = [a for a, _ in fits], ratio
+            opt = [r["optimizer"] for r in ranks]
+        for op in ranks[0]["collectives"]:
+            ring = RING[op](n)
+            slowest = [max(r["collectives"][op][i] for r in ranks) for i in range(len(sizes))]
+            lat, bw = fit_line([ring * s for s in sizes], slowest)
+            collectives.setdefault(op, {})[str(n)] = [lat, bw]
+    block = (statistics.median(eff), statistics.median(overhead))
+    return _preset(compute, collectives, block, statistics.median(opt))
+
+
+def _preset(compute: dict, collectives: dict, block: tuple[float, float], opt_bps: float) -> dict:
+    c = cores()
+    ref = collectives.get("all_gather", {})
+    lat, bw = ref[min(ref, key=int)] if ref else (50e-6, 1e9)
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    # Peaks (MFU's denominator): the best sustained rate / the efficiency, a GEMM's rate.
+    fp32 = max(compute["fp32"].values()) / block[0]
+    bf16 = max(compute["bf16"].values()) / block[0]
+    machine = Cluster(
+        "this-machine",
+        procs_per_node=c,
+        device_memory=ram // c,
+        peak_tflops=bf16,
+        fp32_tflops=fp32,
+        intra_gbps=bw / 1e9,
+        inter_gbps=bw / 1e9,
+        latency_us=lat * 1e6,
+        efficiency=1.0,  # the measured rates are a block's already
+        layer_overhead_us=block[1] * 1e6,
+        overlap=0.0,  # gloo's copies and sums run on the same busy cores as backward
+        optimizer_gbps=opt_bps / 1e9,
+        host_gbps=opt_bps / 1e9,  # offload moves between host memory and host memory
+        host_optimizer_gbps=opt_bps / 1e9,
+        collectives=collectives,
+        compute=compute,
+        cores=c,
+    )
+    return json.loads(machine.to_json())
+
+
+def measure(
+    procs: Sequence[int],
+    sizes: Sequence[int] = SIZES,
+    repeats: int = REPEATS,
+    progress: Callable[[str], None] | None = None,
+    gemm: tuple[int, int] = GEMM,
+) -> dict[str, Any]:
+    """Measure worlds of each size in ``procs`` (module docstring); a preset's fields."""
+    bad = [p for p in procs if not isinstance(p, int) or p < 1]
+    if not procs or bad:
+        raise ValueError(f"--calibrate-procs {list(procs)}: give process counts >= 1, like 1,2,4")
+    if len(sizes) < 2 or any(s < 4 for s in sizes):
+        raise ValueError(f"calibration sizes {list(sizes)}: give two or more payloads >= 4 bytes")
+    worlds = {}
+    for n in sorted(set(procs)):
+        start = time.perf_counter()
+        worlds[n] = run_world(n, sizes, repeats, gemm)
+        if progress:
+            progress(f"measured {n} process(es) in {time.perf_counter() - start:.1f} s")
+    return summarize(worlds, sizes)
+
+
+def check_output(path: str | os.PathLike | None) -> Path:
+    """Where ``save`` writes; ``ValueError`` naming ``--output`` if it cannot be a file."""
+    target = Path(path) if path else default_calibration_path()
+    if target.is_dir():
+        raise ValueError(f"--output {str(target)!r} is a directory: give a file like calib.json")
+    if target.suffix != ".json":
+        raise ValueError(f"--output {str(target)!r}: give a .json file (--cluster reads JSON)")
+    return target
+
+
+def save(data: dict[str, Any], path: str | os.PathLike | None) -> Path:
+    """Write the preset JSON (``--output``, else the path ``--cluster this-machine`` reads)."""
+    target = check_output(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_suffix(target.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+    tmp.replace(target)  # atomic: a planner reading it never sees half a file
+    return target

@@ -156,13 +156,26 @@ def _build_fn(spec: str) -> Any:
     return getattr(importlib.import_module(module_name), fn_name)
 
 
+def _calibrate(args: argparse.Namespace) -> int:
+    """--calibrate: measure, save, say how to use it (calibrate.py)."""
+    try:
+        procs = [int(n) for n in args.calibrate_procs.split(",")]
+    except ValueError:
+        raise ValueError(
+            f"--calibrate-procs {args.calibrate_procs!r}: give process counts like 1,2,4"
+        ) from None
+    calibrate.check_output(args.output)  # before a minute of measuring, not after
+    data = calibrate.measure(procs, progress=lambda line: print(line, file=sys.stderr))
+    path = calibrate.save(data, args.output)
+    use = "--cluster this-machine" if args.output is None else f"--cluster {path}"
+    print(f"calibration saved to {path}; plan with {use}")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``shardwise plan`` (the parser is ``add_parser``'s)."""
     if args.calibrate:
-        procs = [int(n) for n in args.calibrate_procs.split(",")]
-        path = calibrate.save(calibrate.measure(procs), args.output)
-        print(f"calibration saved to {path}; use --cluster this-machine")
-        return 0
+        return _calibrate(args)
     if args.simulate is not None:
         print(rank_text(_simulate(args)))
         return 0

@@ -42,18 +42,32 @@ class Cluster:
     # Calibrated fits: op -> group size -> [latency s, bytes/s]; processes -> TFLOP/s.
     collectives: dict = field(default_factory=dict)
     compute: dict = field(default_factory=dict)
+    layer_overhead_us: float = 0.0  # fixed cost of a layer's forward + backward, per micro-batch
+    cores: int = 0  # CPU cores the ranks share (a calibrated CPU machine; 0: one device each)
 
     @property
     def world(self) -> int:
         return self.nodes * self.procs_per_node
 
+    def share(self) -> float:
+        """How many ranks take turns on each core: procs_per_node / cores when the ranks
+        share fewer CPU cores (a calibrated CPU machine), else 1."""
+        return max(1.0, self.procs_per_node / self.cores) if self.cores else 1.0
+
     def tflops(self, precision: str) -> float:
-        """Sustained TFLOP/s of one rank on transformer layers (its share of a node)."""
+        """Sustained TFLOP/s of one rank on transformer layers: the GEMM rate x efficiency.
+
+        Calibrated, the rate is the one measured with the process count nearest
+        ``procs_per_node`` all busy at once, capped at the cores: more ranks than cores take
+        turns, rate x cores / procs_per_node (measured with every rank busy at once, a
+        shared core looked slower still than turns make it in a step, where ranks also wait).
+        """
         measured = self.compute.get(precision) or self.compute.get("fp32")
         if measured:
             by_procs = {int(k): v for k, v in measured.items()}
-            n = min(by_procs, key=lambda k: abs(k - self.procs_per_node))
-            return by_procs[n] * n / max(self.procs_per_node, n)
+            want = min(self.procs_per_node, self.cores) if self.cores else self.procs_per_node
+            n = min(by_procs, key=lambda k: abs(k - want))
+            return by_procs[n] * n / max(self.procs_per_node, n) * self.efficiency
         peak = self.fp32_tflops if precision == "fp32" else self.peak_tflops
         return peak * self.efficiency
 
@@ -105,7 +119,18 @@ def load(spec: str) -> Cluster:
         hint = "run `shardwise plan --calibrate` first" if spec in ("this-machine", "local") else ""
         known = ", ".join([*PRESETS, "this-machine", "a calibration .json"])
         raise ValueError(f"--cluster {spec!r}: no such preset or file ({known}) {hint}".strip())
-    data = json.loads(path.read_text())
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"--cluster {spec!r}: not a readable preset JSON ({e})") from None
+    unknown = (
+        sorted(set(data) - set(Cluster.__dataclass_fields__)) if isinstance(data, dict) else []
+    )
+    if not isinstance(data, dict) or unknown:
+        raise ValueError(
+            f"--cluster {spec!r}: not a preset (unknown keys {unknown}); "
+            "write one with `shardwise plan --calibrate --output FILE`"
+        )
     return Cluster(**data)
 
 
@@ -122,8 +147,14 @@ def parse_bytes(text: str) -> int:
 
 
 def with_overrides(base: Cluster, **given: object) -> Cluster:
-    """``base`` with the flags the user gave (None: keep the preset's)."""
-    return replace(base, **{k: v for k, v in given.items() if v is not None})
+    """``base`` with the flags the user gave (None: keep the preset's). A flag wins over a
+    calibration: --peak-tflops drops the measured compute rates, a link flag the fits."""
+    given = {k: v for k, v in given.items() if v is not None}
+    if "peak_tflops" in given:
+        given["compute"] = {}
+    if given.keys() & {"intra_gbps", "inter_gbps", "latency_us"}:
+        given["collectives"] = {}
+    return replace(base, **given)
 
 
 def fmt_bytes(n: float) -> str:

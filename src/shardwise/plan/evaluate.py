@@ -126,7 +126,11 @@ class Planner:
             transient = max((a.plain.per_rank(tp, sp) for a in acts), default=0.0)
             recompute = sum(a.flops for a in acts if a.checkpointed != a.plain) / tp
         calls = data + self._calls(layout, stage, params, acts, lo)
-        work = StageWork(sum(a.flops for a in acts) / tp, recompute, calls, states)
+        again = (
+            sum(a.checkpointed != a.plain for a in acts) if layout.activation_checkpointing else 0
+        )
+        flops = sum(a.flops for a in acts) / tp
+        work = StageWork(flops, recompute, calls, states, len(acts), again)
         acts_held, loss_held = k * (per_mb + loss), k * loss
         return StageView(stage, (lo, hi), states, acts_held, loss_held, transient, calls, work, k)
 

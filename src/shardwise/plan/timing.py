@@ -9,7 +9,9 @@ on that path (tensor parallelism, the pipeline's messages). The step is (PTD-P e
     + the optimizer update                   (model-state bytes through memory; offloaded:
                                               through the host link and the host's optimizer)
 
-Compute runs at the cluster's sustained TFLOP/s (cluster.tflops); each collective costs its
+Compute runs at the cluster's sustained TFLOP/s (cluster.tflops), plus a fixed cost per
+layer and pass (``layer_overhead_us``, calibrated: what small shapes on a CPU spend outside
+arithmetic); each collective costs its
 latency plus its ring bytes over the bandwidth of its group (inside a node, or across nodes
 when the group spans them).
 """
@@ -32,6 +34,8 @@ class StageWork:
     recompute_flops: float
     calls: list[Call]
     states: ModelStates
+    layers: int = 0  # layers on this stage (each costs cluster.layer_overhead_us per pass)
+    recompute_layers: int = 0  # checkpointed layers (their forward runs twice)
 
 
 @dataclass(frozen=True)
@@ -61,10 +65,18 @@ def _comm(calls: list[Call], layout: Layout, cluster: Cluster, axis: str) -> flo
     return total
 
 
+def compute_time(work: StageWork, cluster: Cluster, precision: str) -> float:
+    """One micro-batch's arithmetic: FLOPs / sustained rate, plus each layer's fixed cost
+    (a recomputed forward is a third of a layer's forward + backward), which ranks
+    sharing cores pay in turn: x procs_per_node / cores when there are fewer cores."""
+    rate = cluster.tflops(precision) * 1e12
+    fixed = (work.layers + work.recompute_layers / 3) * cluster.layer_overhead_us * 1e-6
+    return (3 * work.flops + work.recompute_flops) / rate + fixed * cluster.share()
+
+
 def micro_batch_time(work: StageWork, layout: Layout, cluster: Cluster, precision: str) -> float:
     """The stage's forward + backward (+ recompute) and its on-path communication, once."""
-    rate = cluster.tflops(precision) * 1e12
-    compute = (3 * work.flops + work.recompute_flops) / rate
+    compute = compute_time(work, cluster, precision)
     path = _comm(work.calls, layout, cluster, "tensor") + _comm(
         work.calls, layout, cluster, "pipeline"
     )
@@ -72,24 +84,24 @@ def micro_batch_time(work: StageWork, layout: Layout, cluster: Cluster, precisio
 
 
 def optimizer_time(states: ModelStates, layout: Layout, cluster: Cluster) -> float:
+    """Model-state bytes through memory (ranks sharing cores take turns: x share)."""
     on_device = states.params + states.grads + states.optimizer - states.host
     t = on_device / (cluster.optimizer_gbps * 1e9)
     if layout.offload:  # gradients down, parameters up, the update on the host
         t += (states.grads + states.params) / (cluster.host_gbps * 1e9)
         t += states.host / (cluster.host_optimizer_gbps * 1e9)
-    return t
+    return t * cluster.share()
 
 
 def step_time(
     stages: list[StageWork], layout: Layout, cluster: Cluster, precision: str
 ) -> StepTime:
     """The step of the slowest stage (module docstring)."""
-    rate = cluster.tflops(precision) * 1e12
     per_mb = [micro_batch_time(w, layout, cluster, precision) for w in stages]
     slow = max(range(len(stages)), key=lambda i: per_mb[i])
     w = stages[slow]
     gas = layout.grad_accum
-    compute = gas * (3 * w.flops + w.recompute_flops) / rate
+    compute = gas * compute_time(w, cluster, precision)
     on_path = per_mb[slow] * gas - compute
     data = _comm(w.calls, layout, cluster, "data")
     exposed = on_path + (1.0 - cluster.overlap) * data

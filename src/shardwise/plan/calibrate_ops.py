@@ -1,0 +1,113 @@
+"""The timed kernels of a calibration, as one rank runs them (calibrate.py explains the fits).
+
+Times are the best of several single calls after a warm-up (the first call of a size
+allocates): other jobs on the machine only ever add time, so the fastest call is the
+closest to what the machine does alone. Collectives go through ``shardwise.comm``, the
+calls the library issues, so their bookkeeping is part of what is measured.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from shardwise import comm
+
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send")
+# Bytes a ring moves per payload byte, as cluster.Cluster.collective_time charges them.
+RING: dict[str, Callable[[int], float]] = {
+    "all_reduce": lambda n: 2.0 * (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "broadcast": lambda n: (n - 1) / n,
+    "send": lambda n: 1.0,
+}
+GEMM = (1024, 256)  # (tokens, hidden): a micro-batch of 1024 tokens, hidden size 256
+
+
+def _best_time(fn: Callable[[], object], repeats: int, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def gemm_rate(dtype: torch.dtype, gemm: tuple[int, int] = GEMM, repeats: int = 5) -> float:
+    """FLOP/s of a transformer layer's GEMMs (h -> 3h, h -> 4h, 4h -> h) on one thread."""
+    g = torch.Generator().manual_seed(0)
+    m, h = gemm
+    shapes = [(m, h, 3 * h), (m, h, 4 * h), (m, 4 * h, h)]
+    flops = seconds = 0.0
+    for m, k, n in shapes:
+        a = torch.randn(m, k, generator=g).to(dtype)
+        b = torch.randn(k, n, generator=g).to(dtype)
+        seconds += _best_time(lambda a=a, b=b: a @ b, repeats)
+        flops += 2.0 * m * k * n
+    return flops / seconds
+
+
+def block_time(gemm: tuple[int, int] = GEMM, repeats: int = 5) -> tuple[float, float]:
+    """(FLOPs, best seconds) of a pre-LN transformer block's forward + backward (fp32) on
+    ``gemm`` = (tokens, hidden); FLOPs by torch's counter, as the planner's trace counts them
+    (norms, softmax and GELU cost time and no counted FLOPs)."""
+    torch.manual_seed(0)
+    tokens, h = gemm
+    seq = min(tokens, 256)
+    block = nn.TransformerEncoderLayer(
+        h, max(h // 64, 1), 4 * h, dropout=0.0, batch_first=True, norm_first=True
+    )
+    x = torch.randn(max(tokens // seq, 1), seq, h, requires_grad=True)
+    mask = nn.Transformer.generate_square_subsequent_mask(seq)
+
+    def step() -> None:
+        block(x, src_mask=mask, is_causal=True).sum().backward()
+
+    counter = FlopCounterMode(display=False)
+    with counter:
+        step()
+    return float(counter.get_total_flops()), _best_time(step, repeats)
+
+
+def optimizer_rate(elements: int = 1 << 20, repeats: int = 5) -> float:
+    """Bytes/s of an AdamW step: parameters, gradients and two moments, 16 bytes an element."""
+    p = nn.Parameter(torch.zeros(elements))
+    p.grad = torch.ones(elements)
+    opt = torch.optim.AdamW([p], lr=1e-3)
+    return 16.0 * elements / _best_time(opt.step, repeats)
+
+
+def time_op(op: str, size: int, repeats: int) -> float:
+    """Best seconds of one ``op`` with a ``size``-byte payload on the default group (every
+    rank calls it). ``send``: half a ping-pong between ranks 2k and 2k + 1 (0 when unpaired)."""
+    n, rank = comm.get_world_size(), comm.get_rank()
+    elems = max(size // 4 // n, 1) * n  # fp32, divisible by n for the gathers and scatters
+    full, part = torch.ones(elems), torch.ones(elems // n)
+    calls: dict[str, Callable[[], object]] = {
+        "all_reduce": lambda: comm.all_reduce(full),
+        "all_gather": lambda: comm.all_gather_into_tensor(full, part),
+        "reduce_scatter": lambda: comm.reduce_scatter_tensor(part, full),
+        "broadcast": lambda: comm.broadcast(full, 0),
+    }
+    if op == "send":
+        peer = rank ^ 1
+        if peer >= n:
+            comm.barrier()
+            return 0.0
+        first, second = (comm.send, comm.recv) if rank % 2 == 0 else (comm.recv, comm.send)
+
+        def pingpong() -> None:
+            first(full, peer)
+            second(full, peer)
+
+        comm.barrier()
+        return _best_time(pingpong, repeats) / 2
+    comm.barrier()
+    return _best_time(calls[op], repeats)

@@ -1,0 +1,124 @@
+"""``shardwise plan --calibrate``: the fits, a real (tiny) measurement, the preset it saves."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from shardwise.launch.cli import main
+from shardwise.plan import Cluster, Dims, Layout, Planner, build, calibrate, read_model
+from shardwise.plan.calibrate_ops import OPS, RING
+from shardwise.plan.cluster import load
+
+GPT_FLAGS = ["--arch", "gpt", "--layers", "2", "--hidden", "64", "--heads", "2"]
+GPT_FLAGS += ["--vocab", "64", "--seq", "32", "--global-batch", "4", "--procs-per-node", "2"]
+SIZES = (1 << 10, 1 << 16)
+
+
+@pytest.mark.parametrize("latency,bandwidth", [(50e-6, 1e9), (1e-3, 2e8), (0.0, 5e9)])
+def test_fit_recovers_latency_and_bandwidth(latency, bandwidth):
+    xs = [1e3, 1e4, 1e5, 1e6, 1e7]
+    ts = [latency + x / bandwidth for x in xs]
+    a, bw = calibrate.fit_line(xs, ts)
+    case = f"latency {latency}, bandwidth {bandwidth:g}"
+    assert a == pytest.approx(latency, abs=1e-9), case
+    assert bw == pytest.approx(bandwidth, rel=1e-6), case
+
+
+def test_fit_keeps_a_physical_line_on_noise():
+    """Times that fall with size (noise on a busy machine) give no negative speed."""
+    a, bw = calibrate.fit_line([1e3, 1e6], [2e-3, 1e-3])
+    assert a >= 0 and bw > 0, (a, bw)
+    a, bw = calibrate.fit_line([1e3, 1e6], [1e-6, 1e-3])  # a negative intercept, clamped
+    assert a == 0 and bw == pytest.approx(1e9, rel=1e-3), (a, bw)
+
+
+def _rank(rate: float, coll: dict) -> dict:
+    """A rank's synthetic measurements: GEMMs at ``rate`` FLOP/s, blocks at half of it after
+    a fixed 1 ms, AdamW at 4 GB/s."""
+    blocks = [(flops, 1e-3 + flops / (rate / 2)) for flops in (1e9, 1e3)]
+    return {"compute": {"fp32": rate, "bf16": rate / 2}, "blocks": blocks, "optimizer": 4e9,
+            "collectives": coll}  # fmt: skip
+
+
+def test_summary_is_a_preset_whose_times_are_the_fit():
+    """Synthetic ranks: each collective takes 100 us + ring bytes / 1 GB/s; the slower rank
+    sets each time; the preset's collective_time gives back the line."""
+    ring = {op: RING[op](2) for op in OPS}
+    fast = {op: [100e-6 + ring[op] * s / 1e9 for s in SIZES] for op in OPS}
+    slow = {op: [t * 1.0 for t in ts] for op, ts in fast.items()}
+    preset = calibrate.summarize({1: [_rank(4e10, {})], 2: [_rank(4e10, fast), _rank(3e10, slow)]},
+                                 SIZES)  # fmt: skip
+    machine = Cluster(**preset)
+    assert machine.compute["fp32"] == pytest.approx({"1": 0.02, "2": 0.015}), "slowest block"
+    assert machine.fp32_tflops == pytest.approx(0.04), "the peak: a GEMM's rate"
+    assert machine.cores >= 1
+    assert machine.layer_overhead_us == pytest.approx(1000.0), "the blocks' fixed cost"
+    for op in OPS:
+        t = machine.collective_time(op, 1 << 20, 2, inter=False)
+        assert t == pytest.approx(100e-6 + ring[op] * (1 << 20) / 1e9, rel=1e-6), op
+    two = Cluster(**{**preset, "procs_per_node": 2, "cores": 2})
+    assert two.tflops("fp32") == pytest.approx(0.015), "2 ranks: the slower one's block"
+
+
+def test_real_calibration_with_two_processes(tmp_path):
+    """A tiny run over gloo (two sizes, small GEMMs): every op fitted for a group of 2, and
+    the saved preset plans a model (no assertion on speed: this machine is shared)."""
+    data = calibrate.measure([2], sizes=SIZES, repeats=2, gemm=(64, 32))
+    assert set(data["collectives"]) == set(OPS)
+    for op, fits in data["collectives"].items():
+        lat, bw = fits["2"]
+        assert lat >= 0 and bw > 0, (op, lat, bw)
+    assert data["compute"]["fp32"]["2"] > 0 and data["layer_overhead_us"] >= 0
+    path = calibrate.save(data, tmp_path / "calib.json")
+    assert load(str(path)) == Cluster(**data), "the saved preset loads back unchanged"
+
+
+def test_saved_preset_round_trips_through_the_cli(tmp_path, capsys):
+    preset = calibrate.summarize({1: [_rank(4e10, {})]}, SIZES)
+    path = calibrate.save(preset, tmp_path / "sub" / "mine.json")
+    assert json.loads(path.read_text()) == preset
+    assert load(str(path)) == Cluster(**preset)
+    assert main(["plan", *GPT_FLAGS, "--cluster", str(path), "--json"]) == 0
+    recs = json.loads(capsys.readouterr().out)
+    assert recs and all(r["step_time_s"] > 0 for r in recs if r["feasible"])
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--calibrate", "--calibrate-procs", "2,x"], "--calibrate-procs '2,x'"),
+        (["--calibrate", "--calibrate-procs", "0"], "--calibrate-procs [0]"),
+        (["--calibrate", "--output", "{tmp}"], "is a directory"),
+        (["--calibrate", "--output", "{tmp}/calib.txt"], "give a .json file"),
+        ([*GPT_FLAGS, "--cluster", "{tmp}/none.json"], "no such preset or file"),
+        ([*GPT_FLAGS, "--cluster", "{tmp}/bad.json"], "write one with `shardwise plan --calibrate"),
+    ],
+)
+def test_bad_calibration_flags_name_the_flag(tmp_path, capsys, flags, message):
+    (tmp_path / "bad.json").write_text(json.dumps({"name": "x", "gpus": 8}))
+    argv = ["plan", *(f.format(tmp=tmp_path) for f in flags)]
+    assert main(argv) == 2, argv
+    err = capsys.readouterr().err
+    assert message in err and flags[-2] in err, (argv, err)
+
+
+def _compute_s(shape, ppn: int, cores: int, mb: int) -> float:
+    preset = calibrate.summarize({1: [_rank(4e10, {})]}, SIZES)
+    machine = Cluster(**{**preset, "layer_overhead_us": 1000.0, "cores": cores,
+                         "procs_per_node": ppn, "optimizer_gbps": 1e12})  # fmt: skip
+    lay = Layout(ppn, 1, 1, 0, mb, 8 // ppn // mb)
+    return Planner(shape, machine, 8, 32, "fp32").evaluate(lay)["time"]["compute"]
+
+
+def test_fixed_layer_cost_favours_fewer_larger_micro_batches():
+    """With a calibrated fixed cost per layer and pass, 4 micro-batches of 1 pay it 4 times
+    where one of 4 pays it once; 4 ranks time-sharing 2 cores pay it twice as long (the
+    optimizer made free, so only the layers' costs differ)."""
+    shape = read_model(build(Dims(layers=2, hidden=64, heads=2, vocab=64, seq=32)))
+    fixed = len(shape.layers) * 1e-3
+    small, large = _compute_s(shape, 2, 2, 1), _compute_s(shape, 2, 2, 4)
+    assert small - large == pytest.approx(3 * fixed, rel=1e-6), "dp2: mb 1x4 against 4x1"
+    shared, own = _compute_s(shape, 4, 2, 1), _compute_s(shape, 4, 4, 1)
+    assert shared - own == pytest.approx(2 * fixed, rel=1e-6), "dp4 mb 1x2: 2 or 4 cores"
