@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -77,6 +78,14 @@ def test_a_workers_exception_is_the_root_cause_in_the_summary(tmp_path):
     assert "error_file: <N/A>" not in summary, summary
     assert "rank 1 gave up on purpose" in summary, summary
     assert "linger.py" in summary, f"the traceback names the script's line: {summary}"
+    # Issue 15: the first failing rank, its host and its exception come first, and the
+    # resolved world before anything starts.
+    first = out.stderr.splitlines()[0]
+    assert first.startswith("shardwise run: 1 node x 2 processes = world 2"), first
+    headline = f"rank 1 (local rank 1, host {socket.gethostname()}) failed first: ValueError:"
+    at = out.stderr.find(f"shardwise run: {headline}")
+    assert 0 <= at < out.stderr.find("Root Cause"), out.stderr[-3000:]
+    assert "gave up on purpose" in out.stderr[at:].splitlines()[0], out.stderr[at:][:300]
 
 
 def test_no_launcher_no_guard(monkeypatch):

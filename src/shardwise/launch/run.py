@@ -46,6 +46,7 @@ from shardwise.launch.env import DEFAULT_MASTER_PORT, TIMEOUT_VAR, _get_int
 from shardwise.launch.guard import LAUNCHER_VAR
 from shardwise.launch.hostname import resolve_hostname_once
 from shardwise.launch.preempt import PREEMPTED_EXIT_CODE, REPORT_DIR_VAR, read_reports
+from shardwise.launch.summary import first_failure, opening_line
 
 LOOPBACK = "127.0.0.1"
 NPROC_WORDS = ("auto", "cpu", "gpu", "xpu")  # torchrun's symbolic --nproc-per-node values
@@ -278,6 +279,7 @@ def launch(args: argparse.Namespace) -> int:
         return 0
     if not args.module and not Path(args.script).is_file():
         raise ValueError(f"script {args.script!r} not found (give a path, or -m for a module)")
+    print(opening_line(args, argv), file=sys.stderr, flush=True)
     os.environ.update(updates)
     os.environ[LAUNCHER_VAR] = str(os.getpid())  # workers die with this process (launch/guard.py)
     resolve_hostname_once(one_node=(args.nnodes or 1) == 1)  # not one DNS lookup per agent event
@@ -290,7 +292,7 @@ def launch(args: argparse.Namespace) -> int:
         # which may be past their handler (the interpreter shutting down), hence -SIGTERM.
         if PREEMPTED_EXIT_CODE in codes and codes <= {PREEMPTED_EXIT_CODE, -signal.SIGTERM}:
             return _preempted(reports, "SIGTERM to the workers")
-        print(f"shardwise run: workers failed\n{e}", file=sys.stderr)
+        print(f"{first_failure(e)}\nshardwise run: workers failed\n{e}", file=sys.stderr)
         return 1
     except SignalException as e:  # torchrun forwarded it and waited for the workers
         if read_reports(reports):
