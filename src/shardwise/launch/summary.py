@@ -30,10 +30,7 @@ def opening_line(args: argparse.Namespace, argv: list[str]) -> str:
         master += f" (node rank {args.node_rank or 0})" if nnodes > 1 else ""
     nodes = f"{nnodes} node{'s' if nnodes > 1 else ''}"
     procs = f"{nproc} process{'' if nproc == '1' else 'es'}"
-    return (
-        f"shardwise run: {nodes} x {procs} = {world}, {master}; "
-        f"torchrun {shlex.join(argv)}"
-    )
+    return f"shardwise run: {nodes} x {procs} = {world}, {master}; torchrun {shlex.join(argv)}"
 
 
 def _last_line(message: object) -> str:
