@@ -4,7 +4,9 @@ Each host runs ``shardwise run --nnodes 2 --node-rank I --master-addr 10.77.0.1`
 GPT (examples/gpt/train.py), so the ranks talk over the veth link between the namespaces; the
 result is compared with the one-process run of the same global batch, with the tolerance of
 tests/test_example_gpt.py (fp32, six Adam steps: reduction order only, < 1e-4; a wrong
-micro-batch, scale or reduction is >= 1e-2 off). Layouts: DP4 (2 ranks per host), DP2 x TP2
+micro-batch, scale or reduction is >= 1e-2 off). Layouts: DP4 (2 ranks per host), ZeRO-2 x 4
+(gradient shards reduced across the link, the whole model saved by the two hosts and loaded
+by one process), DP2 x TP2
 (the tensor axis inside a host, data across: the mesh's innermost axis is the local ranks),
 PP2 (one stage per host), and DP4 again with Debian's default hosts file, where the host name
 resolves to 127.0.1.1: gloo used to listen on loopback and the job failed with "Connection
@@ -14,6 +16,7 @@ reaches the master and says so.
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -25,10 +28,12 @@ import torch
 from netns_hosts import ADDRESSES, LINKS, set_link
 from test_example_gpt import GPT_DIR, SMALL_RUN, _load_run, _train
 
+ZERO2 = Path(__file__).parent / "scripts" / "zero2.json"  # {"zero_optimization": {"stage": 2}}
 # name: (processes per host, train.py flags, hosts-file flavour)
 ROWS = {
     "dp4": (2, ("--dp", "4", "--micro-batch", "2", "--grad-accum", "1"), "own address"),
     "dp2xtp2": (2, ("--dp", "2", "--tp", "2", "--micro-batch", "2", "--grad-accum", "2"), "own address"),
+    "zero2x4": (2, ("--dp", "4", "--micro-batch", "2", "--grad-accum", "1", "--config", str(ZERO2)), "own address"),
     "pp2": (1, ("--pp", "2", "--micro-batch", "2", "--grad-accum", "4"), "own address"),
     "dp4, host name on 127.0.1.1": (2, ("--dp", "4", "--micro-batch", "2", "--grad-accum", "1"), "debian 127.0.1.1"),
 }  # fmt: skip
@@ -79,6 +84,9 @@ def test_two_hosts_train_like_one_process(two_hosts, one_process, tmp_path, name
     if flavour == "debian 127.0.1.1":
         for i, log in enumerate(logs):
             assert f"gloo uses {LINKS[i]}" in log, f"{name}: host {i} did not say: {log[-2000:]}"
+    if ZERO2 in map(Path, extra):  # the layout the row names is the one that ran
+        ran = json.loads((tmp_path / "run" / "config.json").read_text())["shardwise"]
+        assert ran["zero_optimization"]["stage"] == 2, f"{name}: ran {ran.get('zero_optimization')}"
     ref_model, ref = _load_run(one_process)
     model, got = _load_run(tmp_path / "run")
     for key in ("train", "val"):
@@ -91,29 +99,34 @@ def test_two_hosts_train_like_one_process(two_hosts, one_process, tmp_path, name
 LOST_AFTER_S = 10  # the default is 60 s; the same code path, shortened to keep the suite fast
 
 
+def _start_dp4(hosts, marker: Path, port: str, env: dict, *script_args: str) -> list:
+    """DP4 of tests/scripts/long_dp.py on both hosts; returns once its first step is done."""
+    script = str(Path(__file__).parent / "scripts" / "long_dp.py")
+    procs = []
+    for i in range(2):
+        argv = [sys.executable, "-m", "shardwise", "run", "--nnodes", "2", "--node-rank", str(i),
+                "--nproc-per-node", "2", "--master-addr", ADDRESSES[0], "--master-port", port,
+                script, str(marker), *script_args]  # fmt: skip
+        procs.append(subprocess.Popen(hosts.command(i, argv), env=env, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      start_new_session=True))  # fmt: skip
+    deadline = time.monotonic() + 120
+    while not marker.exists():
+        assert time.monotonic() < deadline, "training never started"
+        assert all(p.poll() is None for p in procs), [p.communicate()[0] for p in procs]
+        time.sleep(0.2)
+    return procs
+
+
 def test_a_host_that_loses_its_link_is_named_on_both_sides(two_hosts, tmp_path):
     """DP4 on two hosts; host 1's link goes down mid-training. With the collective timeout at
     10 minutes, each host must still stop within the heartbeat limit plus the launcher's
     teardown, exit non-zero, and say which host (or the store's host) it lost."""
-    marker = tmp_path / "started"
-    script = str(Path(__file__).parent / "scripts" / "long_dp.py")
     env = two_hosts.environment(
         SHARDWISE_TIMEOUT_S="600", SHARDWISE_HOST_TIMEOUT_S=str(LOST_AFTER_S)
     )
-    procs = []
-    for i in range(2):
-        argv = [sys.executable, "-m", "shardwise", "run", "--nnodes", "2", "--node-rank", str(i),
-                "--nproc-per-node", "2", "--master-addr", ADDRESSES[0], "--master-port", "29612",
-                script, str(marker)]  # fmt: skip
-        procs.append(subprocess.Popen(two_hosts.command(i, argv), env=env, text=True,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      start_new_session=True))  # fmt: skip
     try:
-        deadline = time.monotonic() + 120
-        while not marker.exists():
-            assert time.monotonic() < deadline, "training never started"
-            assert all(p.poll() is None for p in procs), [p.communicate()[0] for p in procs]
-            time.sleep(0.2)
+        procs = _start_dp4(two_hosts, tmp_path / "started", "29612", env)
         time.sleep(1)
         set_link(1, up=False)
         cut = time.monotonic()
@@ -133,3 +146,44 @@ def test_a_host_that_loses_its_link_is_named_on_both_sides(two_hosts, tmp_path):
         logs[1],
     ), logs[1][-3000:]
     assert max(took) < LOST_AFTER_S + 30, f"hosts stopped {took} s after the cut"
+
+
+FLAP_S = 2.0
+
+
+def test_a_two_second_link_flap_is_ridden_out_with_default_settings(two_hosts, tmp_path):
+    """DP4 on two hosts, default timeouts (collectives 30 min, heartbeat 60 s); host 1's link
+    goes down for 2 s mid-training and comes back. TCP retransmits what was in flight and gloo
+    never sees an error: both hosts finish their 150 steps and exit 0, and no host is reported
+    lost. (A flap longer than the heartbeat limit is a lost host, above.)"""
+    env = two_hosts.environment()
+    for var in ("SHARDWISE_TIMEOUT_S", "SHARDWISE_HOST_TIMEOUT_S"):
+        env.pop(var, None)
+    try:
+        procs = _start_dp4(two_hosts, tmp_path / "started", "29613", env, "150")
+        time.sleep(1)
+        set_link(1, up=False)
+        time.sleep(FLAP_S)
+        set_link(1, up=True)
+        logs = [p.communicate(timeout=120)[0] for p in procs]
+    finally:
+        set_link(1, up=True)
+        two_hosts.kill_all()
+    codes = [p.returncode for p in procs]
+    assert codes == [0, 0], f"exit codes {codes} after a {FLAP_S} s flap:\n" + "\n---\n".join(
+        x[-2000:] for x in logs
+    )
+    assert not any("lost" in x for x in logs), "a 2 s flap must not count as a lost host"
+
+
+def test_the_dp2xtp2_row_keeps_tensor_groups_inside_a_host():
+    """`shardwise topo` of the row's layout: each tensor group is one host's two ranks, so only
+    the data-parallel traffic crosses the link (the row above checks the training)."""
+    out = subprocess.run(
+        [sys.executable, "-m", "shardwise", "topo", "--dp", "2", "--tp", "2", "--nnodes", "2",
+         "--nproc-per-node", "2"],
+        capture_output=True, text=True, timeout=60, check=True,
+    ).stdout  # fmt: skip
+    assert "tensor groups (tp=2, 2 groups): [0, 1] [2, 3]" in out, out
+    hosts = dict(re.findall(r"^\s+(\d)\s+(node\d)", out, re.M))
+    assert hosts == {"0": "node0", "1": "node0", "2": "node1", "3": "node1"}, out

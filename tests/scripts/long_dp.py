@@ -1,7 +1,7 @@
 """Data-parallel training that goes on until stopped (the lost-host test cuts a link under it).
-Writes MARKER once the first step is done.
+Writes MARKER once the first step is done; with STEPS, returns after that many (exit 0).
 
-    python long_dp.py MARKER
+    python long_dp.py MARKER [STEPS]
 """
 
 import sys
@@ -21,8 +21,8 @@ def main() -> None:
         "optimizer": {"type": "SGD", "params": {"lr": 0.01}},
     }
     engine, *_ = shardwise.initialize(model=model, config=config)
-    start = time.monotonic()
-    while time.monotonic() - start < 600:
+    start, steps = time.monotonic(), int(sys.argv[2]) if len(sys.argv) > 2 else 10**9
+    while time.monotonic() - start < 600 and engine.global_steps < steps:
         engine.backward(engine(torch.randn(4, 16)).pow(2).mean())
         engine.step()
         if engine.global_steps == 1 and engine.global_rank == 0:
