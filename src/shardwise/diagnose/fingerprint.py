@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from shardwise.wire_dtypes import WIRE_DTYPES
+
 if TYPE_CHECKING:  # annotations only
     from shardwise.diagnose.recorder import Call
 
@@ -38,20 +40,7 @@ OPS = (
     "all_to_all",
     "barrier",
 )
-DTYPES = (
-    torch.float32,
-    torch.float16,
-    torch.bfloat16,
-    torch.float64,
-    torch.int64,
-    torch.int32,
-    torch.int16,
-    torch.int8,
-    torch.uint8,
-    torch.bool,
-    torch.complex64,
-    torch.complex128,
-)
+DTYPES = WIRE_DTYPES
 DIMS = 6
 PER_TENSOR = 3 + DIMS
 WIDTH = 3 + 2 * PER_TENSOR

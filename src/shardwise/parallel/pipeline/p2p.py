@@ -40,22 +40,12 @@ from torch.distributed import ProcessGroup
 
 from shardwise import comm
 from shardwise.parallel.tensor.comm import chunk_numel, flat_chunk, unflat_gather
+from shardwise.wire_dtypes import WIRE_DTYPES
 
 if TYPE_CHECKING:  # annotations only
     from torch.distributed import ProcessGroup
 
-_DTYPES = [
-    torch.float32,
-    torch.float16,
-    torch.bfloat16,
-    torch.float64,
-    torch.int64,
-    torch.int32,
-    torch.int16,
-    torch.int8,
-    torch.uint8,
-    torch.bool,
-]
+_DTYPES = WIRE_DTYPES
 _CODE = {d: i for i, d in enumerate(_DTYPES)}
 logger = logging.getLogger("shardwise")
 
