@@ -65,10 +65,10 @@ class Hosts:
         return env
 
     @staticmethod
-    def kill_all() -> None:
-        """SIGKILL every process on both hosts: torch's launcher starts its workers in
-        sessions of their own, so killing the launcher's group leaves them running."""
-        for ns in NAMESPACES:
+    def kill_all(hosts: tuple[int, ...] = (0, 1)) -> None:
+        """SIGKILL every process on the hosts (both by default): torch's launcher starts its
+        workers in sessions of their own, so killing the launcher's group leaves them running."""
+        for ns in (NAMESPACES[i] for i in hosts):
             pids = _ip("netns", "pids", ns, check=False).stdout.split()
             for pid in pids:
                 try:

@@ -54,6 +54,10 @@ ARGV = [
     ("restarts on one node", "--max-restarts 1 t.py", f"--nnodes=1 --nproc-per-node=1 {ONE_NODE} --max-restarts=1 t.py"),
     ("restarts on several nodes: c10d", "--nnodes 2 --master-addr n0 --max_restarts 3 --rdzv-id j7 t.py",
      "--nnodes=2 --nproc-per-node=1 --rdzv-backend=c10d --rdzv-endpoint=n0:29500 --rdzv-id=j7 --max-restarts=3 t.py"),
+    ("elastic MIN:MAX: c10d, no node rank", "--nnodes 1:2 --nproc-per-node 2 --master-addr n0 t.py",
+     "--nnodes=1:2 --nproc-per-node=2 --rdzv-backend=c10d --rdzv-endpoint=n0:29500 --rdzv-id=shardwise-29500 --max-restarts=0 t.py"),
+    ("MIN:MAX with MIN = MAX is not elastic", "--nnodes 2:2 --master-addr n0 t.py",
+     "--nnodes=2 --nproc-per-node=1 --node-rank=0 --master-addr=n0 --master-port=29500 --max-restarts=0 t.py"),
     ("module", "-m pkg.train --lr 1", f"--nnodes=1 --nproc-per-node=1 {ONE_NODE} --max-restarts=0 --module pkg.train --lr 1"),
     ("script flags stay the script's", "t.py --nproc-per-node 9 --deepspeed",
      f"--nnodes=1 --nproc-per-node=1 {ONE_NODE} --max-restarts=0 t.py --nproc-per-node 9 --deepspeed"),
@@ -102,6 +106,14 @@ def test_build_torchrun_argv_errors_name_the_flag(case, flags, named):
         build_torchrun_argv(args)
         launch_env(args, {})
     assert named in str(info.value), f"{case}: {info.value}"
+
+
+@pytest.mark.parametrize("value", ["2:1", "0:2", "one", "1:x"])
+def test_a_bad_node_range_is_refused_naming_the_flag(value, capsys):
+    with pytest.raises(SystemExit):
+        _run_args("--nnodes", value, "t.py")
+    err = capsys.readouterr().err
+    assert f"--nnodes={value}" in err and ("MIN:MAX" in err or "MIN <= MAX" in err), err
 
 
 @pytest.mark.parametrize(

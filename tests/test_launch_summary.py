@@ -23,6 +23,8 @@ OPENINGS = [
      "shardwise run: 1 node x 2 processes = world 2, master on this host (standalone"),
     ("two nodes", "--nnodes 2 --node-rank 1 --nproc-per-node 4 --master-addr n0 t.py",
      "shardwise run: 2 nodes x 4 processes = world 8, master n0:29500 (node rank 1)"),
+    ("elastic", "--nnodes 1:2 --nproc-per-node 2 --master-addr n0 t.py",
+     "shardwise run: 1 to 2 nodes x 2 processes = world 4, c10d rendezvous at n0:29500;"),
     ("explicit port", "--master-port 29700 t.py",
      "shardwise run: 1 node x 1 process = world 1, master 127.0.0.1:29700;"),
 ]  # fmt: skip

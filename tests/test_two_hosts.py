@@ -187,3 +187,58 @@ def test_the_dp2xtp2_row_keeps_tensor_groups_inside_a_host():
     assert "tensor groups (tp=2, 2 groups): [0, 1] [2, 3]" in out, out
     hosts = dict(re.findall(r"^\s+(\d)\s+(node\d)", out, re.M))
     assert hosts == {"0": "node0", "1": "node0", "2": "node1", "3": "node1"}, out
+
+
+def test_an_elastic_job_goes_on_without_a_lost_host_and_takes_it_back(two_hosts, tmp_path):
+    """``--nnodes 1:2 --max-restarts 3`` (c10d rendezvous) of tests/scripts/elastic_dp.py,
+    which saves every 5 steps with ``auto_resume``. Host 1 is killed (launcher and workers)
+    mid-run: host 0's agent restarts its group alone, and training goes on in a world of 2
+    from the last save. Host 1's launcher is started again: host 0's agent stops its group
+    (SIGTERM: the workers save that step, launch/preempt.py) and both hosts go on in a world
+    of 4 from it, to the end, exit 0."""
+    out, env = tmp_path / "out", two_hosts.environment()
+    out.mkdir()
+    script = str(Path(__file__).parent / "scripts" / "elastic_dp.py")
+    argv = [sys.executable, "-m", "shardwise", "run", "--nnodes", "1:2", "--nproc-per-node", "2",
+            "--max-restarts", "3", "--master-addr", ADDRESSES[0], "--master-port", "29615",
+            script, str(out), "120"]  # fmt: skip
+    logs = [tmp_path / "host0.log", tmp_path / "host1.log", tmp_path / "host1-again.log"]
+
+    def start(i: int, log: Path) -> subprocess.Popen:
+        return subprocess.Popen(two_hosts.command(i, argv), env=env, stdout=log.open("w"),
+                                stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+
+    def step() -> int:
+        text = (out / "progress").read_text() if (out / "progress").exists() else ""
+        return int(text) if text else 0
+
+    def wait_for(what: str, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while what not in logs[0].read_text():
+            assert time.monotonic() < deadline, (
+                f"no {what!r} within {seconds} s:\n"
+                + "\n---\n".join(x.read_text()[-2500:] for x in logs if x.exists())
+            )
+            time.sleep(0.2)
+
+    try:
+        host0, _ = start(0, logs[0]), start(1, logs[1])
+        wait_for("[elastic] world 4 starts at step 0", 120)
+        while step() < 12:
+            assert host0.poll() is None, logs[0].read_text()[-3000:]
+            time.sleep(0.2)
+        two_hosts.kill_all(hosts=(1,))
+        wait_for("[elastic] world 2 starts at step 10", 150)
+        host1 = start(1, logs[2])
+        host0.wait(timeout=240)
+        host1.wait(timeout=60)
+    finally:
+        two_hosts.kill_all()
+    text = logs[0].read_text()
+    codes = [host0.returncode, host1.returncode]
+    assert codes == [0, 0], f"exit codes {codes}:\n{text[-3000:]}"
+    regrown = re.search(
+        r"\[elastic\] world 4 starts at step (\d+)", text.split("world 2 starts")[1]
+    )
+    assert regrown and int(regrown.group(1)) > 10, f"host 1 never rejoined:\n{text[-3000:]}"
+    assert (out / "done").read_text() == "4", "the job must end in the world of 4"

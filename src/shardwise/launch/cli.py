@@ -26,11 +26,27 @@ from shardwise.plan import cli as plan_cli
 from shardwise.topology import AXIS_NAMES, Topology, TopologyError
 from shardwise.verify import cli as verify_cli
 
+
+class NodesRange(argparse.Action):
+    """``--nnodes N`` or torchrun's elastic ``MIN:MAX``: ``nnodes`` is the most nodes (what
+    every check and the mesh use), ``min_nnodes`` the fewest the job goes on with."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:  # noqa: ANN001
+        lo, _, hi = str(values).partition(":")
+        try:
+            low, high = int(lo), int(hi or lo)
+        except ValueError:
+            parser.error(f"{option_string}={values}: give N or MIN:MAX (e.g. 2, or 1:2)")
+        if not 1 <= low <= high:
+            parser.error(f"{option_string}={values}: need 1 <= MIN <= MAX")
+        namespace.nnodes, namespace.min_nnodes = high, low
+
+
 # (flags, argparse options): torchrun's spelling first, then the aliases DeepSpeed users type.
 RUN_FLAGS = [
     (("--nproc-per-node", "--nproc_per_node", "--num_gpus", "--num_accelerators"),
      dict(dest="nproc_per_node", help="processes on this node: N, auto, cpu or gpu (default: one per CUDA device, else 1)")),
-    (("--nnodes", "--num_nodes"), dict(type=int, help="number of nodes (default 1)")),
+    (("--nnodes", "--num_nodes"), dict(action=NodesRange, help="nodes: N, or MIN:MAX for an elastic job (default 1)")),
     (("--node-rank", "--node_rank"), dict(type=int, help="this node's rank (default 0)")),
     (("--master-addr", "--master_addr"), dict(help="host of node 0 (required with several nodes)")),
     (("--master-port", "--master_port"),

@@ -75,8 +75,9 @@ def _check_nproc(value: object) -> str:
     raise ValueError(f"--nproc-per-node={text!r} must be an integer >= 1 or one of {NPROC_WORDS}")
 
 
-def _rendezvous_argv(args: argparse.Namespace, nnodes: int) -> list[str]:
-    """How the agents meet: standalone, static (fixed node ranks) or c10d (survives restarts)."""
+def _rendezvous_argv(args: argparse.Namespace, nnodes: int, elastic: bool = False) -> list[str]:
+    """How the agents meet: standalone, static (fixed node ranks) or c10d (survives restarts,
+    and lets an elastic job go on with fewer nodes and take them back)."""
     if nnodes == 1 and args.master_addr is None and args.master_port is None:
         return ["--standalone"]
     if nnodes > 1 and not args.master_addr:
@@ -85,7 +86,7 @@ def _rendezvous_argv(args: argparse.Namespace, nnodes: int) -> list[str]:
             "(or use --slurm, or a hostfile with -H)"
         )
     addr, port = args.master_addr or LOOPBACK, args.master_port or DEFAULT_MASTER_PORT
-    if args.max_restarts > 0:
+    if args.max_restarts > 0 or elastic:
         # The static rendezvous keeps one store across attempts and restarted workers hang on
         # the previous attempt's keys (pytorch/pytorch#135712, still so in torch 2.13): c10d
         # with an unshared store per round (see launch_env) restarts cleanly.
@@ -111,8 +112,11 @@ def build_torchrun_argv(args: argparse.Namespace) -> list[str]:
     if args.max_restarts < 0:
         raise ValueError(f"--max-restarts={args.max_restarts} must be >= 0")
     nproc = args.nproc_per_node if args.nproc_per_node is not None else default_nproc()
-    argv = [f"--nnodes={nnodes}", f"--nproc-per-node={_check_nproc(nproc)}"]
-    argv += _rendezvous_argv(args, nnodes)
+    low = getattr(args, "min_nnodes", None) or nnodes
+    elastic = low != nnodes
+    argv = [f"--nnodes={low}:{nnodes}" if elastic else f"--nnodes={nnodes}"]
+    argv.append(f"--nproc-per-node={_check_nproc(nproc)}")
+    argv += _rendezvous_argv(args, nnodes, elastic)
     local_addr = args.local_addr or (LOOPBACK if nnodes == 1 else None)
     if local_addr and "--local-addr" in _torchrun_flags():
         argv.append(f"--local-addr={local_addr}")

@@ -25,10 +25,16 @@ def opening_line(args: argparse.Namespace, argv: list[str]) -> str:
     world = f"world {nnodes * int(nproc)}" if nproc.isdigit() else "world: one rank per device"
     if "--standalone" in argv:
         master = "master on this host (standalone: a free loopback port)"
+    elif "--rdzv-backend=c10d" in argv:  # node ranks come from the rendezvous
+        endpoint = next(a.split("=", 1)[1] for a in argv if a.startswith("--rdzv-endpoint="))
+        master = f"c10d rendezvous at {endpoint}"
     else:
         master = f"master {args.master_addr or '127.0.0.1'}:{args.master_port or 29500}"
         master += f" (node rank {args.node_rank or 0})" if nnodes > 1 else ""
+    low = getattr(args, "min_nnodes", None) or nnodes
     nodes = f"{nnodes} node{'s' if nnodes > 1 else ''}"
+    if low != nnodes:  # elastic: the world is the most nodes' until some are lost
+        nodes = f"{low} to {nnodes} nodes"
     procs = f"{nproc} process{'' if nproc == '1' else 'es'}"
     return f"shardwise run: {nodes} x {procs} = {world}, {master}; torchrun {shlex.join(argv)}"
 
