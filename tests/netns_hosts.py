@@ -39,9 +39,34 @@ def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run(["ip", *args], capture_output=True, text=True, check=check)
 
 
-def _delete() -> None:
-    for ns in NAMESPACES:
+def delete_namespaces(namespaces: tuple[str, ...] = NAMESPACES) -> None:
+    for ns in namespaces:
         _ip("netns", "del", ns, check=False)  # the veth ends go with their namespaces
+
+
+def kill_in(namespaces: tuple[str, ...]) -> None:
+    """SIGKILL every process in the namespaces: torch's launcher starts its workers in sessions
+    of their own and slurmstepd detaches, so killing a process group leaves them running."""
+    for ns in namespaces:
+        for pid in _ip("netns", "pids", ns, check=False).stdout.split():
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def veth_pair(
+    namespaces: tuple[str, ...], links: tuple[str, ...], addresses: tuple[str, ...]
+) -> None:
+    """Two namespaces joined by a veth pair, an address (/24) on each end, loopback up."""
+    for ns in namespaces:
+        _ip("netns", "add", ns)
+    _ip("link", "add", links[0], "type", "veth", "peer", "name", links[1])
+    for ns, link, addr in zip(namespaces, links, addresses, strict=True):
+        _ip("link", "set", link, "netns", ns)
+        _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", link)
+        _ip("-n", ns, "link", "set", link, "up")
+        _ip("-n", ns, "link", "set", "lo", "up")
 
 
 def set_link(i: int, up: bool) -> None:
@@ -66,15 +91,8 @@ class Hosts:
 
     @staticmethod
     def kill_all(hosts: tuple[int, ...] = (0, 1)) -> None:
-        """SIGKILL every process on the hosts (both by default): torch's launcher starts its
-        workers in sessions of their own, so killing the launcher's group leaves them running."""
-        for ns in (NAMESPACES[i] for i in hosts):
-            pids = _ip("netns", "pids", ns, check=False).stdout.split()
-            for pid in pids:
-                try:
-                    os.kill(int(pid), signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+        """SIGKILL every process on the hosts (both by default)."""
+        kill_in(tuple(NAMESPACES[i] for i in hosts))
 
     def command(self, i: int, argv: list[str], hosts: str = "own address") -> list[str]:
         name = f"host{i}"
@@ -92,16 +110,9 @@ def two_hosts(tmp_path_factory) -> Iterator[Hosts]:
     for tool in ("ip", "unshare"):
         if shutil.which(tool) is None:
             pytest.skip(f"two-host tests need {tool} (Debian's iproute2 / util-linux)")
-    _delete()
+    delete_namespaces()
     try:
-        for ns in NAMESPACES:
-            _ip("netns", "add", ns)
-        _ip("link", "add", LINKS[0], "type", "veth", "peer", "name", LINKS[1])
-        for ns, link, addr in zip(NAMESPACES, LINKS, ADDRESSES, strict=True):
-            _ip("link", "set", link, "netns", ns)
-            _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", link)
-            _ip("-n", ns, "link", "set", link, "up")
-            _ip("-n", ns, "link", "set", "lo", "up")
+        veth_pair(NAMESPACES, LINKS, ADDRESSES)
         yield Hosts(tmp_path_factory.mktemp("hosts"))
     finally:
-        _delete()
+        delete_namespaces()

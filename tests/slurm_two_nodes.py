@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from netns_hosts import delete_namespaces, kill_in, veth_pair
 from slurm_cluster import CONF, _install
 
 _RUN = os.getpid() % 100000
@@ -85,24 +86,8 @@ def _stop(daemons: list[subprocess.Popen]) -> None:
         except ProcessLookupError:
             pass
     time.sleep(1)
-    for ns in NAMESPACES:  # slurmstepd detaches: whatever is left in the hosts goes too
-        for pid in _ip("netns", "pids", ns, check=False).stdout.split():
-            try:
-                os.kill(int(pid), signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        _ip("netns", "del", ns, check=False)
-
-
-def _network() -> None:
-    for ns in NAMESPACES:
-        _ip("netns", "add", ns)
-    _ip("link", "add", LINKS[0], "type", "veth", "peer", "name", LINKS[1])
-    for ns, link, addr in zip(NAMESPACES, LINKS, ADDRESSES, strict=True):
-        _ip("link", "set", link, "netns", ns)
-        _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", link)
-        _ip("-n", ns, "link", "set", link, "up")
-        _ip("-n", ns, "link", "set", "lo", "up")
+    kill_in(NAMESPACES)  # slurmstepd detaches: whatever is left in the hosts goes too
+    delete_namespaces(NAMESPACES)
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +105,7 @@ def slurm_two_nodes(tmp_path_factory) -> Iterator[TwoNodes]:
     env.update(SLURM_CONF=str(home / "slurm.conf"), OMP_NUM_THREADS="1")
     cluster, daemons = TwoNodes(home, env), []
     try:
-        _network()
+        veth_pair(NAMESPACES, LINKS, ADDRESSES)
         for host, argv in ((0, ["slurmctld", "-D", "-i"]), (0, ["slurmd", "-D", "-N", NAMES[0]]),
                            (1, ["slurmd", "-D", "-N", NAMES[1]])):  # fmt: skip
             daemons.append(subprocess.Popen(cluster.command(host, argv), env=env, start_new_session=True,

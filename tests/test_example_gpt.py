@@ -243,6 +243,19 @@ def _load_run(out: Path) -> tuple[M.GPT, dict]:
     return model, json.loads((out / "metrics.json").read_text())
 
 
+def assert_trains_like(out: Path, reference: Path, case: str) -> None:
+    """The run in ``out`` against the one-process ``reference``: losses and every parameter
+    within 1e-4 (fp32, six Adam steps: reduction order only; a wrong micro-batch, scale or
+    reduction is >= 1e-2 off)."""
+    ref_model, ref = _load_run(reference)
+    model, got = _load_run(out)
+    for key in ("train", "val"):
+        diff = max(abs(a - b) for a, b in zip(got[key], ref[key], strict=True))
+        assert diff < 1e-4, f"{case}: {key} losses {got[key]} vs one process {ref[key]}"
+    for (n, p), (_, q) in zip(model.named_parameters(), ref_model.named_parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-4, msg=lambda m, n=n: f"{case} {n}: {m}")
+
+
 def test_train_script_end_to_end(one_process):
     """A few steps of the real script in one process: every output is written and loads."""
     out = one_process

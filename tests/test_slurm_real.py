@@ -21,9 +21,8 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 from slurm_cluster import slurm  # noqa: F401 - the session fixture
-from test_example_gpt import GPT_DIR, SMALL_RUN, _load_run, _train
+from test_example_gpt import GPT_DIR, SMALL_RUN, _train, assert_trains_like
 
 REPO = Path(__file__).resolve().parents[1]
 DP2 = ("--micro-batch", "2", "--grad-accum", "2")
@@ -65,13 +64,7 @@ def test_slurm_jobs_train_like_one_process(slurm, one_process, tmp_path, way):  
     assert proc.returncode == 0, (
         f"{way}: exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}\n{logs[-3000:]}"
     )
-    ref_model, ref = _load_run(one_process)
-    model, got = _load_run(out)
-    for key in ("train", "val"):
-        diff = max(abs(a - b) for a, b in zip(got[key], ref[key], strict=True))
-        assert diff < 1e-4, f"{way}: {key} losses {got[key]} vs one process {ref[key]}"
-    for (n, p), (_, q) in zip(model.named_parameters(), ref_model.named_parameters(), strict=True):
-        torch.testing.assert_close(p, q, rtol=0, atol=1e-4, msg=lambda m, n=n: f"{way} {n}: {m}")
+    assert_trains_like(out, one_process, way)
 
 
 def _job_processes(marker: str) -> list[str]:

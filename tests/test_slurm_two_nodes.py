@@ -10,9 +10,8 @@ from __future__ import annotations
 import sys
 
 import pytest
-import torch
 from slurm_two_nodes import slurm_two_nodes  # noqa: F401 - the module fixture
-from test_example_gpt import GPT_DIR, SMALL_RUN, _load_run, _train
+from test_example_gpt import GPT_DIR, SMALL_RUN, _train, assert_trains_like
 
 
 @pytest.fixture(scope="module")
@@ -30,12 +29,4 @@ def test_two_slurm_nodes_train_like_one_process(slurm_two_nodes, one_process, tm
     job = cluster.run(*argv, timeout=240)
     assert job.returncode == 0, f"{job.stdout[-2000:]}\n{job.stderr[-3000:]}\n{cluster.logs()}"
     assert "2 nodes x 2 processes = world 4, master slhost0:" in job.stderr, job.stderr[-2000:]
-    ref_model, ref = _load_run(one_process)
-    model, got = _load_run(out)
-    for key in ("train", "val"):
-        diff = max(abs(a - b) for a, b in zip(got[key], ref[key], strict=True))
-        assert diff < 1e-4, f"two Slurm nodes: {key} losses {got[key]} vs one process {ref[key]}"
-    for (n, p), (_, q) in zip(model.named_parameters(), ref_model.named_parameters(), strict=True):
-        torch.testing.assert_close(
-            p, q, rtol=0, atol=1e-4, msg=lambda m, n=n: f"two Slurm nodes {n}: {m}"
-        )
+    assert_trains_like(out, one_process, "two Slurm nodes")

@@ -24,9 +24,8 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 from netns_hosts import ADDRESSES, LINKS, set_link
-from test_example_gpt import GPT_DIR, SMALL_RUN, _load_run, _train
+from test_example_gpt import GPT_DIR, SMALL_RUN, _train, assert_trains_like
 
 ZERO2 = Path(__file__).parent / "scripts" / "zero2.json"  # {"zero_optimization": {"stage": 2}}
 # name: (processes per host, train.py flags, hosts-file flavour)
@@ -87,13 +86,7 @@ def test_two_hosts_train_like_one_process(two_hosts, one_process, tmp_path, name
     if ZERO2 in map(Path, extra):  # the layout the row names is the one that ran
         ran = json.loads((tmp_path / "run" / "config.json").read_text())["shardwise"]
         assert ran["zero_optimization"]["stage"] == 2, f"{name}: ran {ran.get('zero_optimization')}"
-    ref_model, ref = _load_run(one_process)
-    model, got = _load_run(tmp_path / "run")
-    for key in ("train", "val"):
-        diff = max(abs(a - b) for a, b in zip(got[key], ref[key], strict=True))
-        assert diff < 1e-4, f"{name}: {key} losses {got[key]} vs one process {ref[key]}"
-    for (n, p), (_, q) in zip(model.named_parameters(), ref_model.named_parameters(), strict=True):
-        torch.testing.assert_close(p, q, rtol=0, atol=1e-4, msg=lambda m, n=n: f"{name} {n}: {m}")
+    assert_trains_like(tmp_path / "run", one_process, name)
 
 
 LOST_AFTER_S = 10  # the default is 60 s; the same code path, shortened to keep the suite fast
