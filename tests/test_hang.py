@@ -163,9 +163,13 @@ def test_fingerprint_mode_names_both_sides(kind, rank0, rank1):
         assert after == [2.0, 2.0], f"{where}: the group must work after the refused call"
 
 
-def _p2p_record(rank: int, in_flight: list[dict], entered: dict[str, int]) -> dict:
+def _p2p_record(rank: int, in_flight: list[dict], entered: dict) -> dict:
+    """``entered``: calls per group, keyed by name (ranks [0, 1]) or by (name, ranks)."""
     groups = [
-        {"name": g, "ranks": [0, 1], "entered": n, "completed": n} for g, n in entered.items()
+        {"name": g, "ranks": [0, 1], "entered": n, "completed": n}
+        if isinstance(g, str)
+        else {"name": g[0], "ranks": list(g[1]), "entered": n, "completed": n}
+        for g, n in entered.items()
     ]
     return {
         "rank": rank, "time": 100.0, "host": "h", "pid": rank, "reason": "test", "groups": groups,
@@ -187,6 +191,29 @@ def test_a_receive_waits_for_the_numbered_send():
     want = "rank 0 never entered send #3 on group 'world p2p 0->1' (ranks [0, 1]), where rank 1"
     assert want in found, found
     assert "rank 0 itself waits in barrier #1 on group 'world'" in found, found
+
+
+@pytest.mark.parametrize("barrier_first", [True, False], ids=["barrier-older", "barrier-newer"])
+def test_the_call_the_root_alone_holds_up_comes_first(barrier_first):
+    """sleep-data as the records saw it: rank 3 sleeps before data all_reduce #3 (ranks 1, 3),
+    so rank 1 waits there and ranks 0, 2 wait at the world barrier for ranks 1 and 3. Both
+    calls miss rank 3, but only the all_reduce would complete if rank 3 came: it is first,
+    whichever wait began earlier (CI once saw the barrier first when it was the older)."""
+    start = (80.0, 85.0) if barrier_first else (85.0, 80.0)
+    call = {"op": "all_reduce", "shapes": [[4]], "dtypes": ["float32"], "site": ["t.py", 5, "g"]}
+    data = {**call, "seq": 3, "group": "data", "ranks": [1, 3], "start": start[1]}
+    barrier = {**call, "seq": 1, "op": "barrier", "group": "world", "ranks": [0, 1, 2, 3],
+               "shapes": [], "dtypes": [], "start": start[0]}  # fmt: skip
+    world = ("world", (0, 1, 2, 3))
+    records = {
+        0: _p2p_record(0, [barrier], {world: 1, ("data", (0, 2)): 3}),
+        1: _p2p_record(1, [data], {world: 0, ("data", (1, 3)): 3}),
+        2: _p2p_record(2, [{**barrier}], {world: 1, ("data", (0, 2)): 3}),
+        3: _p2p_record(3, [], {world: 0, ("data", (1, 3)): 2}),
+    }
+    first = report.conclusion(records, 4).splitlines()[0]
+    want = "rank 3 never entered all_reduce #3 on group 'data' (ranks [1, 3]), where rank 1 waits"
+    assert want in first, f"barrier_first={barrier_first}: {first}"
 
 
 @pytest.mark.parametrize(

@@ -35,7 +35,9 @@ _COMPLEMENT = {"send": "recv", "recv": "send"}
 @dataclasses.dataclass
 class Finding:
     text: str
-    order: tuple  # findings sort by it: root causes first, then the oldest wait
+    # findings sort by it: root causes first; among those, calls the root alone holds up
+    # before calls other ranks are also blocked away from; then the oldest wait
+    order: tuple
 
 
 def _key(call: dict) -> Key:
@@ -131,18 +133,22 @@ class Analysis:
         verb = "waits" if len(waiters) == 1 else "wait"
         age = max(self.records[r]["time"] - c["start"] for r, c in waiters.items())
         out = []
-        members = [m for m in key[1] if m not in waiters]
-        for m in members:
-            if m not in self.records:
-                continue
-            if self.entered[m].get(key, 0) < seq:
-                theirs = _COMPLEMENT.get(op, op)
-                root = self.waiting(m) is None
-                text = (
-                    f"{ranks_text([m])} never entered {theirs} #{seq} on {_gdesc(key)}, where "
-                    f"{who} {verb} (for {age:.1f} s, from {_site(first)}); {self._state(m)}"
-                )
-                out.append(Finding(text, (0 if root else 2, since)))
+        missing = [
+            m
+            for m in key[1]
+            if m not in waiters and m in self.records and self.entered[m].get(key, 0) < seq
+        ]
+        # A call that a missing member is blocked away from (it waits in another call) would
+        # not complete even if the root rank came: it is downstream of the other call.
+        downstream = int(any(self.waiting(m) is not None for m in missing))
+        for m in missing:
+            theirs = _COMPLEMENT.get(op, op)
+            root = self.waiting(m) is None
+            text = (
+                f"{ranks_text([m])} never entered {theirs} #{seq} on {_gdesc(key)}, where "
+                f"{who} {verb} (for {age:.1f} s, from {_site(first)}); {self._state(m)}"
+            )
+            out.append(Finding(text, (0 if root else 2, downstream, since)))
         if op not in _COMPLEMENT:
             out += self._disagree(key, seq, since)
         if not out and all(self.entered.get(m, {}).get(key, 0) >= seq for m in key[1]):
@@ -150,14 +156,14 @@ class Analysis:
                 f"every rank of {_gdesc(key)} entered {op} #{seq}, and it has not completed "
                 f"on {who} (for {age:.1f} s): a transport problem, or a peer that died inside it"
             )
-            out.append(Finding(text, (2, since)))
+            out.append(Finding(text, (2, 0, since)))
         absent = [m for m in key[1] if m not in self.records]
         if absent:
             text = (
                 f"{ranks_text(absent)} wrote no record (dead, or blocked in C++ holding Python's "
                 f"lock): cannot tell whether they entered {op} #{seq} on {_gdesc(key)}, where {who} {verb}"
             )
-            out.append(Finding(text, (3, since)))
+            out.append(Finding(text, (3, 0, since)))
         return out
 
     def _disagree(self, key: Key, seq: int, since: float) -> list[Finding]:
@@ -176,7 +182,7 @@ class Analysis:
             f"the ranks of {_gdesc(key)} disagree on call #{seq} (a rank skipped a call, made "
             "an extra one, or they call in another order):" + "".join(parts)
         )
-        return [Finding(text + self._site_counts(key), (1, since))]
+        return [Finding(text + self._site_counts(key), (1, 0, since))]
 
     def _site_counts(self, key: Key) -> str:
         counts: dict[tuple, dict[int, int]] = {}
