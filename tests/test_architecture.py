@@ -123,7 +123,7 @@ DEEPSPEED_SURFACE = (
     "shardwise.runtime",
     "shardwise.moe",
 )
-CAPABILITIES = ("data", "zero", "tensor", "pipeline", "activation", "moe")
+CAPABILITIES = ("data", "zero", "tensor", "pipeline", "activation", "moe", "context")
 
 
 def _deps_of(prefix: str) -> dict[str, set[str]]:

@@ -23,6 +23,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import shardwise
 from shardwise.moe.layer import MoE
 
 
@@ -100,7 +101,8 @@ class Attend(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # (B, H, T, D) @ (B, H, D, T) -> (B, H, T, T); (B, H, T, T) @ (B, H, T, D) -> (B, H, T, D)
         p = self.dropout if self.training else 0.0
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        # torch's scaled_dot_product_attention, over every rank's keys under context parallelism
+        return shardwise.attention(q, k, v, dropout_p=p, is_causal=True)
 
 
 class MLP(nn.Module):
@@ -217,7 +219,7 @@ class GPT(nn.Module):
         B, T = idx.shape
         if T > self.cfg.block_size:
             raise ValueError(f"sequence length {T} exceeds block_size {self.cfg.block_size}")
-        pos = torch.arange(T, device=idx.device)
+        pos = shardwise.context_positions(T, device=idx.device)  # arange(T) on one process
         x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))  # (B, T, C) + (T, C) -> (B, T, C)
         for block in self.blocks:
             x = block(x)

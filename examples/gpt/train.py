@@ -65,6 +65,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--sp", action="store_true", help="sequence parallelism between the TP regions (--tp > 1)"
     )
+    p.add_argument("--cp", type=int, default=1, help="context-parallel size (splits sequences)")
+    p.add_argument("--cp-method", choices=("ring", "ulysses"), default="ring", help="with --cp")
     p.add_argument("--moe-experts", type=int, default=0, help="MoE feed-forward experts (0: MLP)")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel size (divides dp)")
     p.add_argument("--moe-k", type=int, default=1, help="experts per token: 1 or 2")
@@ -109,6 +111,8 @@ def build_config(args: argparse.Namespace) -> dict:
         cfg["tensor_parallel"] = {"size": args.tp, "sequence_parallel": args.sp}
         if args.pp > 1:  # GPT.tp_plan, named as the PipelineModule names the layers
             cfg["tensor_parallel"]["plan"] = pipeline_tp_plan(args.n_layer)
+    if args.cp > 1:
+        cfg["context_parallel"] = {"size": args.cp, "method": args.cp_method}
     if args.config:
         _merge(cfg, json.loads(Path(args.config).read_text()))
     return cfg
@@ -140,9 +144,9 @@ def evaluate(engine: shardwise.Engine, val: CharWindows, n_windows: int, batch: 
     for s in range(0, len(mine), batch):
         xs, ys = zip(*(val[i] for i in mine[s : s + batch]), strict=True)
         x, y = torch.stack(xs).to(engine.device), torch.stack(ys).to(engine.device)
-        mean.update(engine(x, y).item(), len(xs))
+        mean.update(engine(engine.shard_sequence(x), engine.shard_sequence(y)).item(), len(xs))
     engine.train()
-    return mean.compute(group=engine.mesh.dp_group)
+    return mean.compute(group=engine.mesh.dp_cp_group)  # context ranks: other tokens
 
 
 def _evaluate_pipeline(
@@ -175,14 +179,20 @@ def train_step(engine: shardwise.Engine, data: Iterator) -> float:
         return engine.train_batch(data).item()
     loss_sum = 0.0
     for _ in range(engine.gradient_accumulation_steps()):
-        x, y = next(data)
-        loss = engine(x.to(engine.device), y.to(engine.device))
+        x, y = next(data)  # whole windows; under --cp each rank keeps its tokens of them
+        x, y = (
+            engine.shard_sequence(x.to(engine.device)),
+            engine.shard_sequence(y.to(engine.device)),
+        )
+        loss = engine(x, y)
         engine.backward(loss)
         engine.step()  # updates only at the accumulation boundary
         loss_sum += loss.item()
-    # Each rank saw different windows: the curve is their mean over the data-parallel group
-    # (tp/pp ranks of one data shard hold the same loss and must not count twice).
-    return all_reduce_mean(loss_sum / engine.gradient_accumulation_steps(), engine.mesh.dp_group)
+    # Each rank saw different windows (or, with --cp, other tokens of them): the curve is
+    # their mean over the data x context group (tp/pp ranks of one data shard hold the same
+    # loss and must not count twice).
+    mean = loss_sum / engine.gradient_accumulation_steps()
+    return all_reduce_mean(mean, engine.mesh.dp_cp_group)
 
 
 def setup(args: argparse.Namespace) -> tuple:
@@ -213,7 +223,8 @@ def setup(args: argparse.Namespace) -> tuple:
     if args.dp and args.dp != engine.dp_world_size:
         raise SystemExit(
             f"--dp {args.dp} but the world of {engine.world_size} processes with pp={args.pp} "
-            f"tp={args.tp} leaves dp={engine.dp_world_size}: launch dp*pp*tp processes"
+            f"tp={args.tp} cp={args.cp} leaves dp={engine.dp_world_size}: launch dp*pp*tp*cp "
+            "processes"
         )
     if engine.global_rank == 0:
         print(
@@ -221,7 +232,7 @@ def setup(args: argparse.Namespace) -> tuple:
             f"vocab {tok.vocab_size}, {len(train_set):,} train / {len(val_set):,} val windows\n"
             f"model: {n_params / 1e6:.2f}M params, {gcfg}\n"
             f"layout: {engine.world_size} process(es), dp={engine.dp_world_size} pp={args.pp} "
-            f"tp={args.tp}; {engine.train_batch_size()} windows of {args.block_size} chars "
+            f"tp={args.tp} cp={args.cp}; {engine.train_batch_size()} windows of {args.block_size} chars "
             "per step",
             flush=True,
         )

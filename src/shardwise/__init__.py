@@ -3,7 +3,8 @@
 The public surface follows DeepSpeed's, so that ``import shardwise as deepspeed`` runs common
 DeepSpeed scripts: ``initialize``, ``init_distributed``, ``add_config_arguments``, ``comm``, and
 the deeper paths scripts import (``accelerator``, ``runtime.*``, ``ops.adam``, ``utils``, ``zero``, ``moe``,
-``pipe``; docs/deepspeed-compat.md).
+``pipe``; docs/deepspeed-compat.md). Model code that may run under context parallelism calls
+``shardwise.attention`` and ``shardwise.context_positions`` (docs/context-parallel.md).
 """
 
 from shardwise import accelerator, checkpointing, comm, moe, ops, pipe, runtime, utils, zero
@@ -11,6 +12,7 @@ from shardwise.config import ConfigError
 from shardwise.engine import Engine, EngineError
 from shardwise.initialize import add_config_arguments, initialize
 from shardwise.launch.env import init_distributed
+from shardwise.parallel.context.scope import attention, context_positions
 from shardwise.pipe import PipelineModule
 from shardwise.spawn import spawn
 from shardwise.topology import ProcessMesh, Topology, new_subgroup
@@ -33,8 +35,10 @@ __all__ = [
     "__version__",
     "accelerator",
     "add_config_arguments",
+    "attention",
     "checkpointing",
     "comm",
+    "context_positions",
     "init_distributed",
     "initialize",
     "moe",

@@ -39,8 +39,10 @@ def loss_of(engine: Engine, batch: Any) -> torch.Tensor:
     mapping (what Hugging Face datasets yield: ``{"input_ids", "labels", ...}``) is passed as
     keyword arguments, a tuple/list positionally, anything else as the one argument. The loss is
     the output itself, or its ``loss`` (a Hugging Face ``ModelOutput`` or a dict), or the first
-    value of a tuple/list.
+    value of a tuple/list. Under context parallelism every tensor of two or more dimensions
+    is first cut to this rank's tokens along dim 1.
     """
+    batch = engine.context.shard_batch(batch)  # context parallelism: this rank's tokens
     if engine.loss_fn is not None:
         if not isinstance(batch, (tuple, list)) or len(batch) != 2:
             raise _batch_error(batch, "with a loss_fn, each batch must be (inputs, labels)")
@@ -89,8 +91,8 @@ def _batch_error(batch: Any, why: str) -> Exception:
 
 def _dp_mean(engine: Engine, total: torch.Tensor) -> torch.Tensor:
     total /= engine.gradient_accumulation_steps()
-    comm.all_reduce(total, group=engine.mesh.dp_group)
-    return total / engine.dp_world_size
+    comm.all_reduce(total, group=engine.mesh.dp_cp_group)  # context ranks: other tokens
+    return total / engine.mesh.topology.dp_cp
 
 
 class MicroBatchLoop:

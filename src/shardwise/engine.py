@@ -37,6 +37,7 @@ from shardwise.engine_accessors import ConfigAccessors
 from shardwise.errors import EngineError
 from shardwise.memory import breakdown
 from shardwise.monitor import Monitor, progress_line
+from shardwise.parallel.context.scope import ContextParallel
 from shardwise.parallel.moe.experts import global_state
 from shardwise.parallel.tensor.consolidate import consolidate_tensor_parallel
 from shardwise.precision import LossScaler, compute_dtype
@@ -96,6 +97,7 @@ class Engine(ConfigAccessors, nn.Module):
         self.monitor = Monitor.for_engine(self)  # DeepSpeed's monitors, timers, profilers
         self.replicas = ReplicaWatch(config.checkpoint.replica_check_interval)
         self.autosave = AutoSave(config.checkpoint)  # save_dir: interval saves, SIGTERM
+        self.context = ContextParallel.from_mesh(config, mesh)  # shardwise.attention's ranks
 
     # ------------------------------------------------------------------ accessors (DeepSpeed's)
     def get_lr(self) -> list[float]:
@@ -151,8 +153,17 @@ class Engine(ConfigAccessors, nn.Module):
             # 16-bit weights need 16-bit inputs; integer inputs (token ids) pass unchanged.
             inputs = tuple(_cast(x, dtype) for x in inputs)
             kwargs = {k: _cast(v, dtype) for k, v in kwargs.items()}
-        with self.monitor.section("fwd"):
+        with self.monitor.section("fwd"), self.context.forward():
             return self.module(*inputs, **kwargs)
+
+    def shard_sequence(self, tensor: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """This rank's tokens of ``tensor`` along ``dim`` under context parallelism (chunks
+        r and 2cp-1-r of 2cp); the tensor itself without it. ``train_batch`` does it itself."""
+        return self.context.shard(tensor, dim)
+
+    def sequence_positions(self, seq_len: int) -> torch.Tensor:
+        """Global positions of this rank's tokens of a ``seq_len``-token sequence."""
+        return self.context.positions(seq_len, device=self.device)
 
     def is_gradient_accumulation_boundary(self) -> bool:
         if self._boundary_override is not None:
@@ -183,7 +194,7 @@ class Engine(ConfigAccessors, nn.Module):
         self.replicas.before_backward(self, sync)  # replicas agree (replica_check_interval)
         with self.monitor.section("bwd"):
             self.strategy.before_backward(sync)
-            with self.monitor.section("bwd_inner"):
+            with self.monitor.section("bwd_inner"), self.context.active():  # recompute too
                 scaled.backward(retain_graph=retain_graph)
             with self.monitor.section("bwd_allreduce"):
                 self.strategy.after_backward(sync)

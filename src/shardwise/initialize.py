@@ -95,7 +95,7 @@ def initialize(
     if mesh.topology.tp > 1:
         params = _apply_tensor_parallel(cfg, model, mesh, optimizer, runner, params)
     else:
-        broadcast_parameters(model, src=mesh.axis_ranks("dp")[0], group=mesh.dp_group)
+        broadcast_parameters(model, src=mesh.dp_cp_ranks()[0], group=mesh.dp_cp_group)
     if cfg.zero_optimization.stage != 3:  # ZeRO-3 materializes a meta model shard by shard
         materialize_model(model)  # a meta model, once cut: each rank only what it keeps
     if runner is not None:
@@ -141,8 +141,15 @@ def _config_source(args: Any, config: Any, config_params: Any) -> Any:
 
 
 def _build_mesh(cfg: Config, stages: int) -> ProcessMesh:
-    topo = Topology.build(comm.get_world_size(), pp=stages, tp=cfg.tensor_parallel.size)
-    return ProcessMesh.create(topo)
+    cp = cfg.context_parallel.size
+    if cp > 1 and stages > 1:
+        raise ConfigError(
+            f"context_parallel.size={cp} with {stages} pipeline stages is not supported: the "
+            "pipeline passes whole sequences between stages; set one of them to 1",
+            key="context_parallel.size",
+        )
+    world = comm.get_world_size()
+    return ProcessMesh.create(Topology.build(world, pp=stages, tp=cfg.tensor_parallel.size, cp=cp))
 
 
 def _apply_tensor_parallel(
@@ -246,6 +253,13 @@ def _refuse_unimplemented(cfg: Config, mpu: Any) -> None:
 
 
 def _refuse_conflicts(cfg: Config) -> None:
+    if cfg.context_parallel.size > 1 and cfg.tensor_parallel.sequence_parallel:
+        raise ConfigError(
+            "tensor_parallel.sequence_parallel with context_parallel.size > 1: both split the "
+            "sequence; keep context_parallel (it splits attention too) and set "
+            "tensor_parallel.sequence_parallel to false",
+            key="tensor_parallel.sequence_parallel",
+        )
     if cfg.activation_checkpointing.partition_activations and cfg.tensor_parallel.sequence_parallel:
         raise ConfigError(
             "activation_checkpointing.partition_activations splits a block input that every "

@@ -1,12 +1,17 @@
-"""The process mesh: data x pipeline x tensor, built once and passed explicitly.
+"""The process mesh: data x context x pipeline x tensor, built once and passed explicitly.
 
 Rank order (row-major, last axis fastest), the same as DeepSpeed's
-``PipeModelDataParallelTopology`` and Megatron's default::
+``PipeModelDataParallelTopology`` and Megatron's default (tp-cp-dp-pp, tp fastest)::
 
-    rank = pp_rank * (dp * tp) + dp_rank * tp + tp_rank
+    rank = pp_rank * (dp * cp * tp) + dp_rank * (cp * tp) + cp_rank * tp + tp_rank
 
 Tensor-parallel peers are neighbouring ranks (they talk most, so they sit on one node),
-then data-parallel peers, then pipeline stages (they exchange the least).
+then context-parallel peers (they pass K/V blocks every layer), then data-parallel peers, then
+pipeline stages (they exchange the least).
+
+Context-parallel ranks hold the same parameters and see other tokens of the same samples, so
+for parameters they are data-parallel ranks: gradients are reduced, and ZeRO shards, over the
+data x context ranks (``dp_cp``: the ranks that share the pipeline and tensor coordinates).
 
 ``Topology`` is pure arithmetic and needs no processes; ``ProcessMesh`` holds the live
 ``torch.distributed`` groups of one rank. Every group is created exactly once, by every rank,
@@ -24,12 +29,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-AXES = ("pp", "dp", "tp")  # outermost to innermost
-AXIS_NAMES = {"pp": "pipeline", "dp": "data", "tp": "tensor"}  # also the groups' names
-
 
 class TopologyError(ValueError):
     """A layout that cannot be built on this many processes."""
+
+
+AXES = ("pp", "dp", "cp", "tp")  # outermost to innermost
+AXIS_NAMES = {"pp": "pipeline", "dp": "data", "cp": "context", "tp": "tensor"}  # groups' names
 
 
 @dataclass(frozen=True)
@@ -39,15 +45,17 @@ class Coord:
     pp: int
     dp: int
     tp: int
+    cp: int = 0
 
 
 @dataclass(frozen=True)
 class Topology:
-    """Sizes of the three parallel axes; ``dp * pp * tp`` is the world size."""
+    """Sizes of the parallel axes; ``dp * cp * pp * tp`` is the world size."""
 
     dp: int = 1
     pp: int = 1
     tp: int = 1
+    cp: int = 1
 
     def __post_init__(self) -> None:
         for axis in AXES:
@@ -58,54 +66,81 @@ class Topology:
                 )
 
     @classmethod
-    def build(cls, world_size: int, dp: int | None = None, pp: int = 1, tp: int = 1) -> Topology:
-        """Build the mesh for ``world_size`` processes; ``dp=None`` takes what pp and tp leave.
+    def build(
+        cls, world_size: int, dp: int | None = None, pp: int = 1, tp: int = 1, cp: int = 1
+    ) -> Topology:
+        """Build the mesh for ``world_size`` processes; ``dp=None`` takes what the others leave.
 
         The error prints every factor so a wrong launch is obvious at a glance.
         """
         if world_size < 1:
             raise TopologyError(f"world size {world_size} must be >= 1")
         if dp is None:
-            if pp < 1 or tp < 1 or world_size % (pp * tp) != 0:
+            if pp < 1 or tp < 1 or cp < 1 or world_size % (pp * tp * cp) != 0:
+                ctx = f" x context {cp}" if cp != 1 else ""
                 raise TopologyError(
-                    f"world size {world_size} is not divisible by pipeline {pp} x tensor {tp} "
-                    f"= {pp * tp}: launch a multiple of {pp * tp} processes or change "
-                    "pipeline.stages / tensor_parallel.size"
+                    f"world size {world_size} is not divisible by pipeline {pp} x tensor {tp}"
+                    f"{ctx} = {pp * tp * cp}: launch a multiple of {pp * tp * cp} processes or "
+                    "change pipeline.stages / tensor_parallel.size / context_parallel.size"
                 )
-            dp = world_size // (pp * tp)
-        topo = cls(dp=dp, pp=pp, tp=tp)
+            dp = world_size // (pp * tp * cp)
+        topo = cls(dp=dp, pp=pp, tp=tp, cp=cp)
         if topo.world_size != world_size:
             raise TopologyError(
-                f"data {dp} x pipeline {pp} x tensor {tp} = {topo.world_size} processes, "
-                f"but the world size is {world_size}: the product must equal the number of "
-                "processes launched"
+                f"{topo.describe()} processes, but the world size is {world_size}: the "
+                "product must equal the number of processes launched"
             )
         return topo
 
+    def describe(self) -> str:
+        """``data 2 x pipeline 1 x tensor 2 = 4`` (context shown when it is split)."""
+        ctx = f" x context {self.cp}" if self.cp > 1 else ""
+        return f"data {self.dp}{ctx} x pipeline {self.pp} x tensor {self.tp} = {self.world_size}"
+
     @property
     def world_size(self) -> int:
-        return self.dp * self.pp * self.tp
+        return self.dp * self.cp * self.pp * self.tp
+
+    @property
+    def dp_cp(self) -> int:
+        """How many ranks hold each parameter slice: data x context (gradients average there)."""
+        return self.dp * self.cp
 
     def size(self, axis: str) -> int:
-        """Size of a named axis: 'dp', 'pp' or 'tp'."""
+        """Size of a named axis: 'dp', 'cp', 'pp' or 'tp'."""
         if axis not in AXES:
             raise KeyError(f"unknown axis {axis!r}; axes are {AXES}")
         return getattr(self, axis)
 
     def coord(self, rank: int) -> Coord:
-        """The (pp, dp, tp) coordinates of a global rank."""
+        """The (pp, dp, tp, cp) coordinates of a global rank."""
         if not 0 <= rank < self.world_size:
             raise IndexError(f"rank {rank} outside world of size {self.world_size}")
-        pp, rest = divmod(rank, self.dp * self.tp)
-        dp, tp = divmod(rest, self.tp)
-        return Coord(pp=pp, dp=dp, tp=tp)
+        pp, rest = divmod(rank, self.dp * self.cp * self.tp)
+        dp, rest = divmod(rest, self.cp * self.tp)
+        cp, tp = divmod(rest, self.tp)
+        return Coord(pp=pp, dp=dp, tp=tp, cp=cp)
 
-    def rank(self, pp: int = 0, dp: int = 0, tp: int = 0) -> int:
+    def rank(self, pp: int = 0, dp: int = 0, tp: int = 0, cp: int = 0) -> int:
         """The global rank at given coordinates."""
-        for axis, value in (("pp", pp), ("dp", dp), ("tp", tp)):
+        for axis, value in (("pp", pp), ("dp", dp), ("cp", cp), ("tp", tp)):
             if not 0 <= value < self.size(axis):
                 raise IndexError(f"{axis}={value} outside 0..{self.size(axis) - 1}")
-        return pp * self.dp * self.tp + dp * self.tp + tp
+        return ((pp * self.dp + dp) * self.cp + cp) * self.tp + tp
+
+    def dp_cp_index(self, rank: int) -> int:
+        """A rank's index among the data x context ranks of its (pp, tp) coordinate."""
+        c = self.coord(rank)
+        return c.dp * self.cp + c.cp
+
+    def dp_cp_groups(self) -> list[list[int]]:
+        """The ranks that hold the same parameter slice (same pp and tp coordinates), in
+        ``dp_cp_index`` order: gradient reduction and ZeRO sharding run over them."""
+        return [
+            [self.rank(pp=p, dp=d, cp=c, tp=t) for d in range(self.dp) for c in range(self.cp)]
+            for p in range(self.pp)
+            for t in range(self.tp)
+        ]
 
     def axis_groups(self, axis: str) -> list[list[int]]:
         """Every group along ``axis``: ranks that differ only in that coordinate.
@@ -123,30 +158,15 @@ class Topology:
         """Ranks that share a data-parallel coordinate: together they hold one model replica
         (its pipeline stages and tensor-parallel slices). The gradient norm sums over them."""
         return [
-            [self.rank(pp=p, dp=d, tp=t) for p in range(self.pp) for t in range(self.tp)]
+            [self.rank(pp=p, dp=d, cp=c, tp=t) for p in range(self.pp) for t in range(self.tp)]
             for d in range(self.dp)
+            for c in range(self.cp)
         ]
-
-    def expert_groups(self, ep: int) -> tuple[list[list[int]], list[list[int]]]:
-        """Expert parallelism of size ``ep`` inside the data axis (DeepSpeed's layout): the
-        expert-parallel groups, ``ep`` consecutive data ranks that split the experts between
-        them, and the expert-data groups, the data ranks holding the same experts (strided by
-        ``ep``), whose expert gradients are reduced together. Every (pp, tp) coordinate's groups."""
-        if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1 or self.dp % ep:
-            raise TopologyError(
-                f"expert-parallel size ep_size={ep!r} must divide the data-parallel size "
-                f"dp={self.dp}: pick an ep_size among the divisors of {self.dp}"
-            )
-        ep_groups, edp_groups = [], []
-        for data in self.axis_groups("dp"):
-            ep_groups += [data[i : i + ep] for i in range(0, self.dp, ep)]
-            edp_groups += [data[i::ep] for i in range(ep)]
-        return ep_groups, edp_groups
 
     def peers(self, rank: int, axis: str) -> list[int]:
         """The ranks in ``rank``'s group along ``axis`` (itself included)."""
         c = self.coord(rank)
-        base = {"pp": c.pp, "dp": c.dp, "tp": c.tp}
+        base = {"pp": c.pp, "dp": c.dp, "tp": c.tp, "cp": c.cp}
         return [self.rank(**{**base, axis: i}) for i in range(self.size(axis))]
 
     def rank_table(self, hosts: Sequence[str] | None = None, nproc_per_node: int = 0) -> str:
@@ -156,14 +176,15 @@ class Topology:
         hosts, nodes are numbered ``node0``, ``node1``... as a launcher would fill them.
         """
         per_node = nproc_per_node or self.world_size
-        rows = [("rank", "host", "local_rank", "pp", "dp", "tp")]
+        axes = [a for a in ("pp", "dp", "cp", "tp") if a != "cp" or self.cp > 1]
+        rows = [("rank", "host", "local_rank", *axes)]
         for r in range(self.world_size):
             c = self.coord(r)
             host = hosts[r] if hosts else f"node{r // per_node}"
-            rows.append((str(r), host, str(r % per_node), str(c.pp), str(c.dp), str(c.tp)))
+            rows.append((str(r), host, str(r % per_node), *(str(getattr(c, a)) for a in axes)))
         widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
         lines = ["  ".join(v.rjust(w) for v, w in zip(row, widths, strict=True)) for row in rows]
-        header = f"Topology: data {self.dp} x pipeline {self.pp} x tensor {self.tp} = {self.world_size} processes"
+        header = f"Topology: {self.describe()} processes"
         return "\n".join([header, *lines])
 
 
@@ -189,14 +210,15 @@ class ProcessMesh:
             rank = dist.get_rank() if initialized else 0
         if initialized and dist.get_world_size() != topology.world_size:
             raise TopologyError(
-                f"topology data {topology.dp} x pipeline {topology.pp} x tensor {topology.tp} "
-                f"= {topology.world_size} processes, but torch.distributed has "
+                f"topology {topology.describe()} processes, but torch.distributed has "
                 f"{dist.get_world_size()}"
             )
         mesh = cls(topology=topology, rank=rank)
         if not initialized:
             return mesh
         for axis in AXES:
+            if axis == "cp" and topology.cp == 1:
+                continue  # no context groups to make: the layouts without one keep theirs
             for members in topology.axis_groups(axis):
                 whole = len(members) == topology.world_size
                 group = None if whole else new_group(members, AXIS_NAMES[axis])
@@ -207,6 +229,13 @@ class ProcessMesh:
             group = None if whole else new_group(members, "model-parallel")
             if rank in members:
                 mesh.groups["model_parallel"] = group if group is not None else dist.group.WORLD
+        mesh.groups["dp_cp"] = mesh.groups["dp"]
+        if topology.cp > 1:
+            for members in topology.dp_cp_groups():
+                whole = len(members) == topology.world_size
+                group = None if whole else new_group(members, "data-context")
+                if rank in members:
+                    mesh.groups["dp_cp"] = group if group is not None else dist.group.WORLD
         return mesh
 
     @property
@@ -229,7 +258,7 @@ class ProcessMesh:
         first rank. Every stage's group is made, in stage order (every rank takes part)."""
         topo, mine = self.topology, None
         for s in range(topo.pp):
-            ranks = [topo.rank(pp=s, dp=d, tp=t) for d in range(topo.dp) for t in range(topo.tp)]
+            ranks = [r for r in range(topo.world_size) if topo.coord(r).pp == s]
             group = self.group_of(ranks, f"pipeline-stage-{s}")
             mine = group if s == self.pp_rank else mine
         return mine, topo.rank(pp=self.pp_rank)
@@ -245,18 +274,6 @@ class ProcessMesh:
                 group = self.group_of(ranks, f"tied:{key}")
                 mine = (group, ranks[0]) if self.rank in ranks else mine
         return mine
-
-    def expert_groups(self, ep: int) -> tuple[tuple[Any, list[int]], tuple[Any, list[int]]]:
-        """``((ep_group, ep_ranks), (expert_data_group, expert_data_ranks))`` of this rank for
-        expert parallelism of size ``ep`` (``Topology.expert_groups``); every rank makes all."""
-        ep_groups, edp_groups = self.topology.expert_groups(ep)
-        out = {}
-        for kind, groups in (("expert-parallel", ep_groups), ("expert-data", edp_groups)):
-            for ranks in groups:
-                group = self.group_of(ranks, f"{kind}:ep_size_{ep}")
-                if self.rank in ranks:
-                    out[kind] = (group, ranks)
-        return out["expert-parallel"], out["expert-data"]
 
     def group(self, axis: str) -> Any:
         """The process group of this rank along ``axis`` (None when not distributed)."""
@@ -275,6 +292,26 @@ class ProcessMesh:
     @property
     def dp_group(self) -> Any:
         return self.group("dp")
+
+    @property
+    def cp_group(self) -> Any:
+        """The context-parallel group (None when the context is not split or not distributed)."""
+        return self.group("cp")
+
+    @property
+    def dp_cp_group(self) -> Any:
+        """The ranks holding this rank's parameter slice (data x context): gradients are
+        averaged and ZeRO shards over it. The data group itself when the context is whole."""
+        return self.group("dp_cp")
+
+    @property
+    def dp_cp_rank(self) -> int:
+        return self.topology.dp_cp_index(self.rank)
+
+    def dp_cp_ranks(self) -> list[int]:
+        """Global ranks of this rank's data x context group, in ``dp_cp_rank`` order."""
+        topo = self.topology
+        return next(g for g in topo.dp_cp_groups() if self.rank in g)
 
     @property
     def pp_group(self) -> Any:
@@ -304,6 +341,10 @@ class ProcessMesh:
     @property
     def tp_rank(self) -> int:
         return self.coord.tp
+
+    @property
+    def cp_rank(self) -> int:
+        return self.coord.cp
 
 
 def world_timeout() -> datetime.timedelta | None:

@@ -126,6 +126,7 @@ def _meta(engine: Engine) -> dict[str, Any]:
             "dp": topo.dp,
             "tp": topo.tp,
             "pp": topo.pp,
+            "cp": topo.cp,
             "zero_stage": engine.zero_optimization_stage(),
             "dtype": str(compute_dtype(engine.config)).removeprefix("torch."),
         },

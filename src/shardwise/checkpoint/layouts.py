@@ -110,9 +110,9 @@ class _Namer:
         # Experts under their single-process names (parallel/moe/experts.py).
         self.rename = global_names(module)
         self.names = {id(p): self.rename(n) for n, p in module.named_parameters()}
-        self.dp_rank, self.tp0 = mesh.dp_rank, mesh.tp_rank == 0
+        self.dp_rank, self.tp0 = mesh.dp_cp_rank, mesh.tp_rank == 0  # context ranks: replicas
         self.topology = mesh.topology
-        self.loads = {kind: [0] * mesh.topology.dp for kind in ("model", "slot")}
+        self.loads = {kind: [0] * mesh.topology.dp_cp for kind in ("model", "slot")}
 
     def name(self, p: torch.Tensor) -> str:
         if id(p) not in self.names:
@@ -137,7 +137,7 @@ class _Namer:
         sets = [range(len(loads))]
         if has_replicas(t):  # data indices of each set of copies
             sets = [
-                [self.topology.coord(r).dp for r in rs] for rs in get_replicas(t, None, []).sets
+                [self.topology.dp_cp_index(r) for r in rs] for rs in get_replicas(t, None, []).sets
             ]
         for holders in sets:
             owner = min(holders, key=loads.__getitem__)

@@ -17,6 +17,7 @@ from shardwise.config.errors import ConfigError, ConfigWarning
 from shardwise.config.optim_blocks import OptimizerConfig, SchedulerConfig
 from shardwise.config.parallel import (
     ActivationCheckpointingConfig,
+    ContextParallelConfig,
     PipelineConfig,
     TensorParallelConfig,
 )
@@ -46,6 +47,7 @@ __all__ = [
     "PipelineConfig",
     "SchedulerConfig",
     "TensorParallelConfig",
+    "ContextParallelConfig",
     "ZeroConfig",
     "parse_config",
 ]

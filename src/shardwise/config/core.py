@@ -42,6 +42,7 @@ from shardwise.config.optim_blocks import (
 )
 from shardwise.config.parallel import (
     ActivationCheckpointingConfig,
+    ContextParallelConfig,
     PipelineConfig,
     TensorParallelConfig,
     parse_activation_checkpointing,
@@ -76,6 +77,7 @@ class Config:
     bf16: BF16Config = field(default_factory=BF16Config)
     zero_optimization: ZeroConfig = field(default_factory=ZeroConfig)
     tensor_parallel: TensorParallelConfig = field(default_factory=TensorParallelConfig)
+    context_parallel: ContextParallelConfig = field(default_factory=ContextParallelConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     activation_checkpointing: ActivationCheckpointingConfig = field(
         default_factory=ActivationCheckpointingConfig
@@ -189,6 +191,7 @@ def _screen_top_level(raw: dict[str, Any], notes: Notes) -> tuple[dict[str, Any]
         "fp16",
         "bf16",
         "tensor_parallel",
+        "context_parallel",
         "activation_checkpointing",
         "zero_optimization",
         "comms",

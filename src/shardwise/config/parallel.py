@@ -1,7 +1,9 @@
-"""The ``tensor_parallel``, ``pipeline`` and ``activation_checkpointing`` blocks.
+"""The ``tensor_parallel``, ``context_parallel``, ``pipeline`` and ``activation_checkpointing``
+blocks.
 
-``pipeline`` and ``activation_checkpointing`` keep DeepSpeed's keys; ``tensor_parallel``, the
-pipeline ``schedule`` and ``activation_checkpointing.checkpoint_layers`` are shardwise's own.
+``pipeline`` and ``activation_checkpointing`` keep DeepSpeed's keys; ``tensor_parallel``,
+``context_parallel``, the pipeline ``schedule`` and ``activation_checkpointing.checkpoint_layers``
+are shardwise's own.
 """
 
 from __future__ import annotations
@@ -40,6 +42,19 @@ class TensorParallelConfig:
     size: int = spec(1, ge=1)
     plan: dict[str, TPStyle] | None = None
     sequence_parallel: bool = False
+
+
+@dataclass(frozen=True)
+class ContextParallelConfig:
+    """``"context_parallel": {"size": 2, "method": "ring"}``: split every sequence over ``size``
+    ranks (docs/context-parallel.md). ``ring`` passes K/V blocks around the context ranks;
+    ``ulysses`` (DeepSpeed-Ulysses) trades the sequence split for a head split by all-to-all and
+    needs the attention heads (per tensor-parallel rank) divisible by ``size``."""
+
+    EXAMPLE: ClassVar[str] = '{"size": 2, "method": "ring"}'
+
+    size: int = spec(1, ge=1)
+    method: Literal["ring", "ulysses"] = "ring"
 
 
 @dataclass(frozen=True)

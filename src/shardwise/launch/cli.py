@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from shardwise.checkpoint import cli as checkpoint_cli
 from shardwise.diagnose import cli as diagnose_cli
 from shardwise.launch.run import launch
+from shardwise.parallel.moe.groups import expert_rank_groups
 from shardwise.plan import cli as plan_cli
 from shardwise.topology import AXIS_NAMES, Topology, TopologyError
 from shardwise.verify import cli as verify_cli
@@ -145,7 +146,7 @@ def _format_groups(topo: Topology, ep: int = 1) -> list[str]:
             f"{AXIS_NAMES[axis]} groups ({axis}={topo.size(axis)}, {len(groups)} groups): {listed}"
         )
     if ep > 1:  # the expert axis splits the data axis (docs/moe.md)
-        ep_groups, edp_groups = topo.expert_groups(ep)
+        ep_groups, edp_groups = expert_rank_groups(topo, ep)
         for kind, groups in (("expert-parallel", ep_groups), ("expert-data", edp_groups)):
             listed = " ".join(str(g) for g in groups)
             lines.append(f"{kind} groups (ep={ep}, {len(groups)} groups): {listed}")

@@ -104,7 +104,7 @@ def _post(tensors: Sequence[torch.Tensor], ring: _Ring, tag: int = 0) -> tuple[l
     """Receive like-shaped buffers from the previous rank, send ``tensors`` (contiguous, not
     written until the works are waited on) to the next one; returns (buffers, works). Each
     tensor has its own tag so two in flight between the same pair never mix."""
-    bufs = [torch.empty_like(t) for t in tensors]
+    bufs = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
     works = [comm.irecv(b, ring.prev, ring.group, tag=tag + i) for i, b in enumerate(bufs)]
     works += [comm.isend(t, ring.next, ring.group, tag=tag + i) for i, t in enumerate(tensors)]
     return bufs, works
@@ -165,7 +165,8 @@ def _backward(ctx: FunctionCtx, dout: torch.Tensor) -> tuple[torch.Tensor, ...]:
     delta = (do * out).sum(-1)  # D = rowsum(dO * O) (B, H, s)
     dq = torch.zeros_like(qf)
     kv = [k.contiguous(), v.contiguous()]
-    dkv = [torch.zeros_like(k, dtype=torch.float32), torch.zeros_like(v, dtype=torch.float32)]
+    # contiguous whatever k's strides (a transposed view): they are sent as they are
+    dkv = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (k, v)]
     q_chunks = _chunks(cp, me, q.shape[-2])
     for step in range(cp):
         incoming, works = _post(kv, ring) if step < cp - 1 else ([], [])

@@ -206,11 +206,11 @@ class DataParallelReducer:
 
     @classmethod
     def accepts(cls, ctx: StrategyContext) -> bool:
-        return plain_precision(ctx) and ctx.mesh.topology.dp > 1
+        return plain_precision(ctx) and ctx.mesh.topology.dp_cp > 1
 
     @classmethod
     def from_context(cls, ctx: StrategyContext) -> DataParallelReducer:
-        params, group, ranks = ctx.model.parameters(), ctx.mesh.dp_group, ctx.mesh.axis_ranks("dp")
+        params, group, ranks = ctx.model.parameters(), ctx.mesh.dp_cp_group, ctx.mesh.dp_cp_ranks()
         return cls(params, group, bucket_elements(ctx.config), ctx.norm_skip, ranks)
 
     def checkpoint_layout(
@@ -254,7 +254,7 @@ class LocalGradients:
 
     @classmethod
     def accepts(cls, ctx: StrategyContext) -> bool:
-        return plain_precision(ctx) and ctx.mesh.topology.dp == 1
+        return plain_precision(ctx) and ctx.mesh.topology.dp_cp == 1
 
     @classmethod
     def from_context(cls, ctx: StrategyContext) -> LocalGradients:

@@ -22,6 +22,7 @@ from torch import nn
 
 from shardwise import comm
 from shardwise.parallel.data.replicas import set_replicas
+from shardwise.parallel.moe.groups import expert_groups, expert_rank_groups
 from shardwise.parallel.moe.layer import MOELayer
 
 if TYPE_CHECKING:  # annotations only
@@ -45,10 +46,15 @@ def bind_experts(model: nn.Module, mesh: ProcessMesh) -> None:
             f"MoE with ep_size > 1 runs on data parallelism only (pipeline {topo.pp} x tensor "
             f"{topo.tp} here): set pipeline stages and tensor_parallel.size to 1, or ep_size=1"
         )
+    if layers and topo.cp > 1:
+        raise NotImplementedError(
+            f"MoE layers with context_parallel.size={topo.cp}: expert gradients would be "
+            "averaged without the context ranks; set context_parallel.size to 1"
+        )
     for _, layer in layers:
-        (ep_group, ep_ranks), (edp_group, edp_ranks) = mesh.expert_groups(layer.ep_size)
+        (ep_group, ep_ranks), (edp_group, edp_ranks) = expert_groups(mesh, layer.ep_size)
         data = set(mesh.axis_ranks("dp"))  # the expert-data groups of this data group
-        every = [g for g in topo.expert_groups(layer.ep_size)[1] if set(g) <= data]
+        every = [g for g in expert_rank_groups(topo, layer.ep_size)[1] if set(g) <= data]
         layer.ep_group = ep_group
         layer.gate.ep_group = ep_group
         layer.experts.ep_rank = ep_ranks.index(mesh.rank)

@@ -366,13 +366,13 @@ class ZeroStrategy:
         return cls(
             opt,
             cfg.zero_optimization.stage,
-            group=ctx.mesh.dp_group,
+            group=ctx.mesh.dp_cp_group,
             bucket_elements=bucket_elements(cfg),
             offload_device=offload_device(cfg),
             isolate=ctx.isolate,
             master_dtype=master_dtype(cfg, opt),
             norm_skip=ctx.norm_skip,
-            ranks=ctx.mesh.axis_ranks("dp"),
+            ranks=ctx.mesh.dp_cp_ranks(),
         )
 
     def checkpoint_layout(

@@ -87,7 +87,7 @@ class Zero3Strategy:
     def from_context(cls, ctx: StrategyContext) -> Zero3Strategy:
         opt, zero = require_optimizer(ctx), ctx.config.zero_optimization
         device = offload_device(ctx.config)
-        return cls.from_config(ctx.model, opt, zero, ctx.mesh.dp_group, device)
+        return cls.from_config(ctx.model, opt, zero, ctx.mesh.dp_cp_group, device)
 
     def checkpoint_layout(
         self, module: nn.Module, optimizer: Optimizer, mesh: ProcessMesh

@@ -1,0 +1,163 @@
+"""Context-parallel runs of the example GPT, and the one-process reference they must match.
+
+``reference_run``: one process, plain PyTorch (AdamW written out, global-norm clipping), the
+whole sequence of every window. ``engine_run``: every rank trains through ``shardwise.initialize``
+with ``context_parallel`` (and data, tensor, ZeRO, activation checkpointing as the layout says),
+on its data rank's windows, each context rank on its tokens of them. Both return the step
+losses (the mean over every token of the global batch) and the final whole parameters.
+"""
+
+from __future__ import annotations
+
+import torch
+from models import example_module
+
+import shardwise
+from shardwise import comm
+
+M = example_module("gpt", "model")
+VOCAB, SEQ, MB, STEPS = 40, 32, 2, 5
+SGD = {"lr": 0.2, "momentum": 0.9}  # not Adam: its updates ignore a wrong gradient scale
+
+
+class _Bidirectional(torch.nn.Module):
+    """The GPT's attention without the causal mask (an encoder's)."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return shardwise.attention(q, k, v, is_causal=False)
+
+
+def make_gpt(causal: bool = True, heads: int = 4) -> torch.nn.Module:
+    torch.manual_seed(0)
+    cfg = M.GPTConfig(vocab_size=VOCAB, block_size=SEQ, n_layer=2, n_head=heads, n_embd=32)
+    model = M.GPT(cfg)
+    if not causal:
+        for block in model.blocks:
+            block.attn.attend = _Bidirectional()
+    return model
+
+
+def make_windows(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``n`` windows of SEQ tokens and their next tokens."""
+    g = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, VOCAB, (n, SEQ + 1), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def reference_run(
+    dp: int, gas: int, causal: bool = True, clip: float = 0.0, steps: int = STEPS
+) -> dict:
+    """One process, the global batch of MB * dp * gas windows per step."""
+    model = make_gpt(causal)
+    opt = torch.optim.SGD(model.parameters(), **SGD)
+    batch = MB * dp * gas
+    x, y = make_windows(batch * steps)
+    losses, norms = [], []
+    for k in range(steps):
+        rows = slice(k * batch, (k + 1) * batch)
+        loss = model(x[rows], y[rows])
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip or 1e9)))
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "norms": norms, "params": dict(model.state_dict())}
+
+
+def _config(layout: dict) -> dict:
+    cfg = {
+        "train_micro_batch_size_per_gpu": MB,
+        "gradient_accumulation_steps": layout.get("gas", 1),
+        "gradient_clipping": layout.get("clip", 0.0),
+        "optimizer": {"type": "SGD", "params": SGD},
+        "context_parallel": {"size": layout["cp"], "method": layout["method"]},
+        "zero_optimization": {"stage": layout.get("zero", 0)},
+    }
+    if layout.get("zero") == 3:  # shard every parameter, however small
+        cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    if layout.get("tp", 1) > 1:
+        cfg["tensor_parallel"] = {"size": layout["tp"]}
+    if layout.get("recompute"):
+        cfg["activation_checkpointing"] = {"checkpoint_layers": "all"}
+    return cfg
+
+
+def _micro_batches(engine, x, y, k: int, gas: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """This data rank's micro-batches of step ``k`` (whole windows)."""
+    dp, rank, out = engine.dp_world_size, engine.dp_rank, []
+    for j in range(gas):
+        start = ((k * gas + j) * dp + rank) * MB
+        out.append((x[start : start + MB], y[start : start + MB]))
+    return out
+
+
+def _step(engine, micro: list, api: str) -> float:
+    """One optimizer step; the global mean loss."""
+    if api == "train_batch":  # the engine cuts the sequences itself
+        return engine.train_batch(iter(micro)).item()
+    total = 0.0
+    for x, y in micro:
+        loss = engine(engine.shard_sequence(x), engine.shard_sequence(y))
+        engine.backward(loss)
+        engine.step()
+        total += loss.item() / len(micro)
+    mean = torch.tensor(total)
+    comm.all_reduce(mean, group=engine.mesh.dp_cp_group)
+    return mean.item() / engine.mesh.topology.dp_cp
+
+
+def engine_run(layout: dict, steps: int = STEPS, save: str = "", load: str = "") -> dict:
+    """``layout``: cp, method, and optionally tp, zero, gas, clip, recompute, causal, api
+    ("loop": engine(shard_sequence(x)) / backward / step; "train_batch"). With ``load``, the
+    run resumes from that checkpoint and trains the steps after it; with ``save``, it saves
+    at the end."""
+    gas = layout.get("gas", 1)
+    model = make_gpt(layout.get("causal", True))
+    engine, *_ = shardwise.initialize(model=model, config=_config(layout))
+    first = 0
+    if load:
+        engine.load_checkpoint(load)
+        first = engine.global_steps
+    x, y = make_windows(MB * engine.dp_world_size * gas * (first + steps))
+    losses, norms = [], []
+    for k in range(first, first + steps):
+        micro = _micro_batches(engine, x, y, k, gas)
+        losses.append(_step(engine, micro, layout.get("api", "loop")))
+        norms.append(engine.get_global_grad_norm())
+    if save:
+        engine.save_checkpoint(save)
+    params = {k: v.float() for k, v in engine.consolidated_state_dict().items()}
+    engine.destroy()
+    return {"losses": losses, "norms": norms, "params": params}
+
+
+def attention_bytes(layout: dict, seq: int) -> dict:
+    """Bytes this rank sends in one forward of the GPT under ``layout`` (comm.stats)."""
+    model = make_gpt()
+    engine, *_ = shardwise.initialize(model=model, config=_config(layout))
+    x, y = make_windows(MB)
+    comm.reset_stats()
+    with torch.no_grad():
+        engine(engine.shard_sequence(x[:, :seq]), engine.shard_sequence(y[:, :seq]))
+    stats = comm.stats()
+    engine.destroy()
+    return stats
+
+
+def forward_error(layout: dict, model: str) -> str:
+    """The error of the first forward under ``layout`` ("" if none): ``model`` "no-attention"
+    (embedding and head, no shardwise.attention) or "gpt-2-heads"."""
+    if model == "no-attention":
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Embedding(VOCAB, 8), torch.nn.Linear(8, VOCAB))
+    else:
+        net = make_gpt(heads=2)
+    engine, *_ = shardwise.initialize(model=net, config=_config(layout))
+    x, _ = make_windows(MB)
+    try:
+        engine(engine.shard_sequence(x))
+        return ""
+    except Exception as e:  # the message is what the test reads
+        return f"{type(e).__name__}: {e}"
+    finally:
+        engine.destroy()
