@@ -11,15 +11,21 @@ and folds it into the running (O, lse) with the online-softmax update
 
     lse' = log(exp(lse) + exp(lse_b)),   O' = O * exp(lse - lse') + O_b * exp(lse_b - lse')
 
-so the result is softmax over all keys without ever holding the (s, S) score matrix.
-Causal masking goes by global chunk id: a key chunk earlier than the query chunk is attended
+so the result is softmax over all keys without ever holding the (s, S) score matrix. On CPU
+each block runs torch's fused flash-attention kernel (tiled, no (s, s) score matrix either):
+forward + backward 9-12x faster than the plain matmuls other devices use (s = 2048-4096, 4 heads
+of 32, one thread). Causal masking goes by global chunk id: a key chunk earlier than the query chunk is attended
 in full, the same chunk gets the causal diagonal, a later one is skipped (no compute).
 
 Backward (flash-attention style) goes round the same ring with the saved O and lse:
 P = exp(S - lse), D = rowsum(dO * O), dV = P^T dO, dS = P * (dO V^T - D), dQ = dS K * scale,
-dK = dS^T Q * scale. dK/dV partials (fp32) travel with their K/V block; after the last block a
-final hop takes them home. Per rank: forward cp-1 K and cp-1 V blocks sent; backward cp-1 K/V
+dK = dS^T Q * scale (on CPU: the fused kernel's backward, given the final O and lse). dK/dV
+partials (fp32) travel with their K/V block; after the last block a final hop takes them home. Per rank: forward cp-1 K and cp-1 V blocks sent; backward cp-1 K/V
 pairs plus cp dK/dV pairs.
+
+O is kept as (B, s, H, D) in memory, viewed (B, H, s, D): a model that puts the heads side by side
+again (``transpose(1, 2).flatten(2)``, as after ``scaled_dot_product_attention``) gets a view, so
+the tensor the next projection saves for backward is the one this function saves, not a copy.
 """
 
 from __future__ import annotations
@@ -89,6 +95,24 @@ def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, diagonal: bool) -> t
     return s
 
 
+def _fused(t: torch.Tensor) -> bool:
+    """torch's fused CPU flash-attention kernels serve this device (forward and backward)."""
+    return t.device.type == "cpu"
+
+
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, diagonal: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(O_b (B, H, sq, D), lse_b (B, H, sq)) of one sub-block, fp32 in and out."""
+    if _fused(q):  # is_causal on a square block is the diagonal's mask
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, diagonal, scale=scale
+        )
+    s = _scores(q, k, scale, diagonal)
+    l_b = torch.logsumexp(s, dim=-1)
+    return torch.matmul(torch.exp(s - l_b.unsqueeze(-1)), v), l_b
+
+
 def _merge(
     out: torch.Tensor, lse: torch.Tensor, rows: slice, o_b: torch.Tensor, l_b: torch.Tensor
 ) -> None:
@@ -121,7 +145,9 @@ def _forward(
     """(O fp32 (B, H, s, D), lse fp32 (B, H, s)) of the local queries against every block."""
     me, cp = ring.me, ring.cp
     qf = q.float()
-    out = torch.zeros(q.shape[:-1] + v.shape[-1:], dtype=torch.float32, device=q.device)
+    b, h, s, d = q.shape[:-1] + v.shape[-1:]
+    # (B, s, H, D) in memory (module doc): the heads-side-by-side view costs no copy
+    out = torch.zeros(b, s, h, d, dtype=torch.float32, device=q.device).transpose(1, 2)
     lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
     q_chunks = _chunks(cp, me, q.shape[-2])
     kv = [k.contiguous(), v.contiguous()]
@@ -130,9 +156,8 @@ def _forward(
         incoming, works = _post(kv, ring) if step < cp - 1 else ([], [])
         k_chunks = _chunks(cp, (me - step) % cp, k.shape[-2])
         for rows, keys, diagonal in _blocks(q_chunks, k_chunks, causal):
-            s = _scores(qf[..., rows, :], kv[0][..., keys, :].float(), scale, diagonal)
-            l_b = torch.logsumexp(s, dim=-1)
-            o_b = torch.matmul(torch.exp(s - l_b.unsqueeze(-1)), kv[1][..., keys, :].float())
+            kb, vb = kv[0][..., keys, :].float(), kv[1][..., keys, :].float()
+            o_b, l_b = _attend(qf[..., rows, :], kb, vb, scale, diagonal)
             _merge(out, lse, rows, o_b, l_b)
         _wait(works)
         kv = incoming or kv
@@ -144,12 +169,18 @@ def _block_grads(
     k: torch.Tensor,
     v: torch.Tensor,
     do: torch.Tensor,
+    out: torch.Tensor,
     lse: torch.Tensor,
-    delta: torch.Tensor,
     scale: float,
     diagonal: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) of one sub-block, all fp32: the flash-attention backward of P = exp(S - lse)."""
+    """(dq, dk, dv) of one sub-block, all fp32: the flash-attention backward of P = exp(S - lse),
+    with ``out`` and ``lse`` those of the whole softmax (every block merged)."""
+    if _fused(q):
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            do, q, k, v, out, lse, 0.0, diagonal, scale=scale
+        )
+    delta = (do * out).sum(-1)  # D = rowsum(dO * O) (B, H, sq)
     p = torch.exp(_scores(q, k, scale, diagonal) - lse.unsqueeze(-1))  # masked: exp(-inf) = 0
     dv = torch.matmul(p.transpose(-2, -1), do)
     ds = p * (torch.matmul(do, v.transpose(-2, -1)) - delta.unsqueeze(-1))
@@ -162,7 +193,6 @@ def _backward(ctx: FunctionCtx, dout: torch.Tensor) -> tuple[torch.Tensor, ...]:
     ring, causal, scale = ctx.ring, ctx.causal, ctx.scale
     me, cp = ring.me, ring.cp
     qf, do = q.float(), dout.float()
-    delta = (do * out).sum(-1)  # D = rowsum(dO * O) (B, H, s)
     dq = torch.zeros_like(qf)
     kv = [k.contiguous(), v.contiguous()]
     # contiguous whatever k's strides (a transposed view): they are sent as they are
@@ -173,7 +203,7 @@ def _backward(ctx: FunctionCtx, dout: torch.Tensor) -> tuple[torch.Tensor, ...]:
         k_chunks = _chunks(cp, (me - step) % cp, k.shape[-2])
         for rows, keys, diagonal in _blocks(q_chunks, k_chunks, causal):
             kb, vb = kv[0][..., keys, :].float(), kv[1][..., keys, :].float()
-            args = (do[..., rows, :], lse[..., rows], delta[..., rows], scale, diagonal)
+            args = (do[..., rows, :], out[..., rows, :], lse[..., rows], scale, diagonal)
             dq_b, dk_b, dv_b = _block_grads(qf[..., rows, :], kb, vb, *args)
             dq[..., rows, :] += dq_b
             dkv[0][..., keys, :] += dk_b
