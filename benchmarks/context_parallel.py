@@ -31,7 +31,7 @@ cp 2 world on the same model and batch; on CPU it fails (it replaces SDPA's CUDA
 SDPA dispatches to another op): the run prints the error's first line and compares with the
 single process only.
 
-Flags: ``--seqs`` (activation and traffic, 4096,8192), ``--time-seqs`` (step time, 4096),
+Flags: ``--seqs`` (activation and traffic, 4096,8192), ``--time-seqs`` (step time, 4096,8192),
 ``--steps`` (3), ``--warmup`` (1), ``--worlds`` (1,2,4), ``--layers`` 4, ``--d-model`` 128,
 ``--heads`` 4, ``--vocab`` 128. Defaults take about 5-8 minutes on 2 loaded cores.
 """
@@ -100,23 +100,22 @@ def build(args: argparse.Namespace, method: str) -> object:
 # ----------------------------------------------------------------------------- one world
 
 
-def saved_bytes(engine: object, x: torch.Tensor, y: torch.Tensor) -> tuple[int, list]:
-    """Bytes autograd saves in one forward (unique storages, parameters excluded), and the
-    five largest saved tensors (bytes, shape, dtype)."""
+def saved_bytes(engine: object, x: torch.Tensor, y: torch.Tensor) -> int:
+    """Bytes autograd saves in one forward: each storage once (by data_ptr, so views are not
+    counted twice), parameters excluded."""
     params = {p.untyped_storage().data_ptr() for p in engine.module.parameters()}
-    seen: dict[int, tuple[int, list[int], str]] = {}
+    seen: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
         if storage.data_ptr() not in params:
-            seen[storage.data_ptr()] = (storage.nbytes(), list(t.shape), str(t.dtype))
+            seen[storage.data_ptr()] = storage.nbytes()
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         loss = engine(engine.shard_sequence(x), engine.shard_sequence(y))
     del loss  # the graph and what it saved go with it
-    top = sorted(seen.values(), key=lambda v: -v[0])[:5]
-    return sum(v[0] for v in seen.values()), top
+    return sum(seen.values())
 
 
 def measure_forward(args: argparse.Namespace, engine: object, method: str, seq: int) -> dict:
@@ -125,12 +124,12 @@ def measure_forward(args: argparse.Namespace, engine: object, method: str, seq: 
     x, y = batch(args, seq, 0)
     comm.barrier()
     comm.reset_stats()
-    nbytes, top = saved_bytes(engine, x, y)
+    nbytes = saved_bytes(engine, x, y)
     traffic = {k: v for k, v in comm.stats().items() if k != "barrier"}
     worst = torch.tensor([nbytes], dtype=torch.float64)
     if args.cp > 1:
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-    return {"method": method, "seq": seq, "bytes": int(worst.item()), "top": top, "comm": traffic}
+    return {"method": method, "seq": seq, "bytes": int(worst.item()), "comm": traffic}
 
 
 def time_steps(args: argparse.Namespace, step: object, seq: int) -> dict:
@@ -277,6 +276,10 @@ def comm_table(worlds: list[dict], args: argparse.Namespace) -> str:
     return format_table([*headers, "ratio", "other ops"], rows)
 
 
+def _ratio(a: dict, b: dict | None, key: str) -> str:
+    return f"{a[key] / b[key]:.3f}" if b else "-"
+
+
 def step_table(worlds: list[dict]) -> str:
     base = {r["seq"]: r for w in worlds if w["cp"] == 1 for r in w["steps"]}
     by = {(w["cp"], r["method"], r["seq"]): r for w in worlds for r in w["steps"]}
@@ -284,26 +287,16 @@ def step_table(worlds: list[dict]) -> str:
     for (cp, method, seq), r in sorted(by.items(), key=lambda kv: (kv[0][2], kv[0][0])):
         ref = base.get(seq)
         other = by.get((cp, "ulysses", seq)) if method == "ring" else None
-        loss = (
-            max(abs(a - b) for a, b in zip(r["losses"], ref["losses"], strict=True))
-            if ref
-            else None
-        )
+        pairs = zip(r["losses"], ref["losses"], strict=True) if ref else []
+        loss = max((abs(a - b) for a, b in pairs), default=float("nan"))
         rows.append(
-            [
-                str(cp),
-                method,
-                str(seq),
-                f"{r['wall_ms']:.0f}",
-                f"{r['cpu_ms']:.0f}",
-                f"{r['wall_ms'] / ref['wall_ms']:.3f}" if ref else "-",
-                f"{r['cpu_ms'] / ref['cpu_ms']:.3f}" if ref else "-",
-                f"{r['wall_ms'] / other['wall_ms']:.3f}" if other else "-",
-                f"{loss:.1e}" if loss is not None else "-",
-            ]
+            [str(cp), method, str(seq), f"{r['wall_ms']:.0f}", f"{r['cpu_ms']:.0f}"]
+            + [_ratio(r, ref, "wall_ms"), _ratio(r, ref, "cpu_ms")]
+            + [_ratio(r, other, "wall_ms"), _ratio(r, other, "cpu_ms"), f"{loss:.1e}"]
         )
     headers = ["cp", "method", "seq", "median ms", "CPU ms", "wall / cp 1", "CPU / cp 1"]
-    return format_table([*headers, "ring / ulysses wall", "max |loss - cp 1|"], rows)
+    headers += ["ring / ulysses wall", "ring / ulysses CPU", "max |loss - cp 1|"]
+    return format_table(headers, rows)
 
 
 def report(worlds: list[dict], args: argparse.Namespace) -> None:
@@ -323,9 +316,6 @@ def report(worlds: list[dict], args: argparse.Namespace) -> None:
     print(f"\n{NOTES}")
     for w in worlds:
         print(f"world {w['cp']}: load average {w['load_start']:.1f} -> {w['load_end']:.1f}")
-        if w["cp"] > 1:
-            top = max(w["forward"], key=lambda r: r["seq"])
-            print(f"  largest saved tensors ({top['method']}, seq {top['seq']}): {top['top']}")
         if w["peer"] is not None:
             outcome = w["peer"] or "ran (not timed: see README)"
             print(f"  torch context_parallel (cp {w['cp']}): {outcome}")
@@ -336,14 +326,17 @@ NOTES = """\
 bytes fall exactly as 1/cp). measured MiB: the tensors handed to the op (all-to-all input, sent
 block), this rank, one forward. cp 4 runs 4 processes on 2 cores: its wall time is
 oversubscribed 2x; read the CPU column (all of a rank's threads, gloo's too). ring / ulysses:
-the ring's wall time over Ulysses' at the same cp and sequence."""
+the ring's time over Ulysses' at the same cp and sequence. Ulysses saves one (b, S/cp, h) block
+per layer more than 1/cp of one process: its local SDPA keeps the output in the head split
+(B, H/cp, S, D), the output projection keeps its input in the sequence split; one process and
+the ring save one tensor for both (the ring's output is laid out so the heads merge is a view)."""
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ints = lambda s: [int(v) for v in s.split(",") if v]  # noqa: E731
     p.add_argument("--seqs", type=ints, default=[4096, 8192], help="activation and traffic")
-    p.add_argument("--time-seqs", type=ints, default=[4096], help="step time")
+    p.add_argument("--time-seqs", type=ints, default=[4096, 8192], help="step time")
     p.add_argument("--worlds", type=ints, default=[1, 2, 4], help="context sizes (driver)")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
