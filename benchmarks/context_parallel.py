@@ -33,7 +33,7 @@ single process only.
 
 Flags: ``--seqs`` (activation and traffic, 4096,8192), ``--time-seqs`` (step time, 4096,8192),
 ``--steps`` (3), ``--warmup`` (1), ``--worlds`` (1,2,4), ``--layers`` 4, ``--d-model`` 128,
-``--heads`` 4, ``--vocab`` 128. Defaults take about 5-8 minutes on 2 loaded cores.
+``--heads`` 4, ``--vocab`` 128. Defaults take about 3.5 minutes on 2 cores (load average 7-12).
 """
 
 from __future__ import annotations
