@@ -96,6 +96,16 @@ def test_checkpoints_load_across_context_sizes(name, nproc, saver, loader, tmp_p
     _assert_matches(results, want, name)
 
 
+@pytest.mark.parametrize("method", ["ring", "ulysses"])
+def test_the_loader_of_initialize_feeds_train_batch_like_one_process(method):
+    """``initialize(training_data=...)`` and ``train_batch()`` with no iterator: the context
+    ranks of a data rank read the same windows and each trains on its tokens of them; the run
+    is the one-process engine's on the same loader (same seed, one data rank: same order)."""
+    layout = {"cp": 2, "method": method, "api": "loader", "gas": 2}
+    want = run_distributed(engine_run, 1, {**layout, "cp": 1})[0]
+    _assert_matches(run_distributed(engine_run, 2, layout), want, f"cp2-{method}-loader")
+
+
 def test_a_model_without_shardwise_attention_is_refused():
     """Its attention would see a quarter of each sequence and train silently wrong."""
     errors = run_distributed(forward_error, 2, {"cp": 2, "method": "ring"}, "no-attention")
