@@ -165,3 +165,26 @@ def forward_error(layout: dict, model: str) -> str:
         return f"{type(e).__name__}: {e}"
     finally:
         engine.destroy()
+
+
+def gqa_attention(method: str, causal: bool) -> dict:
+    """``shardwise.attention(..., enable_gqa=True)`` on this rank's tokens of 4 query heads
+    and 2 key/value heads, under a context of the world (rank order): the output and the
+    gradients of q, k, v, each rank's tokens."""
+    from shardwise.parallel.context.scope import ContextParallel
+
+    world = comm.get_world_size()
+    ctx = ContextParallel(world, comm.get_rank(), method, None, tuple(range(world)))
+    q, k, v, grad = gqa_inputs()
+    q, k, v = (ctx.shard(t, 2).detach().requires_grad_() for t in (q, k, v))
+    with ctx.active():
+        out = shardwise.attention(q, k, v, is_causal=causal, enable_gqa=True)
+        out.backward(ctx.shard(grad, 2))
+    return {"out": out.detach(), "q": q.grad, "k": k.grad, "v": v.grad}
+
+
+def gqa_inputs() -> tuple[torch.Tensor, ...]:
+    """q (2, 4, 16, 8), k and v (2, 2, 16, 8), the output's gradient (2, 4, 16, 8)."""
+    g = torch.Generator().manual_seed(3)
+    shapes = [(2, 4, 16, 8), (2, 2, 16, 8), (2, 2, 16, 8), (2, 4, 16, 8)]
+    return tuple(torch.randn(s, generator=g) for s in shapes)
