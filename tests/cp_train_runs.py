@@ -108,12 +108,14 @@ def _step(engine, micro: list, api: str) -> float:
 
 def engine_run(layout: dict, steps: int = STEPS, save: str = "", load: str = "") -> dict:
     """``layout``: cp, method, and optionally tp, zero, gas, clip, recompute, causal, api
-    ("loop": engine(shard_sequence(x)) / backward / step; "train_batch"). With ``load``, the
+    ("loop": engine(shard_sequence(x)) / backward / step; "train_batch"; "loader": the loader
+    ``initialize`` builds over 64 windows, read by ``train_batch()``). With ``load``, the
     run resumes from that checkpoint and trains the steps after it; with ``save``, it saves
     at the end."""
-    gas = layout.get("gas", 1)
+    gas, api = layout.get("gas", 1), layout.get("api", "loop")
     model = make_gpt(layout.get("causal", True))
-    engine, *_ = shardwise.initialize(model=model, config=_config(layout))
+    data = list(zip(*make_windows(64), strict=True)) if api == "loader" else None
+    engine, *_ = shardwise.initialize(model=model, config=_config(layout), training_data=data)
     first = 0
     if load:
         engine.load_checkpoint(load)
@@ -121,8 +123,10 @@ def engine_run(layout: dict, steps: int = STEPS, save: str = "", load: str = "")
     x, y = make_windows(MB * engine.dp_world_size * gas * (first + steps))
     losses, norms = [], []
     for k in range(first, first + steps):
-        micro = _micro_batches(engine, x, y, k, gas)
-        losses.append(_step(engine, micro, layout.get("api", "loop")))
+        if api == "loader":  # initialize's loader: whole windows, cut by train_batch
+            losses.append(engine.train_batch().item())
+        else:
+            losses.append(_step(engine, _micro_batches(engine, x, y, k, gas), api))
         norms.append(engine.get_global_grad_norm())
     if save:
         engine.save_checkpoint(save)
@@ -161,3 +165,26 @@ def forward_error(layout: dict, model: str) -> str:
         return f"{type(e).__name__}: {e}"
     finally:
         engine.destroy()
+
+
+def gqa_attention(method: str, causal: bool) -> dict:
+    """``shardwise.attention(..., enable_gqa=True)`` on this rank's tokens of 4 query heads
+    and 2 key/value heads, under a context of the world (rank order): the output and the
+    gradients of q, k, v, each rank's tokens."""
+    from shardwise.parallel.context.scope import ContextParallel
+
+    world = comm.get_world_size()
+    ctx = ContextParallel(world, comm.get_rank(), method, None, tuple(range(world)))
+    q, k, v, grad = gqa_inputs()
+    q, k, v = (ctx.shard(t, 2).detach().requires_grad_() for t in (q, k, v))
+    with ctx.active():
+        out = shardwise.attention(q, k, v, is_causal=causal, enable_gqa=True)
+        out.backward(ctx.shard(grad, 2))
+    return {"out": out.detach(), "q": q.grad, "k": k.grad, "v": v.grad}
+
+
+def gqa_inputs() -> tuple[torch.Tensor, ...]:
+    """q (2, 4, 16, 8), k and v (2, 2, 16, 8), the output's gradient (2, 4, 16, 8)."""
+    g = torch.Generator().manual_seed(3)
+    shapes = [(2, 4, 16, 8), (2, 2, 16, 8), (2, 2, 16, 8), (2, 4, 16, 8)]
+    return tuple(torch.randn(s, generator=g) for s in shapes)

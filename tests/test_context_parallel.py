@@ -19,11 +19,12 @@ every update.
 from __future__ import annotations
 
 import pytest
-from cp_train_runs import STEPS, engine_run, forward_error, reference_run
+from cp_train_runs import STEPS, engine_run, forward_error, gqa_attention, gqa_inputs, reference_run
 from equivalence import assert_params_match
 from harness import run_distributed
 
 from shardwise.config import ConfigError
+from shardwise.parallel.context import unshard_sequence
 
 # name, processes, layout (cp, method, dp = processes / (cp * tp))
 LAYOUTS = [
@@ -94,6 +95,37 @@ def test_checkpoints_load_across_context_sizes(name, nproc, saver, loader, tmp_p
     for got in results:
         got["losses"] = want["losses"][:first] + got["losses"]
     _assert_matches(results, want, name)
+
+
+@pytest.mark.parametrize("method", ["ring", "ulysses"])
+def test_the_loader_of_initialize_feeds_train_batch_like_one_process(method):
+    """``initialize(training_data=...)`` and ``train_batch()`` with no iterator: the context
+    ranks of a data rank read the same windows and each trains on its tokens of them; the run
+    is the one-process engine's on the same loader (same seed, one data rank: same order)."""
+    layout = {"cp": 2, "method": method, "api": "loader", "gas": 2}
+    want = run_distributed(engine_run, 1, {**layout, "cp": 1})[0]
+    _assert_matches(run_distributed(engine_run, 2, layout), want, f"cp2-{method}-loader")
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("method", ["ring", "ulysses"])
+def test_grouped_query_attention_matches_torch(method, causal):
+    """enable_gqa (Llama, Mistral, Qwen: fewer key/value heads): each rank's rows of the
+    output and its tokens' gradients are torch's scaled_dot_product_attention(enable_gqa=True)
+    on the whole sequence, within fp32 rounding (5e-6, as test_context_attention.py)."""
+    import torch
+
+    q, k, v, grad = (t.requires_grad_() for t in gqa_inputs())
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, is_causal=causal, enable_gqa=True
+    )
+    out.backward(grad)
+    want = {"out": out.detach(), "q": q.grad, "k": k.grad, "v": v.grad}
+    got = run_distributed(gqa_attention, 2, method, causal)
+    for name, full in want.items():
+        whole = unshard_sequence([r[name] for r in got], 2, 2)
+        err = (whole - full).abs().max().item()
+        assert err < 5e-6, f"{method} causal={causal}: {name} differs by {err:.1e}"
 
 
 def test_a_model_without_shardwise_attention_is_refused():

@@ -308,3 +308,21 @@ def test_moe_option_trains_expert_parallel_and_samples_in_one_process(tmp_path):
     experts = model.blocks[0].mlp.moe.deepspeed_moe.experts.deepspeed_experts
     assert len(experts) == 4 and model.cfg.ep == 1
     assert metrics["train"][-1] < metrics["train"][0], metrics["train"]
+
+
+# Context parallelism from the command line, on the same 8 windows per step as one process.
+CP_LAYOUTS = [
+    ("dp2-cp2-ring", 4, ("--cp", "2", "--micro-batch", "4", "--grad-accum", "1")),
+    ("cp2-ulysses", 2, ("--cp", "2", "--cp-method", "ulysses", "--micro-batch", "4",
+                        "--grad-accum", "2")),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("name,nproc,extra", CP_LAYOUTS, ids=[x[0] for x in CP_LAYOUTS])
+def test_context_parallel_options_train_like_one_process(one_process, tmp_path, name, nproc, extra):
+    """--cp N --cp-method: each rank trains on its tokens of its data rank's windows (train,
+    validation and the reported losses), and the run is the one-process run."""
+    proc = _train(tmp_path / name, nproc, extra)
+    assert "x context 2" in proc.stderr, f"{name}: the topology line: {proc.stderr}"
+    assert "sample:\ndef " in proc.stdout, f"{name}: {proc.stdout}"
+    assert_trains_like(tmp_path / name, one_process, name)

@@ -292,3 +292,45 @@ def test_every_mesh_group_has_the_worlds_timeout_and_a_name():
                 f"rank {rank} {axis} group: timeout {timeout} s, world {world} s"
             )
             assert name == names[axis], f"rank {rank} {axis} group named {name!r}"
+
+
+# dp, pp, tp, cp: the context axis sits between data and tensor (Megatron's tp-cp-dp-pp order)
+CP_LAYOUTS = [(2, 1, 1, 2), (1, 1, 2, 2), (2, 2, 2, 2), (1, 1, 1, 4), (3, 1, 2, 2)]
+
+
+@pytest.mark.parametrize("dp, pp, tp, cp", CP_LAYOUTS)
+def test_the_context_axis_sits_between_data_and_tensor(dp, pp, tp, cp):
+    topo = Topology(dp=dp, pp=pp, tp=tp, cp=cp)
+    layout = f"dp={dp} pp={pp} tp={tp} cp={cp}"
+    assert topo.world_size == dp * pp * tp * cp, layout
+    for r in range(topo.world_size):
+        c = topo.coord(r)
+        assert topo.rank(pp=c.pp, dp=c.dp, tp=c.tp, cp=c.cp) == r, f"{layout} rank {r}"
+        assert r == ((c.pp * dp + c.dp) * cp + c.cp) * tp + c.tp, f"{layout} rank {r}: order"
+        assert topo.dp_cp_index(r) == c.dp * cp + c.cp, f"{layout} rank {r}"
+    for axis in AXES:
+        groups = topo.axis_groups(axis)
+        assert sorted(r for g in groups for r in g) == list(range(topo.world_size)), layout
+    # gradients average over the ranks holding the same parameters: same pp and tp
+    replicas = topo.dp_cp_groups()
+    assert sorted(r for g in replicas for r in g) == list(range(topo.world_size)), layout
+    for g in replicas:
+        assert len({(topo.coord(r).pp, topo.coord(r).tp) for r in g}) == 1, layout
+        assert [topo.dp_cp_index(r) for r in g] == list(range(dp * cp)), layout
+
+
+def test_process_mesh_makes_context_and_data_context_groups(monkeypatch):
+    topo, orders = Topology(dp=2, tp=2, cp=2), []
+    for rank in (0, 5):
+        fake = _FakeDist(world=8, rank=rank)
+        monkeypatch.setattr(topology, "dist", fake)
+        mesh = ProcessMesh.create(topo)
+        orders.append(fake.created)
+        assert mesh.cp_group == f"group{topo.peers(rank, 'cp')}", f"rank {rank}"
+        assert mesh.dp_cp_group == f"group{mesh.dp_cp_ranks()}", f"rank {rank}"
+        assert mesh.dp_cp_rank == topo.dp_cp_index(rank), f"rank {rank}"
+    assert orders[0] == orders[1], "every rank must call new_group in the same order"
+    # 4 groups on each of dp, cp and tp, 8 one-rank pipeline groups, 4 model replicas
+    # (dp x cp), 2 data-context groups (pp x tp)
+    assert len(orders[0]) == 3 * 4 + 8 + 4 + 2, orders[0]
+    assert topo.rank_table().splitlines()[1].split()[3:] == ["pp", "dp", "cp", "tp"]

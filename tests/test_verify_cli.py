@@ -31,6 +31,7 @@ BUG_SCRIPT = REPO / "tests" / "scripts" / "verify_rms_norm.py"
         ("dp2xtp2", Layout("dp2xtp2", dp=2, tp=2)),
         ("pp2xzero1x2", Layout("pp2xzero1x2", dp=2, pp=2, zero=1)),
         ("tp2xsp", Layout("tp2xsp", tp=2, sp=True)),
+        ("dp2xcp2xulysses", Layout("dp2xcp2xulysses", dp=2, cp=2, ulysses=True)),
     ],
 )
 def test_layout_names(text, want):
@@ -55,6 +56,7 @@ def nothing_starts(monkeypatch):
         (["--layouts", "zero3"], ["--layouts", "one data rank", "zero3x2"]),
         (["--layouts", "zero3x2xpp2"], ["--layouts", "ZeRO-3", "zero1"]),
         (["--layouts", "dp2,dp2"], ["--layouts", "twice"]),
+        (["--layouts", "dp2xulysses"], ["--layouts", "context-parallel", "cp2"]),
         (["--layouts", "dp2", "--steps", "0"], ["--steps 0", "at least 1"]),
         (["--layouts", "pp2"], ["--layouts pp2", "'pipeline' builder"]),
         (["--layouts", "dp3"], ["--layouts dp3", "8 rows", "multiple of 3"]),

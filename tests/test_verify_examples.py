@@ -21,7 +21,10 @@ STEPS = 2
 
 @pytest.mark.parametrize(
     "script, layouts",
-    [("gpt/train.py", ["tp2", "pp2", "zero3x2"]), ("classify/train.py", ["dp2"])],
+    [
+        ("gpt/train.py", ["tp2", "pp2", "zero3x2", "cp2", "cp2xulysses"]),
+        ("classify/train.py", ["dp2"]),
+    ],
 )
 def test_example_trains_like_one_process(tmp_path, script, layouts):
     path = str(EXAMPLES / script)

@@ -91,6 +91,7 @@ def _add_topo_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--pp", type=int, default=1, help="pipeline stages")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    p.add_argument("--cp", type=int, default=1, help="context-parallel size (context_parallel)")
     p.add_argument(
         "--ep", type=int, default=1, help="expert-parallel size (MoE ep_size, divides dp)"
     )
@@ -119,13 +120,13 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 def topo_world_size(args: argparse.Namespace) -> int:
-    """``--world-size``, else ``--nnodes`` x ``--nproc-per-node``, else dp x pp x tp.
+    """``--world-size``, else ``--nnodes`` x ``--nproc-per-node``, else dp x cp x pp x tp.
 
     ``--nproc-per-node`` alone only places the ranks on nodes.
     """
     per_node = args.nproc_per_node
     if args.nnodes is None:
-        return args.world_size or (args.dp or 1) * args.pp * args.tp
+        return args.world_size or (args.dp or 1) * args.cp * args.pp * args.tp
     if not per_node:
         raise ValueError("--nnodes needs --nproc-per-node to place ranks on nodes")
     launched = args.nnodes * per_node
@@ -139,7 +140,9 @@ def topo_world_size(args: argparse.Namespace) -> int:
 
 def _format_groups(topo: Topology, ep: int = 1) -> list[str]:
     lines = []
-    for axis in ("dp", "pp", "tp"):
+    for axis in ("dp", "cp", "pp", "tp"):
+        if axis == "cp" and topo.cp == 1:
+            continue
         groups = topo.axis_groups(axis)
         listed = " ".join(str(g) for g in groups)
         lines.append(
@@ -195,8 +198,11 @@ def topo_command(args: argparse.Namespace) -> str:
     per_node = args.nproc_per_node or 0
     if args.subgroup is not None:
         return subgroup_table(parse_subgroup(args.subgroup, world), world, per_node)
-    topo = Topology.build(world, dp=args.dp, pp=args.pp, tp=args.tp)
+    topo = Topology.build(world, dp=args.dp, pp=args.pp, tp=args.tp, cp=args.cp)
     groups = _format_groups(topo, args.ep)
+    if topo.cp > 1:  # gradients average, and ZeRO shards, over data x context
+        listed = " ".join(str(g) for g in topo.dp_cp_groups())
+        groups.append(f"data-context groups (dp x cp={topo.dp_cp}): {listed}")
     return "\n".join([topo.rank_table(nproc_per_node=per_node), "", *groups])
 
 

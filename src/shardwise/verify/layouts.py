@@ -2,8 +2,9 @@
 
 A layout is parts joined by ``x``: ``dpN`` (data-parallel ranks), ``tpN`` (tensor-parallel
 ranks), ``ppN`` (pipeline stages), ``zeroS`` (ZeRO stage S over the data ranks), ``sp``
-(sequence parallelism, with ``tpN``) and a bare ``N`` (the data-parallel size, so ``zero3x2``
-is ZeRO-3 on two data ranks). The processes launched are dp x tp x pp.
+(sequence parallelism, with ``tpN``), ``cpN`` (context-parallel ranks, ring attention;
+``ulysses`` for DeepSpeed-Ulysses) and a bare ``N`` (the data-parallel size, so ``zero3x2``
+is ZeRO-3 on two data ranks). The processes launched are dp x cp x tp x pp.
 
 Every layout trains on the same global batch of G rows per step, so a data rank's micro-batch
 is G / (dp x gas) rows: the mean loss over the global batch is then the mean, over data ranks,
@@ -16,7 +17,9 @@ import copy
 import re
 from dataclasses import dataclass
 
-GRAMMAR = "dpN, tpN, ppN, zeroS (S = 1, 2, 3), sp, or a bare N (data ranks), joined by x"
+GRAMMAR = (
+    "dpN, tpN, ppN, cpN, zeroS (S = 1, 2, 3), sp, ulysses, or a bare N (data ranks), joined by x"
+)
 EXAMPLE = "dp2,zero3x2,tp2,pp2,dp2xtp2"
 NO_CLIP_NORM = 1e12  # a clipping bound never reached: the engine then measures the norm only
 
@@ -35,23 +38,26 @@ class Layout:
     pp: int = 1
     zero: int = 0
     sp: bool = False
+    cp: int = 1
+    ulysses: bool = False
 
     @property
     def world(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.tp * self.pp * self.cp
 
 
 REFERENCE = Layout("1 process")
 
 
 def _part(layout: str, part: str, sizes: dict) -> None:
-    m = re.fullmatch(r"(dp|tp|pp|zero)?(\d+)|sp", part)
+    m = re.fullmatch(r"(dp|tp|pp|cp|zero)?(\d+)|sp|ulysses", part)
     if m is None:
         raise LayoutError(f"--layouts: unknown part {part!r} in {layout!r}: use {GRAMMAR}")
-    key = "sp" if part == "sp" else (m.group(1) or "dp")
+    flag = part in ("sp", "ulysses")
+    key = part if flag else (m.group(1) or "dp")
     if key in sizes:
         raise LayoutError(f"--layouts: {layout!r} gives {key} twice; give each part once")
-    sizes[key] = True if key == "sp" else int(m.group(2))
+    sizes[key] = True if flag else int(m.group(2))
 
 
 def parse_layout(text: str) -> Layout:
@@ -60,7 +66,7 @@ def parse_layout(text: str) -> Layout:
     for part in text.lower().split("x"):
         _part(text, part, sizes)
     layout = Layout(name=text, **sizes)
-    if min(layout.dp, layout.tp, layout.pp) < 1:
+    if min(layout.dp, layout.tp, layout.pp, layout.cp) < 1:
         raise LayoutError(f"--layouts: {text!r} has a size 0; every size is at least 1")
     if layout.zero not in (0, 1, 2, 3):
         raise LayoutError(f"--layouts: {text!r}: ZeRO stages are zero1, zero2 and zero3")
@@ -71,6 +77,8 @@ def parse_layout(text: str) -> Layout:
         )
     if layout.zero == 3 and layout.pp > 1:
         raise LayoutError(f"--layouts: {text!r}: ZeRO-3 does not combine with pipelines; use zero1")
+    if layout.ulysses and layout.cp == 1:
+        raise LayoutError(f"--layouts: {text!r}: ulysses is a context-parallel method; add cp2")
     if layout.sp and layout.tp == 1:
         raise LayoutError(f"--layouts: {text!r}: sp splits the sequence over TP ranks; add tp2")
     if layout.world == 1:
@@ -114,6 +122,9 @@ def layout_config(base: dict, layout: Layout, global_batch: int) -> dict:
         cfg["tensor_parallel"] = {**_block(cfg, "tensor_parallel"), **tp}
     if layout.pp > 1 or "pipeline" in cfg:
         cfg["pipeline"] = {**_block(cfg, "pipeline"), "stages": layout.pp}
+    if layout.cp > 1 or "context_parallel" in cfg:
+        cp = {"size": layout.cp, "method": "ulysses" if layout.ulysses else "ring"}
+        cfg["context_parallel"] = {**_block(cfg, "context_parallel"), **cp}
     return cfg
 
 

@@ -116,16 +116,21 @@ def attention(
     dropout_p: float = 0.0,
     is_causal: bool = False,
     scale: float | None = None,
+    enable_gqa: bool = False,
 ) -> torch.Tensor:
     """``scaled_dot_product_attention`` over the whole sequence, whichever ranks hold it.
 
     (batch, heads, sequence, head dim) as torch's. Without context parallelism this is exactly
     torch's function; with it, ``query``/``key``/``value`` hold this rank's tokens and the
-    result is this rank's rows of attention over every rank's keys (ring or Ulysses)."""
+    result is this rank's rows of attention over every rank's keys (ring or Ulysses). With
+    ``enable_gqa`` (grouped-query attention: fewer key/value heads, each serving
+    heads / kv_heads query heads) the key/value heads are repeated before the split
+    attention, as torch's function does implicitly."""
     ctx = _ACTIVE.get()
     if ctx is None:
+        gqa = {"enable_gqa": True} if enable_gqa else {}  # torch < 2.5 has no such argument
         return F.scaled_dot_product_attention(
-            query, key, value, attn_mask, dropout_p, is_causal=is_causal, scale=scale
+            query, key, value, attn_mask, dropout_p, is_causal=is_causal, scale=scale, **gqa
         )
     if attn_mask is not None or dropout_p:
         raise EngineError(
@@ -134,6 +139,9 @@ def attention(
             "dropout after attention, or set context_parallel.size to 1"
         )
     ctx.calls += 1
+    if enable_gqa and key.shape[1] != query.shape[1]:
+        groups = query.shape[1] // key.shape[1]  # query head i uses key/value head i // groups
+        key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
     return context_attention(
         query,
         key,
