@@ -96,8 +96,11 @@ def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, diagonal: bool) -> t
 
 
 def _fused(t: torch.Tensor) -> bool:
-    """torch's fused CPU flash-attention kernels serve this device (forward and backward)."""
-    return t.device.type == "cpu"
+    """torch's fused CPU flash-attention kernels serve this device (forward and backward).
+    They are private operators: a torch without them takes the plain path."""
+    return t.device.type == "cpu" and hasattr(
+        torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward"
+    )
 
 
 def _attend(
