@@ -202,7 +202,7 @@ def _trained(t, zero: bool):
     model(torch.randn(2, 4)).backward()
     strategy.after_backward(True)
     strategy.step(opt, 1.0)
-    mesh = SimpleNamespace(dp_rank=0, tp_rank=t or 0, topology=SimpleNamespace(dp=1))
+    mesh = SimpleNamespace(dp_cp_rank=0, tp_rank=t or 0, topology=SimpleNamespace(dp_cp=1))
     return model, opt, layout_of(model, opt, strategy, mesh)
 
 

@@ -92,7 +92,11 @@ def hook_styles(model: nn.Module, styles: dict[str, str], tr: Tracker) -> list[A
     handles = []
 
     def column_pre(mod: nn.Module, args: tuple) -> None:
-        ids = {id(t) for t in tree_leaves(args) if isinstance(t, torch.Tensor)}
+        tensors = [t for t in tree_leaves(args) if isinstance(t, torch.Tensor)]
+        # Alive to the end of the trace: a freed input's id could come back as the next
+        # column layer's input and hide its all-gather (seen 92 vs 108 calls, by chance).
+        tr.keep.extend(tensors)
+        ids = {id(t) for t in tensors}
         if ids != tr.last_column_input:
             tr.events.append(("col_in", bytes_of(args)))
         tr.inputs = tr.last_column_input = ids
