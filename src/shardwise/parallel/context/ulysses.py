@@ -17,27 +17,10 @@ from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
-from torch.autograd.function import FunctionCtx
 
 from shardwise import comm
 from shardwise.parallel.context.layout import check_shards, context_rank
-
-
-class _AllToAll(torch.autograd.Function):
-    """Chunk j of dim 0 goes to rank j; rank i's chunk lands at position i. The exchange is
-    its own inverse, so the gradient goes back the same way."""
-
-    @staticmethod
-    def forward(ctx: FunctionCtx, group: comm.Group, x: torch.Tensor) -> torch.Tensor:
-        ctx.group = group
-        x = x.contiguous()
-        out = torch.empty_like(x)
-        comm.all_to_all_single(out, x, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx: FunctionCtx, grad: torch.Tensor) -> tuple[None, torch.Tensor]:
-        return None, _AllToAll.apply(ctx.group, grad)
+from shardwise.parallel.exchange import all_to_all
 
 
 def _to_heads(x: torch.Tensor, cp: int, group: comm.Group) -> torch.Tensor:
@@ -45,7 +28,7 @@ def _to_heads(x: torch.Tensor, cp: int, group: comm.Group) -> torch.Tensor:
     b, h, s, d = x.shape
     c = s // 2
     send = x.reshape(b, cp, h // cp, s, d).transpose(0, 1)  # head group j -> rank j
-    got = _AllToAll.apply(group, send)  # (cp, B, Hc, s, D): rank i's tokens of my heads
+    got = all_to_all(send, group)  # (cp, B, Hc, s, D): rank i's tokens of my heads
     got = got.reshape(cp, b, h // cp, 2, c, d)
     # Rank i holds chunks i and 2cp-1-i: first halves in rank order are chunks 0..cp-1,
     # second halves in reverse rank order are chunks cp..2cp-1.
@@ -59,7 +42,7 @@ def _to_sequence(y: torch.Tensor, cp: int, group: comm.Group) -> torch.Tensor:
     c = seq // (2 * cp)
     chunks = y.reshape(b, hc, 2 * cp, c, d).permute(2, 0, 1, 3, 4)  # (2cp, B, Hc, c, D)
     send = torch.stack([chunks[:cp], chunks[cp:].flip(0)], dim=3)  # (cp, B, Hc, 2, c, D)
-    got = _AllToAll.apply(group, send.reshape(cp, b, hc, 2 * c, d))  # rank i: its heads
+    got = all_to_all(send.reshape(cp, b, hc, 2 * c, d), group)  # rank i: its heads
     return got.transpose(0, 1).reshape(b, cp * hc, 2 * c, d)
 
 

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardwise.comm import Group
-from shardwise.parallel.moe.comm import all_to_all
+from shardwise.parallel.exchange import all_to_all
 from shardwise.parallel.moe.gating import TopKGate
 
 

@@ -1,10 +1,10 @@
-"""The all-to-all of expert parallelism, as an autograd function.
+"""The differentiable all-to-all, shared by expert parallelism and Ulysses.
 
-Forward: the (E, C, M) dispatched tokens are cut along E into ``ep`` equal chunks (chunk j: the
-experts of expert-parallel rank j) and chunk j goes to rank j; each rank receives, from every
-rank i, its tokens for this rank's E/ep experts: (ep, E/ep, C, M) stacked as (E, C, M). The
-exchange is its own inverse, so backward sends the gradient back the same way. Counted by
-``shardwise.comm`` (op ``all_to_all``).
+Forward: dim 0 of ``x`` is cut into one equal chunk per rank of ``group``; chunk j goes to rank
+j, and rank i's chunk lands at position i of the result. MoE sends the (E, C, M) dispatched
+tokens, ``ep`` chunks of E/ep experts each (parallel/moe/layer.py). Ulysses sends a sequence
+shard cut by head groups (parallel/context/ulysses.py). The exchange is its own inverse, so
+backward sends the gradient back the same way. Counted by ``shardwise.comm`` (op ``all_to_all``).
 """
 
 from __future__ import annotations
