@@ -77,6 +77,8 @@ def _config(layout: dict) -> dict:
         cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0
     if layout.get("tp", 1) > 1:
         cfg["tensor_parallel"] = {"size": layout["tp"]}
+    if layout.get("bf16"):
+        cfg["bf16"] = {"enabled": True}
     if layout.get("recompute"):
         cfg["activation_checkpointing"] = {"checkpoint_layers": "all"}
     return cfg
