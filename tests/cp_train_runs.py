@@ -190,3 +190,46 @@ def gqa_inputs() -> tuple[torch.Tensor, ...]:
     g = torch.Generator().manual_seed(3)
     shapes = [(2, 4, 16, 8), (2, 2, 16, 8), (2, 2, 16, 8), (2, 4, 16, 8)]
     return tuple(torch.randn(s, generator=g) for s in shapes)
+
+
+def hf_run(family: str, cp: int, method: str, steps: int, mb: int, lr: float, clip: float) -> dict:
+    """A Hugging Face model (hf_models.py) trained by ``train_batch`` on whole-sequence
+    ``{"input_ids", "labels"}`` micro-batches under context parallelism; this data rank's rows
+    of each global batch of mb x dp rows; SGD with momentum, clipping at ``clip``."""
+    from hf_models import make_hf_batches, make_hf_model, take
+
+    config = {
+        "train_micro_batch_size_per_gpu": mb,
+        "gradient_clipping": clip,
+        "optimizer": {"type": "SGD", "params": {"lr": lr, "momentum": 0.9}},
+        "context_parallel": {"size": cp, "method": method},
+    }
+    engine, *_ = shardwise.initialize(model=make_hf_model(family), config=config)
+    dp, rank = engine.dp_world_size, engine.dp_rank
+    data = make_hf_batches(family, mb * dp * steps)
+    losses, norms = [], []
+    for k in range(steps):
+        start = (k * dp + rank) * mb
+        losses.append(engine.train_batch(iter([take(data, slice(start, start + mb))])).item())
+        norms.append(engine.get_global_grad_norm())
+    params = engine.consolidated_state_dict()
+    engine.destroy()
+    return {"losses": losses, "norms": norms, "params": params}
+
+
+def hf_padding_error() -> str:
+    """The error of a Llama batch with padding (a 0 in attention_mask) under cp 2."""
+    from hf_models import make_hf_batches, make_hf_model
+
+    config = {"train_micro_batch_size_per_gpu": 2, "context_parallel": {"size": 2}}
+    engine, *_ = shardwise.initialize(model=make_hf_model("llama"), config=config)
+    batch = make_hf_batches("llama", 2)
+    batch["attention_mask"] = torch.ones_like(batch["input_ids"])
+    batch["attention_mask"][0, -2:] = 0
+    try:
+        engine.eval_batch(iter([batch]))
+        return ""
+    except Exception as e:  # the message is what the test reads
+        return f"{type(e).__name__}: {e}"
+    finally:
+        engine.destroy()

@@ -42,7 +42,9 @@ def loss_of(engine: Engine, batch: Any) -> torch.Tensor:
     value of a tuple/list. Under context parallelism every tensor of two or more dimensions
     is first cut to this rank's tokens along dim 1.
     """
-    batch = engine.context.shard_batch(batch)  # context parallelism: this rank's tokens
+    batch, context_loss = engine.context.batch_loss(batch)  # context parallelism: its tokens
+    if context_loss is not None:
+        return context_loss(_call(engine, batch))
     if engine.loss_fn is not None:
         if not isinstance(batch, (tuple, list)) or len(batch) != 2:
             raise _batch_error(batch, "with a loss_fn, each batch must be (inputs, labels)")

@@ -12,6 +12,7 @@ group or a tensor is touched.
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
@@ -24,6 +25,7 @@ from shardwise import comm
 from shardwise.config import Config, ConfigError, parse_config
 from shardwise.data import build_dataloader
 from shardwise.engine import Engine
+from shardwise.integrations import hf_context
 from shardwise.launch.env import init_distributed
 from shardwise.lr_schedules import build_scheduler
 from shardwise.optim import build_optimizer
@@ -111,8 +113,18 @@ def initialize(
     loader = _build_loader(cfg, training_data, batch, mesh, collate_fn)
     scaler = LossScaler.from_config(cfg)
     engine = Engine(model, opt, sched, strategy, mesh, cfg, batch, loader, loss_fn, scaler, runner)
+    _bind_hf_context(engine, model)
     engine.autosave.resume(engine)  # checkpoint.auto_resume: the newest checkpoint of save_dir
     return engine, opt, loader, sched
+
+
+def _bind_hf_context(engine: Engine, model: nn.Module) -> None:
+    """Context parallelism on a Hugging Face model: its attention through shardwise.attention,
+    its batches prepared and its loss taken over every labelled token (hf_context.py)."""
+    if engine.context.size > 1 and hf_context.is_hf_model(model):
+        hf_context.use_context_attention(model)
+        engine.context.prepare = functools.partial(hf_context.prepare_batch, model)
+        engine.context.loss = hf_context.token_loss
 
 
 def _isolated_and_skipped(

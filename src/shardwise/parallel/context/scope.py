@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -50,6 +50,10 @@ class ContextParallel:
     group: Any = None
     ranks: tuple[int, ...] = (0,)
     calls: int = 0  # attention calls under this context since the last forward began
+    # A whole-sequence mapping batch -> (model inputs, per-token targets), before the cut;
+    # the loss is then ``loss(outputs, targets, items)`` (integrations/hf_context.py)
+    prepare: Callable[[Mapping], tuple[dict, torch.Tensor | None]] | None = None
+    loss: Callable[[Any, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     @classmethod
     def from_mesh(cls, cfg: Config, mesh: ProcessMesh) -> ContextParallel:
@@ -97,14 +101,28 @@ class ContextParallel:
     def shard_batch(self, batch: Any) -> Any:
         """Every tensor of two or more dimensions of a batch (nested in tuples, lists and
         mappings) cut along dim 1, the sequence: token ids, labels, masks."""
-        if self.size == 1:
-            return batch
+        return batch if self.size == 1 else self._cut(batch)
+
+    def batch_loss(self, batch: Any) -> tuple[Any, Callable[[Any], torch.Tensor] | None]:
+        """``(this rank's batch, its loss from the outputs)``: with ``prepare`` (a Hugging
+        Face model) a mapping's labels become this rank's targets and the loss is computed
+        from the logits; otherwise ``(shard_batch(batch), None)``: the model's own loss."""
+        if self.size == 1 or self.prepare is None or not isinstance(batch, Mapping):
+            return self.shard_batch(batch), None
+        inputs, targets = self.prepare(batch)
+        if targets is None or self.loss is None:
+            return self._cut(inputs), None
+        items = (targets != -100).sum().float() / self.size  # -100: ignored, as Hugging Face
+        mine, loss = self._cut(targets), self.loss
+        return self._cut(inputs), lambda out: loss(out, mine, items)
+
+    def _cut(self, batch: Any) -> Any:
         if isinstance(batch, torch.Tensor):
             return self.shard(batch, 1) if batch.dim() >= 2 else batch
         if isinstance(batch, Mapping):
-            return type(batch)({k: self.shard_batch(v) for k, v in batch.items()})
+            return type(batch)({k: self._cut(v) for k, v in batch.items()})
         if isinstance(batch, (tuple, list)):
-            return type(batch)(self.shard_batch(v) for v in batch)
+            return type(batch)(self._cut(v) for v in batch)
         return batch
 
 
