@@ -56,6 +56,8 @@ sys.path.insert(0, str(HERE))  # run as a script: find common.py
 from common import format_table, single_thread  # noqa: E402
 from tp_vs_torch import load_example_gpt  # noqa: E402
 
+from shardwise.memory import saved_storages  # noqa: E402
+
 LR = 0.1
 LOSS_TOLERANCE = 1e-4  # same weights and data; only the order of reductions differs
 FP32 = 4
@@ -103,19 +105,11 @@ def build(args: argparse.Namespace, method: str) -> object:
 def saved_bytes(engine: object, x: torch.Tensor, y: torch.Tensor) -> int:
     """Bytes autograd saves in one forward: each storage once (by data_ptr, so views are not
     counted twice), parameters excluded."""
-    params = {p.untyped_storage().data_ptr() for p in engine.module.parameters()}
-    seen: dict[int, int] = {}
 
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
-            seen[storage.data_ptr()] = storage.nbytes()
-        return t
+    def forward() -> None:  # the loss, its graph and what it saved are dropped on return
+        engine(engine.shard_sequence(x), engine.shard_sequence(y))
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = engine(engine.shard_sequence(x), engine.shard_sequence(y))
-    del loss  # the graph and what it saved go with it
-    return sum(seen.values())
+    return sum(saved_storages(forward, engine.module.parameters()).values())
 
 
 def measure_forward(args: argparse.Namespace, engine: object, method: str, seq: int) -> dict:

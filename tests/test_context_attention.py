@@ -23,6 +23,7 @@ import torch
 from context_runs import B, D, H, attention_run, reference
 from harness import run_distributed
 
+from shardwise.memory import saved_storages
 from shardwise.parallel.context import (
     check_sequence,
     chunk_ids,
@@ -227,17 +228,13 @@ def test_ring_output_merges_heads_without_a_copy():
     q, k, v, O and lse, nothing twice (a (B, H, s, D) output cost one more block per layer)."""
     q, k, v = (torch.randn(B, 6, H * D).requires_grad_() for _ in range(3))  # (B, s, H*D)
     proj = torch.nn.Linear(H * D, H * D, bias=False)
-    saved: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        if t.untyped_storage().data_ptr() != proj.weight.data_ptr():
-            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
     heads = [x.view(B, 6, H, D).transpose(1, 2) for x in (q, k, v)]  # (B, H, s, D) views
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+
+    def forward() -> None:
         out = context_attention(*heads, is_causal=True, method="ring", group=None, ranks=[0])
         proj(out.transpose(1, 2).flatten(2))  # (B, s, H*D): a view, not a copy
+
+    saved = saved_storages(forward, [proj.weight])
     block = B * 6 * H * D * FP32
     assert sorted(saved.values()) == sorted([B * H * 6 * FP32] + 4 * [block]), (
         f"ring cp=1, (B, H, s, D) = {(B, H, 6, D)}: saved {sorted(saved.values())} bytes, "

@@ -20,6 +20,7 @@ from models import example_module
 
 import shardwise
 from shardwise import comm
+from shardwise.memory import saved_storages
 from shardwise.parallel.activation.selective import apply_activation_checkpointing
 from shardwise.parallel.tensor import random as tp_random
 from shardwise.parallel.tensor.parallelize import parallelize
@@ -54,18 +55,7 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 def saved_bytes(mode: str) -> int:
     """Activation bytes autograd keeps for backward during one forward of the TP GPT."""
     model = tp_gpt(mode, dropout=0.0)
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    storages: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        s = t.untyped_storage()
-        if s.data_ptr() not in params:
-            storages[s.data_ptr()] = s.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(*batch(0))
-    return sum(storages.values())
+    return sum(saved_storages(lambda: model(*batch(0)), model.parameters()).values())
 
 
 def saved_bytes_per_mode() -> dict:

@@ -11,8 +11,8 @@ formulas for Psi parameters on N ranks with Adam are then met up to padding:
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -65,3 +65,21 @@ def breakdown(
     out = {kind: _bytes(tensors.get(kind, []), seen) for kind in KINDS}
     out["total"] = sum(out.values())
     return out
+
+
+def saved_storages(run: Callable[[], Any], exclude: Iterable[torch.Tensor] = ()) -> dict[int, int]:
+    """The activation memory of ``run()``: ``{storage address: bytes}`` of what autograd saves
+    for backward while it runs, each storage once (views and repeated saves of one tensor
+    share it), the storages of ``exclude`` (parameters: stored anyway) left out."""
+    skip = {t.untyped_storage().data_ptr() for t in exclude}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in skip:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        run()
+    return seen

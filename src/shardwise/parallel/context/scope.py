@@ -98,17 +98,16 @@ class ContextParallel:
         """Global positions of this rank's tokens of a ``seq_len``-token sequence."""
         return sequence_positions(seq_len, self.size, self.rank, device=device)
 
-    def shard_batch(self, batch: Any) -> Any:
-        """Every tensor of two or more dimensions of a batch (nested in tuples, lists and
-        mappings) cut along dim 1, the sequence: token ids, labels, masks."""
-        return batch if self.size == 1 else self._cut(batch)
-
     def batch_loss(self, batch: Any) -> tuple[Any, Callable[[Any], torch.Tensor] | None]:
-        """``(this rank's batch, its loss from the outputs)``: with ``prepare`` (a Hugging
-        Face model) a mapping's labels become this rank's targets and the loss is computed
-        from the logits; otherwise ``(shard_batch(batch), None)``: the model's own loss."""
-        if self.size == 1 or self.prepare is None or not isinstance(batch, Mapping):
-            return self.shard_batch(batch), None
+        """``(this rank's batch, its loss from the outputs)``: every tensor of two or more
+        dimensions (nested in tuples, lists and mappings: token ids, labels, masks) cut along
+        dim 1, the sequence, and None: the model's own loss. With ``prepare`` (a Hugging Face
+        model) a mapping's labels become this rank's targets and the loss is computed from
+        the logits."""
+        if self.size == 1:
+            return batch, None
+        if self.prepare is None or not isinstance(batch, Mapping):
+            return self._cut(batch), None
         inputs, targets = self.prepare(batch)
         if targets is None or self.loss is None:
             return self._cut(inputs), None
