@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterator
 
 import torch
+from safetensors.torch import save_file
 from sklearn.datasets import load_digits
 from torch import nn
 from torch.utils.data import Subset, TensorDataset
@@ -32,6 +33,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--val-fraction", type=float, default=0.2)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--predictions",
+        default=None,
+        help="write each epoch's validation logits (keys epoch1, epoch2, ...) to this .safetensors file",
+    )
     return p.parse_args()
 
 
@@ -61,6 +67,16 @@ def make_model() -> nn.Module:
         nn.Flatten(),
         nn.Linear(32 * 4 * 4, 10),
     )
+
+
+@torch.no_grad()
+def val_logits(engine: shardwise.Engine, val_set: TensorDataset) -> torch.Tensor:
+    """The logits (N, 10) of every validation sample, in order, computed whole on each rank
+    (the CNN is small): tests compare layouts prediction by prediction (``--predictions``)."""
+    engine.eval()
+    logits = engine(val_set.tensors[0].to(engine.device)).float().cpu().contiguous()
+    engine.train()
+    return logits
 
 
 @torch.no_grad()
@@ -118,6 +134,7 @@ def main() -> None:
             m.process_group = group
     criterion = nn.CrossEntropyLoss()
     leader = engine.global_rank == 0
+    logits = {"labels": val_set.tensors[1].contiguous()}  # --predictions
     if leader:
         print(
             f"digits: {len(train_set)} train, {len(val_set)} val; {engine.dp_world_size} "
@@ -134,6 +151,8 @@ def main() -> None:
             engine.step()
             train_loss.update(loss.detach(), y.numel())
         val_acc = evaluate(engine, val_set)
+        if args.predictions:
+            logits[f"epoch{epoch + 1}"] = val_logits(engine, val_set)
         mean_loss = train_loss.compute(group=group)
         if leader:
             print(
@@ -141,6 +160,8 @@ def main() -> None:
                 flush=True,
             )
     val_acc = evaluate(engine, val_set)
+    if args.predictions and leader:
+        save_file(logits, args.predictions)
     if leader:
         elapsed = time.perf_counter() - start
         print(f"final val_acc {val_acc:.4f} ({len(val_set)} samples, {elapsed:.1f}s)", flush=True)
