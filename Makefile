@@ -7,7 +7,7 @@ VPIP := $(VPY) -m pip
 TORCH_PIN ?= torch==2.13.0
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: venv dev demo test lint clean bench
+.PHONY: venv dev demo test lint clean bench test-stress test-isa
 
 $(VENV)/.base: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -41,6 +41,25 @@ lint: $(VENV)/.dev
 # pytest exits 5 when it collects nothing: that is a failure, and `make` treats any non-zero as one.
 test: lint
 	$(VPY) -m pytest -q --durations=15 tests
+
+# The suite beside a CPU burner of twice the cores (tests/scripts/under_load.py): waits
+# stretch through tests/waits.py, so a loaded machine makes tests slower, not red.
+STRESS_TESTS ?= tests
+test-stress: $(VENV)/.dev
+	$(VPY) tests/scripts/under_load.py -- $(VPY) -m pytest -q --durations=15 $(STRESS_TESTS)
+
+# Kernel independence: the suite with the CPU's vector ISA capped, once at AVX2 and once at no
+# vector extension, in ATen (ATEN_CPU_CAPABILITY), oneDNN (ONEDNN_MAX_CPU_ISA) and MKL
+# (MKL_ENABLE_INSTRUCTIONS). Each run first prints the capability torch reports.
+ISA_TESTS ?= tests
+ISA_avx2 := ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2
+ISA_default := ATEN_CPU_CAPABILITY=default ONEDNN_MAX_CPU_ISA=SSE41 MKL_ENABLE_INSTRUCTIONS=SSE4_2
+test-isa: $(VENV)/.dev
+	set -e; for isa in avx2 default; do \
+	  case $$isa in avx2) caps="$(ISA_avx2)";; default) caps="$(ISA_default)";; esac; \
+	  env $$caps $(VPY) -c "import torch; print('ISA cap $$isa: torch reports', torch.backends.cpu.get_cpu_capability())"; \
+	  env $$caps $(VPY) -m pytest -q $(ISA_TESTS); \
+	done
 
 # DP (ours vs torch DDP vs DeepSpeed stage 0, 2 ranks) then the single-process overhead.
 # The first run compiles DeepSpeed's CPU comm op (a minute or two; cached in ~/.cache).

@@ -22,6 +22,7 @@ import traceback
 from typing import Any
 
 import torch.multiprocessing as mp
+from waits import scaled
 
 DEFAULT_TIMEOUT = float(os.environ.get("SHARDWISE_TEST_TIMEOUT", 180))
 
@@ -48,7 +49,7 @@ def _worker(rank: int, world_size: int, store_path: str, inbox: Any, outbox: Any
         init_method=f"file://{store_path}",
         rank=rank,
         world_size=world_size,
-        timeout=datetime.timedelta(seconds=DEFAULT_TIMEOUT + 30),
+        timeout=datetime.timedelta(seconds=scaled(DEFAULT_TIMEOUT + 30)),
     )
     from shardwise import comm
 
@@ -154,7 +155,7 @@ def run_distributed(
     if world is None or not world.alive():
         world = _WORLDS[world_size] = World(world_size)
     try:
-        return world.run(fn, args, kwargs, timeout)
+        return world.run(fn, args, kwargs, scaled(timeout))
     except BaseException:
         world.close(kill=True)
         _WORLDS.pop(world_size, None)

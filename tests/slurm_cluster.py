@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from waits import scaled
 
 CONF = """\
 ClusterName=shardwise
@@ -82,7 +83,7 @@ def _install() -> None:
         pytest.skip("real Slurm tests need Debian's slurm-wlm: install it (root and apt-get)")
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
     cmd = ["apt-get", "install", "-y", "-q", "--no-install-recommends", "slurm-wlm"]
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=scaled(600))
     if out.returncode != 0 or not shutil.which("slurmctld"):
         pytest.skip(f"real Slurm tests: apt-get install slurm-wlm failed: {out.stderr[-500:]}")
 
@@ -90,7 +91,7 @@ def _install() -> None:
 def _wait_idle(slurm: Slurm, deadline_s: float = 60) -> None:
     deadline = time.monotonic() + deadline_s
     while time.monotonic() < deadline:
-        out = slurm.run("sinfo", "-h", "-o", "%T", timeout=10)
+        out = slurm.run("sinfo", "-h", "-o", "%T", timeout=scaled(10))
         if out.stdout.strip() == "idle":
             return
         time.sleep(0.5)
@@ -121,11 +122,11 @@ def slurm(tmp_path_factory) -> Iterator[Slurm]:
         _wait_idle(cluster)
         yield cluster
     finally:
-        cluster.run("scancel", "--full", "-u", "root", timeout=30)
+        cluster.run("scancel", "--full", "-u", "root", timeout=scaled(30))
         for d in daemons:
             os.killpg(d.pid, signal.SIGTERM)
         for d in daemons:
             try:
-                d.wait(timeout=20)
+                d.wait(timeout=scaled(20))
             except subprocess.TimeoutExpired:
                 os.killpg(d.pid, signal.SIGKILL)

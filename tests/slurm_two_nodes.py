@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 from netns_hosts import delete_namespaces, kill_in, veth_pair
 from slurm_cluster import CONF, _install
+from waits import scaled
 
 _RUN = os.getpid() % 100000
 NAMESPACES = (f"sw-s0-{_RUN}", f"sw-s1-{_RUN}")
@@ -110,8 +111,10 @@ def slurm_two_nodes(tmp_path_factory) -> Iterator[TwoNodes]:
                            (1, ["slurmd", "-D", "-N", NAMES[1]])):  # fmt: skip
             daemons.append(subprocess.Popen(cluster.command(host, argv), env=env, start_new_session=True,
                                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))  # fmt: skip
-        deadline = time.monotonic() + 90
-        while cluster.run("sinfo", "-h", "-o", "%T %D", timeout=10).stdout.strip() != "idle 2":
+        deadline = time.monotonic() + scaled(90)
+        while (
+            cluster.run("sinfo", "-h", "-o", "%T %D", timeout=scaled(10)).stdout.strip() != "idle 2"
+        ):
             assert time.monotonic() < deadline, (
                 f"the two nodes never became idle:\n{cluster.logs()}"
             )

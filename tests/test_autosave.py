@@ -11,6 +11,7 @@ import sys
 
 import pytest
 from checkpointing import config, engine_for
+from waits import scaled
 
 from shardwise.checkpoint.autosave import newest_tag
 from shardwise.launch.preempt import PREEMPTED_EXIT_CODE, Preempted, SignalFlag
@@ -123,7 +124,7 @@ print("survived")
 def test_a_flag_nobody_holds_lets_sigterm_end_the_process():
     gc.collect()
     out = subprocess.run(
-        [sys.executable, "-c", DROPPED], capture_output=True, text=True, timeout=60
+        [sys.executable, "-c", DROPPED], capture_output=True, text=True, timeout=scaled(60)
     )
     assert out.returncode == -signal.SIGTERM, f"exit {out.returncode}: {out.stdout}{out.stderr}"
     assert "survived" not in out.stdout

@@ -23,6 +23,7 @@ from harness import run_distributed
 from safetensors import safe_open
 from safetensors.torch import load_file
 from torch import nn
+from waits import scaled
 
 from shardwise.checkpoint import reader as reader_module
 from shardwise.checkpoint.export import assemble, export_consolidated
@@ -263,7 +264,7 @@ def _run_kill_script(tmp_path: Path, world: int, phase: str) -> list[subprocess.
         )
         for r in range(world)
     ]
-    return [(p.wait(timeout=120), p.stdout.read()) for p in procs]
+    return [(p.wait(timeout=scaled(120)), p.stdout.read()) for p in procs]
 
 
 @pytest.mark.parametrize("world,phase", [(2, "write"), (1, "publish")])

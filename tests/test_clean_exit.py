@@ -17,6 +17,8 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from waits import scaled
+
 SCRIPT = Path(__file__).parent / "scripts" / "exit_plain.py"
 RUNS, AT_ONCE = 20, 4
 
@@ -24,7 +26,7 @@ RUNS, AT_ONCE = 20, 4
 def _launch(_: int) -> tuple[int, str]:
     cmd = [sys.executable, "-m", "shardwise", "run", "--nproc-per-node", "2", str(SCRIPT)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=scaled(300), env=env)
     return out.returncode, out.stderr[-1500:]
 
 

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from waits import scaled
 
 from shardwise.launch import run as run_mod
 from shardwise.launch.cli import main, make_parser
@@ -313,7 +314,7 @@ def _shardwise_cmd():
     return [str(script)] if script.is_file() else [sys.executable, "-m", "shardwise"]
 
 
-def _launch(*flags, timeout=180):
+def _launch(*flags, timeout=scaled(180)):
     drop = (
         "RANK",
         "WORLD_SIZE",
@@ -423,7 +424,11 @@ def test_bind_cores_to_rank_pins_each_rank_to_its_share(tmp_path):
     flags = ["--nproc-per-node", "2", "--bind_cores_to_rank", "--bind_core_list", "0,1"]
     cmd = [sys.executable, "-m", "shardwise", "run", *flags, "--no_local_rank"]
     out = subprocess.run(
-        [*cmd, str(script), "--x", "1"], capture_output=True, text=True, timeout=120, cwd=REPO
+        [*cmd, str(script), "--x", "1"],
+        capture_output=True,
+        text=True,
+        timeout=scaled(120),
+        cwd=REPO,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     for rank in (0, 1):

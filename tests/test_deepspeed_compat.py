@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from waits import scaled
 
 REPO = Path(__file__).resolve().parents[1]
 ROW = re.compile(r"^\| `(deepspeed(?:\.\w+)+)` \| (works|alias|refused) \|")
@@ -68,7 +69,9 @@ def test_a_deepspeed_style_script_using_the_deep_names_trains_and_resumes(tmp_pa
     cmd = [sys.executable, "-m", "shardwise", "run", "--nproc-per-node", "2"]
     cmd += [str(REPO / "tests" / "scripts" / "ds_deep_names.py"), "--save_dir", str(tmp_path)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=REPO)
+    out = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=scaled(240), env=env, cwd=REPO
+    )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     assert "resumed epoch=7 steps=4 device=cpu" in out.stdout, out.stdout[-2000:]
     assert "after training | MA " in out.stderr + out.stdout

@@ -26,6 +26,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from waits import scaled
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO / "tests" / "scripts"
@@ -35,7 +36,9 @@ def launch(script: str, *args: str) -> str:
     cmd = [sys.executable, "-m", "shardwise", "run", "--nproc-per-node", "2"]
     cmd += [str(SCRIPTS / script), *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
+    out = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=scaled(300), env=env, cwd=REPO
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-4000:]
     return out.stdout + out.stderr
 

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
+from waits import scaled
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "examples" / "classify" / "train.py"
@@ -64,7 +65,9 @@ def _train(nproc: int, out_dir: Path) -> tuple[list[tuple[float, float]], float,
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     logits = out_dir / f"logits-{nproc}.safetensors"
     cmd = [*_launch(nproc), "--epochs", str(EPOCHS), "--predictions", str(logits)]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=scaled(300)
+    )
     out = proc.stdout
     assert proc.returncode == 0, (
         f"nproc={nproc}: exit {proc.returncode}\n{out}\n{proc.stderr[-3000:]}"

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from waits import scaled
+
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "deepspeed_compat"
 
@@ -41,7 +43,9 @@ def test_it_trains_on_two_processes_with_deepspeed_flags():
         "3",
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=REPO)
+    out = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=scaled(240), env=env, cwd=REPO
+    )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     losses = [float(x) for x in re.findall(r"epoch \d+ rank 0 loss ([\d.]+)", out.stdout)]
     assert len(losses) == 3, out.stdout

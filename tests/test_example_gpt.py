@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from models import example_module
+from waits import scaled
 
 GPT_DIR = Path(__file__).resolve().parents[1] / "examples" / "gpt"
 
@@ -221,7 +222,7 @@ def _train(out: Path, nproc: int = 1, extra: tuple[str, ...] = ()) -> subprocess
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)  # a world of our own, not a rank of whatever world runs the tests
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=scaled(300), env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc
 

@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import pytest
+from waits import scaled
 
 from shardwise.launch.interface import IFNAME_VAR, loopback_interface, pin_gloo_to_loopback
 
@@ -53,7 +54,7 @@ SCRIPT = (
 def test_init_distributed_pins_before_the_first_group():
     env = {k: v for k, v in os.environ.items() if k not in (IFNAME_VAR, "RANK", "WORLD_SIZE")}
     out = subprocess.run(
-        [sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=scaled(120)
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == LO, f"one process, no launcher: {out.stdout!r}"

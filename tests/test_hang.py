@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from harness import capture_logs, run_distributed
+from waits import scaled, scaled_int
 
 import shardwise
 from shardwise import comm
@@ -28,7 +29,7 @@ from shardwise.diagnose import report
 from shardwise.launch.cli import main
 
 SCRIPT = Path(__file__).parent / "scripts" / "hang.py"
-TIMEOUT = 5  # seconds: every group's collective timeout in the launches
+TIMEOUT = scaled_int(5)  # seconds: every group's collective timeout in the launches
 DROP = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -90,7 +91,7 @@ def _launch(kind: str, nproc: int, run_dir: Path) -> subprocess.CompletedProcess
     env = {k: v for k, v in os.environ.items() if k not in DROP}
     cmd = [sys.executable, "-m", "shardwise", "run", "--nproc-per-node", str(nproc)]
     cmd += ["--timeout", str(TIMEOUT), "--run-dir", str(run_dir), str(SCRIPT), kind]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=scaled(240))
 
 
 def _section(text: str, title: str) -> str:
@@ -111,7 +112,9 @@ def test_a_hang_is_reported_naming_rank_op_and_group(kind, nproc, expected, tmp_
     assert sorted(records) == list(range(nproc)), f"{kind}: every rank writes its record: {text}"
     hang = min(c["start"] for r in records.values() for c in r["in_flight"])
     late = (folder / "report.txt").stat().st_mtime - hang
-    assert late <= TIMEOUT + 10, f"{kind}: report {late:.1f} s after the hang (timeout {TIMEOUT})"
+    assert late <= TIMEOUT + scaled(10), (
+        f"{kind}: report {late:.1f} s after the hang (timeout {TIMEOUT})"
+    )
 
     summary = out.stderr[out.stderr.rfind("Root Cause") :]
     assert f"shardwise diagnosis: {expected[0]}" in summary, f"{kind}: root cause\n{summary}"

@@ -13,6 +13,7 @@ import socket
 import time
 
 import torch.distributed as dist
+from waits import scaled
 
 from shardwise.launch.heartbeat import INTERVAL_S, Heartbeat
 
@@ -49,7 +50,7 @@ def test_a_silent_host_is_named_with_its_ranks():
     watcher.start()
     time.sleep(0.8)
     silent.stop.set()  # its counter stops: the host is gone
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + scaled(10)
     while not lost and time.monotonic() < deadline:
         time.sleep(0.1)
     watcher.stop.set()

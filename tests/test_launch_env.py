@@ -13,6 +13,7 @@ import sys
 
 import pytest
 import torch
+from waits import scaled
 
 import shardwise
 from shardwise.launch import env as env_mod
@@ -255,7 +256,7 @@ def test_init_distributed_single_process_needs_no_launcher():
         env=_clean_env(),
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=scaled(120),
     )
     assert out.returncode == 0, out.stderr
     assert "OK none True (1, 0, 'gloo')" in out.stdout, out.stdout
@@ -292,7 +293,7 @@ def test_init_distributed_from_a_slurm_job_of_two_tasks():
             )
             for r in range(2)
         ]
-        outs = [p.communicate(timeout=120) for p in procs]
+        outs = [p.communicate(timeout=scaled(120)) for p in procs]
         if (
             all(p.returncode == 0 for p in procs)
             or "address already in use" not in outs[0][1].lower()

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+from waits import scaled
 
 from shardwise.launch.guard import die_with_launcher, record_uncaught_errors, restart_notice
 
@@ -40,7 +41,7 @@ def _alive(pid: int) -> bool:
 
 
 def _wait_for(predicate, seconds: float) -> bool:
-    deadline = time.monotonic() + seconds
+    deadline = time.monotonic() + scaled(seconds)
     while time.monotonic() < deadline:
         if predicate():
             return True
@@ -72,7 +73,9 @@ def test_workers_die_with_a_sigkilled_launcher(tmp_path):
 
 def test_a_workers_exception_is_the_root_cause_in_the_summary(tmp_path):
     cmd = [sys.executable, "-m", "shardwise", "run", "--nproc-per-node", "2", SCRIPT, str(tmp_path)]
-    out = subprocess.run([*cmd, "--raise"], env=_env(), capture_output=True, text=True, timeout=180)
+    out = subprocess.run(
+        [*cmd, "--raise"], env=_env(), capture_output=True, text=True, timeout=scaled(180)
+    )
     assert out.returncode == 1, out.stderr[-3000:]
     summary = out.stderr[out.stderr.rfind("Root Cause") :]
     assert "error_file: <N/A>" not in summary, summary

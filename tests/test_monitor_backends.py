@@ -21,6 +21,7 @@ import pytest
 import torch.nn.functional as F
 from harness import run_distributed
 from models import make_data, make_model
+from waits import scaled
 
 import shardwise
 
@@ -80,7 +81,7 @@ def _records_with_run(path: str, wait_s: float = 20.0) -> list:
     """The file's records once the run's exit record is there: wandb's service process writes
     the transaction log, and on a loaded machine the records were seen to land after
     ``finish()`` returned."""
-    deadline = time.monotonic() + wait_s
+    deadline = time.monotonic() + scaled(wait_s)
     while True:
         records = wandb_records(path)
         kinds = [r.WhichOneof("record_type") for r in records]

@@ -33,6 +33,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from waits import scaled
 
 from shardwise.launch.preempt import PREEMPTED_EXIT_CODE
 
@@ -79,7 +80,7 @@ def killed(tmp_path_factory):
     phases = [f"{name}:kill:{rank}:{step}" for name, (rank, step) in draws.items()]
     cmd = _cmd(str(out), *phases, restarts=len(LAYOUTS))
     try:
-        run = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=150)
+        run = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=scaled(150))
     except subprocess.TimeoutExpired as e:  # reported by each row, with the seed that replays it
         err = e.stderr.decode() if isinstance(e.stderr, bytes) else e.stderr or ""
         run = subprocess.CompletedProcess(cmd, -1, "", err + "\n[timed out after 150 s]")
@@ -99,7 +100,7 @@ def test_a_killed_rank_resumes_bit_exact(killed, layout):
 
 
 def _wait_for_step(progress: Path, step: int, launcher: subprocess.Popen, seconds: float) -> int:
-    deadline = time.monotonic() + seconds
+    deadline = time.monotonic() + scaled(seconds)
     while time.monotonic() < deadline and launcher.poll() is None:
         text = progress.read_text() if progress.exists() else ""
         if text and int(text) >= step:
@@ -117,7 +118,7 @@ def test_sigterm_to_the_launcher_saves_the_step_and_exits_75(tmp_path):
     try:
         at_signal = _wait_for_step(folder / "progress", 3, launcher, 90)
         launcher.send_signal(signal.SIGTERM)
-        _, err = launcher.communicate(timeout=60)
+        _, err = launcher.communicate(timeout=scaled(60))
     finally:
         launcher.kill()
     err = err.decode()
@@ -131,7 +132,9 @@ def test_sigterm_to_the_launcher_saves_the_step_and_exits_75(tmp_path):
     latest = (folder / "ckpts" / "latest").read_text().strip()
     assert latest == f"global_step{step}", f"latest is {latest}, the launcher said step {step}"
 
-    again = subprocess.run(_cmd(*args), env=_env(), capture_output=True, text=True, timeout=120)
+    again = subprocess.run(
+        _cmd(*args), env=_env(), capture_output=True, text=True, timeout=scaled(120)
+    )
     assert again.returncode == 0, again.stderr[-3000:]
     assert _resumed_from(again.stderr, folder) == [step], again.stderr[-3000:]
     _same_weights(folder, f"dp2, SIGTERM to the launcher at step {at_signal}")
@@ -147,9 +150,9 @@ def test_the_workers_of_a_sigkilled_launcher_save_their_step(tmp_path):
         at_kill = _wait_for_step(folder / "progress", 3, launcher, 90)
     finally:
         launcher.kill()
-        launcher.wait(10)
+        launcher.wait(scaled(10))
     latest = folder / "ckpts" / "latest"
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + scaled(30)
     while time.monotonic() < deadline and not latest.exists():
         time.sleep(0.1)
     saved = latest.read_text() if latest.exists() else "nothing"
@@ -158,7 +161,11 @@ def test_the_workers_of_a_sigkilled_launcher_save_their_step(tmp_path):
 
 def test_sigterm_to_one_worker_stops_every_rank_after_the_same_step(tmp_path):
     run = subprocess.run(
-        _cmd(str(tmp_path), "pp2:term:1:4"), env=_env(), capture_output=True, text=True, timeout=120
+        _cmd(str(tmp_path), "pp2:term:1:4"),
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=scaled(120),
     )
     assert run.returncode == PREEMPTED_EXIT_CODE, f"exit {run.returncode}\n{run.stderr[-3000:]}"
     assert "SIGTERM (on 1 of 2 ranks): stopped after step 4" in run.stderr, run.stderr[-3000:]
@@ -179,11 +186,11 @@ def test_sigterm_to_workers_that_cannot_save_exits_128_plus_15(tmp_path):
         stderr=subprocess.PIPE,
     )
     try:
-        deadline = time.monotonic() + 90
+        deadline = time.monotonic() + scaled(90)
         while len(list(tmp_path.glob("rank*.pid"))) < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
         launcher.send_signal(signal.SIGTERM)
-        _, err = launcher.communicate(timeout=60)
+        _, err = launcher.communicate(timeout=scaled(60))
     finally:
         launcher.kill()
     err = err.decode()

@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 from slurm_cluster import slurm  # noqa: F401 - the session fixture
 from test_example_gpt import GPT_DIR, SMALL_RUN, _train, assert_trains_like
+from waits import scaled
 
 REPO = Path(__file__).resolve().parents[1]
 DP2 = ("--micro-batch", "2", "--grad-accum", "2")
@@ -84,23 +85,23 @@ def test_scancel_mid_save_leaves_no_process_and_no_half_checkpoint(slurm, tmp_pa
     ]  # fmt: skip
     job = slurm.run(*cmd, env={"OMP_NUM_THREADS": "1"}).stdout.strip().split(";")[0]
     assert job.isdigit(), f"sbatch said {job!r}"
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + scaled(120)
     while not (save_dir / "started").exists():
         assert time.monotonic() < deadline, f"the job never saved:\n{slurm.logs()}"
         time.sleep(0.2)
     time.sleep(1.5)  # a few more saves: the cancel lands at an arbitrary point of one
     slurm.run("scancel", job)
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + scaled(60)
     while slurm.run("squeue", "-h", "-j", job).stdout.strip():
         assert time.monotonic() < deadline, "the cancelled job is still in the queue"
         time.sleep(0.5)
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + scaled(30)
     while _job_processes(str(save_dir)):
         assert time.monotonic() < deadline, f"stray processes: {_job_processes(str(save_dir))}"
         time.sleep(0.5)
     out = subprocess.run(
         [sys.executable, "-m", "shardwise", "inspect", str(save_dir), "--verify"],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True, text=True, timeout=scaled(120),
     )  # fmt: skip
     assert out.returncode == 0, f"the checkpoint latest names is not whole:\n{out.stderr}"
     assert "checksum" in out.stdout, out.stdout

@@ -12,6 +12,7 @@ import sys
 import pytest
 from slurm_two_nodes import slurm_two_nodes  # noqa: F401 - the module fixture
 from test_example_gpt import GPT_DIR, SMALL_RUN, _train, assert_trains_like
+from waits import scaled
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +27,7 @@ def test_two_slurm_nodes_train_like_one_process(slurm_two_nodes, one_process, tm
     argv = ["srun", "-N2", "--ntasks-per-node=1", sys.executable, "-m", "shardwise", "run",
             "--slurm", "--nproc-per-node", "2", str(GPT_DIR / "train.py"), "--out", str(out),
             *SMALL_RUN, "--dp", "4", "--micro-batch", "2", "--grad-accum", "1"]  # fmt: skip
-    job = cluster.run(*argv, timeout=240)
+    job = cluster.run(*argv, timeout=scaled(240))
     assert job.returncode == 0, f"{job.stdout[-2000:]}\n{job.stderr[-3000:]}\n{cluster.logs()}"
     assert "2 nodes x 2 processes = world 4, master slhost0:" in job.stderr, job.stderr[-2000:]
     assert_trains_like(out, one_process, "two Slurm nodes")

@@ -6,6 +6,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from waits import scaled
 
 import shardwise
 from shardwise.spawn import SpawnedJob, SpawnError, spawn
@@ -36,7 +37,7 @@ def _sleep(rank):
 def test_spawn_returns_each_ranks_value_in_rank_order():
     job = spawn(_all_reduce_and_report, 2, args=(10,), join=False)
     assert isinstance(job, SpawnedJob) and len(job.pids) == 2
-    results = job.join(timeout=120)
+    results = job.join(timeout=scaled(120))
     assert [r["rank"] for r in results] == [0, 1], "rank order"
     for rank, r in enumerate(results):
         assert r["sum"] == 30 and r["world"] == 2, f"rank {rank}: 1 + 2 all-reduced, times 10"
@@ -46,7 +47,7 @@ def test_spawn_returns_each_ranks_value_in_rank_order():
 
 def test_a_failing_rank_is_reraised_with_its_rank_and_traceback():
     with pytest.raises(SpawnError) as info:
-        spawn(_fail_on_rank_one, 2, timeout=120)
+        spawn(_fail_on_rank_one, 2, timeout=scaled(120))
     message = str(info.value)
     assert message.startswith("rank 1 of 2 failed"), message
     assert "KeyError: 'rank one is broken'" in message and "_fail_on_rank_one" in message, message
@@ -74,7 +75,7 @@ def test_a_hung_job_times_out_naming_the_ranks():
     start = time.monotonic()
     with pytest.raises(TimeoutError, match=r"ranks \[0, 1\] still running after 3"):
         spawn(_sleep, 2, timeout=3)
-    assert time.monotonic() - start < 60, "terminated promptly"
+    assert time.monotonic() - start < scaled(60), "terminated promptly"
 
 
 @pytest.mark.parametrize("nprocs", [0, -1, 1.5, True])

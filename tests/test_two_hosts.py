@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 from netns_hosts import ADDRESSES, LINKS, set_link
 from test_example_gpt import GPT_DIR, SMALL_RUN, _train, assert_trains_like
+from waits import scaled, scaled_int
 
 ZERO2 = Path(__file__).parent / "scripts" / "zero2.json"  # {"zero_optimization": {"stage": 2}}
 # name: (processes per host, train.py flags, hosts-file flavour)
@@ -46,7 +47,7 @@ def one_process(tmp_path_factory):
 
 
 def _run_two_hosts(hosts, out, nproc: int, extra: tuple, flavour: str) -> list[str]:
-    env = hosts.environment(SHARDWISE_TIMEOUT_S="120")
+    env = hosts.environment(SHARDWISE_TIMEOUT_S=str(scaled_int(120)))
     procs = []
     for i in range(2):
         argv = [sys.executable, "-m", "shardwise", "run", "--nnodes", "2", "--node-rank", str(i),
@@ -67,7 +68,7 @@ def _run_two_hosts(hosts, out, nproc: int, extra: tuple, flavour: str) -> list[s
     logs = []
     for p in procs:
         try:
-            logs.append(p.communicate(timeout=150)[0])
+            logs.append(p.communicate(timeout=scaled(150))[0])
         except subprocess.TimeoutExpired:
             hosts.kill_all()
             raise
@@ -89,7 +90,7 @@ def test_two_hosts_train_like_one_process(two_hosts, one_process, tmp_path, name
     assert_trains_like(tmp_path / "run", one_process, name)
 
 
-LOST_AFTER_S = 10  # the default is 60 s; the same code path, shortened to keep the suite fast
+LOST_AFTER_S = scaled_int(10)  # the default is 60 s; the same code path, shortened for speed
 
 
 def _start_dp4(hosts, marker: Path, port: str, env: dict, *script_args: str) -> list:
@@ -103,7 +104,7 @@ def _start_dp4(hosts, marker: Path, port: str, env: dict, *script_args: str) -> 
         procs.append(subprocess.Popen(hosts.command(i, argv), env=env, text=True,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                       start_new_session=True))  # fmt: skip
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + scaled(120)
     while not marker.exists():
         assert time.monotonic() < deadline, "training never started"
         assert all(p.poll() is None for p in procs), [p.communicate()[0] for p in procs]
@@ -116,7 +117,7 @@ def test_a_host_that_loses_its_link_is_named_on_both_sides(two_hosts, tmp_path):
     10 minutes, each host must still stop within the heartbeat limit plus the launcher's
     teardown, exit non-zero, and say which host (or the store's host) it lost."""
     env = two_hosts.environment(
-        SHARDWISE_TIMEOUT_S="600", SHARDWISE_HOST_TIMEOUT_S=str(LOST_AFTER_S)
+        SHARDWISE_TIMEOUT_S=str(scaled_int(600)), SHARDWISE_HOST_TIMEOUT_S=str(LOST_AFTER_S)
     )
     try:
         procs = _start_dp4(two_hosts, tmp_path / "started", "29612", env)
@@ -125,7 +126,7 @@ def test_a_host_that_loses_its_link_is_named_on_both_sides(two_hosts, tmp_path):
         cut = time.monotonic()
         logs, took = [], []
         for p in procs:
-            logs.append(p.communicate(timeout=LOST_AFTER_S + 60)[0])
+            logs.append(p.communicate(timeout=LOST_AFTER_S + scaled(60))[0])
             took.append(time.monotonic() - cut)
     finally:
         set_link(1, up=True)
@@ -138,7 +139,7 @@ def test_a_host_that_loses_its_link_is_named_on_both_sides(two_hosts, tmp_path):
         r"\[shardwise\] lost (host host0 \(node 0\), ranks 0-1|the job's store at 10\.77\.0\.1)",
         logs[1],
     ), logs[1][-3000:]
-    assert max(took) < LOST_AFTER_S + 30, f"hosts stopped {took} s after the cut"
+    assert max(took) < LOST_AFTER_S + scaled(30), f"hosts stopped {took} s after the cut"
 
 
 FLAP_S = 2.0
@@ -158,7 +159,7 @@ def test_a_two_second_link_flap_is_ridden_out_with_default_settings(two_hosts, t
         set_link(1, up=False)
         time.sleep(FLAP_S)
         set_link(1, up=True)
-        logs = [p.communicate(timeout=120)[0] for p in procs]
+        logs = [p.communicate(timeout=scaled(120))[0] for p in procs]
     finally:
         set_link(1, up=True)
         two_hosts.kill_all()
@@ -175,7 +176,7 @@ def test_the_dp2xtp2_row_keeps_tensor_groups_inside_a_host():
     out = subprocess.run(
         [sys.executable, "-m", "shardwise", "topo", "--dp", "2", "--tp", "2", "--nnodes", "2",
          "--nproc-per-node", "2"],
-        capture_output=True, text=True, timeout=60, check=True,
+        capture_output=True, text=True, timeout=scaled(60), check=True,
     ).stdout  # fmt: skip
     assert "tensor groups (tp=2, 2 groups): [0, 1] [2, 3]" in out, out
     hosts = dict(re.findall(r"^\s+(\d)\s+(node\d)", out, re.M))
@@ -223,8 +224,8 @@ def test_an_elastic_job_goes_on_without_a_lost_host_and_takes_it_back(two_hosts,
         two_hosts.kill_all(hosts=(1,))
         wait_for("[elastic] world 2 starts at step 10", 150)
         host1 = start(1, logs[2])
-        host0.wait(timeout=240)
-        host1.wait(timeout=60)
+        host0.wait(timeout=scaled(240))
+        host1.wait(timeout=scaled(60))
     finally:
         two_hosts.kill_all()
     text = logs[0].read_text()

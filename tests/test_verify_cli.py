@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from waits import scaled
 
 from shardwise.launch.cli import main
 from shardwise.verify import cli as verify_cli
@@ -138,7 +139,7 @@ def test_the_command_runs_a_layout_through_the_launcher_and_exits_1_on_a_bug(tmp
     env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
     cmd = [sys.executable, "-m", "shardwise", "verify", str(BUG_SCRIPT), "--layouts", "tp2"]
     cmd += ["--steps", "2", "--out", str(tmp_path)]
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=scaled(600))
     out = done.stdout
     assert done.returncode == 1, f"exit code {done.returncode}\n{out}\n{done.stderr}"
     row = next(line for line in out.splitlines() if line.startswith("tp2 "))
