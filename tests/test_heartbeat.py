@@ -15,7 +15,7 @@ import time
 import torch.distributed as dist
 from waits import scaled
 
-from shardwise.launch.heartbeat import INTERVAL_S, Heartbeat
+from shardwise.launch.heartbeat import INTERVAL_S, WATCH_S, Heartbeat
 
 
 def _store() -> dist.TCPStore:
@@ -57,3 +57,33 @@ def test_a_silent_host_is_named_with_its_ranks():
     assert lost, "no host was reported lost within 10 s of a 2 s limit"
     want = f"lost host {socket.gethostname()} (node 1), ranks 4-7: no heartbeat for"
     assert lost[0].startswith(want), lost
+
+
+def test_a_silent_host_is_named_within_the_limit_of_its_last_beat():
+    """The limit counts from the silent host's last beat, not from when this host happened to
+    read it. The silent host stops right after a beat (the test watches its counter in the
+    store); the name must then come within the limit plus one watch period. Counting from the
+    read (the old rule) named it up to one beat interval plus one second late: 63-66 s after a
+    cut with the default 60 s."""
+    store, lost = _store(), []
+    limit, interval = 3.0, 2.0
+    watcher = Heartbeat(
+        0, 2, 2, ("127.0.0.1", store.port), limit, interval=interval,
+        on_lost=lambda m: lost.append((time.monotonic(), m)),
+    )  # fmt: skip
+    silent = Heartbeat(1, 2, 2, ("127.0.0.1", store.port), 60.0, interval=interval)
+    silent.start()
+    watcher.start()
+    time.sleep(1.0)  # both have beaten; node 1's counter is in the store
+    counter = store.get("shardwise/heartbeat/1")
+    while store.get("shardwise/heartbeat/1") == counter:  # until node 1's next beat
+        time.sleep(0.005)
+    silent.stop.set()
+    fell_silent = time.monotonic()
+    deadline = fell_silent + scaled(15)
+    while not lost and time.monotonic() < deadline:
+        time.sleep(0.05)
+    watcher.stop.set()
+    assert lost, "no host was named"
+    late = lost[0][0] - fell_silent
+    assert late <= limit + WATCH_S + scaled(0.3), f"named {late:.2f} s after the last beat: {lost}"

@@ -34,6 +34,7 @@ import torch.distributed as dist
 TIMEOUT_VAR = "SHARDWISE_HOST_TIMEOUT_S"
 DEFAULT_LOST_AFTER_S = 60.0
 INTERVAL_S = 5.0
+WATCH_S = 0.25  # how often the silence is measured: a lost host is named this late at most
 EXIT_LOST_HOST = 70  # EX_SOFTWARE: distinct from a crash (1) and from preemption (75)
 _PREFIX = "shardwise/heartbeat/"
 
@@ -92,7 +93,11 @@ class Heartbeat(threading.Thread):
                         count, name = store.get(f"{_PREFIX}{n}").decode().split(" ", 1)
                         self.names[n] = f"host {name} (node {n})"
                         if int(count) != self.seen[n][0]:
-                            self.seen[n] = (int(count), time.monotonic())
+                            # The beat landed after our previous read: count the silence from
+                            # there, so a host is named within lost_after of its last beat, not
+                            # up to one interval later (63-66 s for the default 60 s).
+                            self.seen[n] = (int(count), self.read)
+                self.read = time.monotonic()
             except (RuntimeError, OSError, ValueError):
                 store = None  # reconnect next time; the silence is measured by run()
 
@@ -105,11 +110,11 @@ class Heartbeat(threading.Thread):
         return self.interval if named else min(0.5, self.interval)
 
     def run(self) -> None:
-        self.reached = time.monotonic()
+        self.reached = self.read = time.monotonic()
         self.seen = {n: (-1, self.reached) for n in range(self.nodes) if n != self.node}
         self.names = {n: f"node {n}" for n in self.seen}
         threading.Thread(target=self._beat, name="shardwise-heartbeat-io", daemon=True).start()
-        while not self.stop.wait(min(self.interval, 1.0)):
+        while not self.stop.wait(min(self.interval, WATCH_S)):
             now = time.monotonic()
             if now - self.reached > self.lost_after:
                 where = f"{self.master[0]}:{self.master[1]}"
