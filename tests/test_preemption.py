@@ -17,6 +17,8 @@ does one that silently started over, since the log must name the checkpoint it r
 * SIGTERM to one worker only: every rank stops after the same step (they agree by an
   all-reduce), and the launcher still exits 75.
 * SIGTERM to workers that cannot save (no engine): the launcher exits 143, in one line.
+* SIGTERM after the training loop (engine alive, no step to come): the workers exit 75 within
+  the idle grace, not after torchrun's 30 s and its SIGKILL.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ import torch
 from safetensors.torch import load_file
 from waits import scaled
 
-from shardwise.launch.preempt import PREEMPTED_EXIT_CODE
+from shardwise.launch.preempt import IDLE_GRACE_S, PREEMPTED_EXIT_CODE
 
 SCRIPT = str(Path(__file__).parent / "scripts" / "autoresume.py")
 LINGER = str(Path(__file__).parent / "scripts" / "linger.py")  # joins the world, then sleeps
@@ -197,3 +199,25 @@ def test_sigterm_to_workers_that_cannot_save_exits_128_plus_15(tmp_path):
     assert launcher.returncode == 128 + signal.SIGTERM, f"exit {launcher.returncode}\n{err[-3000:]}"
     assert "shardwise run: stopped by SIGTERM; the workers exited without saving" in err, err
     assert "Traceback" not in err, f"a traceback instead of one line:\n{err[-3000:]}"
+
+
+def test_sigterm_after_the_training_loop_exits_75_within_the_grace(tmp_path):
+    folder = tmp_path / "dp2"
+    args = [str(tmp_path), "dp2", "--steps", "4", "--interval", "2", "--linger", "600"]
+    launcher = subprocess.Popen(_cmd(*args), env=_env(), stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + scaled(120)
+        while len(list(folder.glob("looped-rank*"))) < 2 and time.monotonic() < deadline:
+            assert launcher.poll() is None, launcher.communicate()[1][-3000:]
+            time.sleep(0.1)
+        launcher.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        _, err = launcher.communicate(timeout=scaled(IDLE_GRACE_S + 60))
+        took = time.monotonic() - signalled
+    finally:
+        launcher.kill()
+    assert launcher.returncode == PREEMPTED_EXIT_CODE, f"exit {launcher.returncode}\n{err[-3000:]}"
+    assert "SIGTERM outside a training step (after step 4)" in err, err[-3000:]
+    assert "global_step4" in err, f"the newest checkpoint is the step-4 save: {err[-3000:]}"
+    # torchrun waits 30 s for the workers before its SIGKILL; the grace is 10 s.
+    assert took < IDLE_GRACE_S + scaled(15), f"exited {took:.0f} s after the SIGTERM"

@@ -187,6 +187,7 @@ class Engine(ConfigAccessors, nn.Module):
                 "engine.backward(loss) needs a scalar loss tensor; "
                 f"got {type(loss).__name__} of shape {getattr(loss, 'shape', None)}"
             )
+        self.autosave.step_started()  # a SIGTERM from here on is read at the step's end
         sync = self.is_gradient_accumulation_boundary() and not self._in_no_sync
         scaled = loss / self.gradient_accumulation_steps() if scale_wrt_gas else loss
         if self.scaler.scale != 1.0:
@@ -291,6 +292,7 @@ class Engine(ConfigAccessors, nn.Module):
         batch strategy: batch_loop.MicroBatchLoop, or the pipeline's schedule. Every
         ``steps_per_print`` steps rank 0 logs DeepSpeed's line: steps, loss, time, samples/s."""
         start = time.perf_counter()
+        self.autosave.step_started()
         loss = self.batch_strategy.train_batch(self, data_iter)
         if self.pipeline is not None:
             self._write_events(loss.item())

@@ -17,7 +17,9 @@ initial weights and random streams from another seed than the reference's: a run
 anything short of everything would not match it.
 
 ``--sleep S`` sleeps S seconds after each step and rank 0 records the steps done in
-OUT/LAYOUT/progress, so a test can signal the job in the middle of its run.
+OUT/LAYOUT/progress, so a test can signal the job in the middle of its run. ``--linger S``
+sleeps S seconds after the loop with the engine alive (each rank first touches
+OUT/LAYOUT/looped-rankR).
 """
 
 import argparse
@@ -86,6 +88,9 @@ def phase(out: Path, spec: str, args: argparse.Namespace) -> None:
                 (folder / "progress.tmp").write_text(str(engine.global_steps))
                 os.replace(folder / "progress.tmp", folder / "progress")
             time.sleep(args.sleep)
+    if args.linger:  # the loop is over, the engine still alive: a SIGTERM now is outside a step
+        (folder / f"looped-rank{os.environ['RANK']}").touch()
+        time.sleep(args.linger)
     save_weights(engine, folder / "final.safetensors")
     engine.destroy()
     reference = engine_for(config(**extra), DROPOUT, seed=0, model=model)
@@ -101,6 +106,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--interval", type=int, default=3)
     parser.add_argument("--sleep", type=float, default=0.0)
+    parser.add_argument("--linger", type=float, default=0.0, help="seconds after the loop")
     args = parser.parse_args()
     for spec in args.phases:
         phase(Path(args.out), spec, args)

@@ -46,9 +46,10 @@ class AutoSave:
         self.save_dir: str | None = options.save_dir
         self.interval: int | None = options.save_interval_steps
         self.auto_resume: bool = options.auto_resume
-        self.sigterm = SignalFlag() if self.save_dir is not None else None
+        self.sigterm = SignalFlag(on_idle=self._idle_exit) if self.save_dir is not None else None
         self.resumed_from: str | None = None  # the checkpoint auto_resume loaded
         self._saved_step: int | None = None
+        self._step, self._rank = 0, 0  # as of the last step end, for a SIGTERM outside a step
 
     def resume(self, engine: Engine) -> str | None:
         """With ``auto_resume``: load the newest checkpoint of ``save_dir`` (module doc); its
@@ -68,7 +69,10 @@ class AutoSave:
         if self.save_dir is None:
             return
         step = engine.global_steps
+        self._step, self._rank = step, engine.global_rank
         stopping = agree(self.sigterm.received) if self.sigterm is not None else 0
+        if self.sigterm is not None:
+            self.sigterm.step_ended()
         due = self.interval is not None and step % self.interval == 0
         if (due or stopping) and self._saved_step != step:
             engine.save_checkpoint(self.save_dir)
@@ -86,6 +90,26 @@ class AutoSave:
         )
         write_report(engine.global_rank, {"step": step, "checkpoint": path})
         raise Preempted(step, path)
+
+    def step_started(self) -> None:
+        """The first backward (or train_batch) of a step: its end will read the flag."""
+        if self.sigterm is not None:
+            self.sigterm.step_started()
+
+    def _idle_exit(self) -> Preempted:
+        """A SIGTERM no step end picked up (launch/preempt.py): exit with the code; the newest
+        complete checkpoint is what a restart resumes from."""
+        newest = newest_tag(self.save_dir) if self.save_dir is not None else None
+        path = os.path.join(self.save_dir, newest) if newest else "none"
+        if self._rank == 0:
+            print(
+                f"[shardwise] SIGTERM outside a training step (after step {self._step}): "
+                f"exiting with code {PREEMPTED_EXIT_CODE}; the newest checkpoint is {path}",
+                file=sys.stderr,
+                flush=True,
+            )
+        write_report(self._rank, {"step": self._step, "checkpoint": path})
+        return Preempted(self._step, path)
 
     def close(self) -> None:
         """SIGTERM does again what it did before this engine (``engine.destroy()``)."""

@@ -10,6 +10,12 @@ Worker side:
   them at different moments of the step) stops all of them after the same step.
 * ``Preempted`` (a ``SystemExit`` with the code) ends the process: no traceback, ``finally``
   blocks and atexit hooks run (the process group is torn down there, launch/env.py).
+* Outside a training step (after the loop, before the first backward, in an evaluation), no
+  step end would ever read the flag: a SIGTERM that no step picks up within ``IDLE_GRACE_S``
+  raises ``on_idle()``'s exception in the main thread, so the job still exits with the code
+  (without a new save: the last one stands) instead of waiting for torchrun's SIGKILL. A step
+  that starts within the grace (a rank between two steps of its loop) cancels it, and the
+  ranks then agree at its end as above.
 
 Launcher side (launch/run.py): torchrun's agent, on SIGTERM, forwards it to the workers, waits
 for them (``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``, 30 s by default) and raises ``SignalException``;
@@ -43,6 +49,9 @@ from shardwise import comm
 from shardwise.launch.guard import LAUNCHER_VAR
 
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL (module docstring: why this number)
+# Well under torchrun's 30 s between its SIGTERM and its SIGKILL, and far above the gap between
+# two steps of a training loop (data loading, logging) that a step start ends.
+IDLE_GRACE_S = 10.0
 REPORT_DIR_VAR = "SHARDWISE_PREEMPT_DIR"
 
 
@@ -63,8 +72,16 @@ class SignalFlag:
     process ends), so a finished engine never swallows it.
     """
 
-    def __init__(self, signum: int = signal.SIGTERM) -> None:
+    def __init__(
+        self,
+        signum: int = signal.SIGTERM,
+        on_idle: Callable[[], BaseException] | None = None,
+        grace: float = IDLE_GRACE_S,
+    ) -> None:
         self.signum, self.received, self.closed = signum, False, False
+        self.on_idle, self.grace = on_idle, grace
+        self.in_step, self.expired = False, False
+        self._timer: threading.Timer | None = None
         self.installed = threading.current_thread() is threading.main_thread()
         if not self.installed:  # Python runs handlers in the main thread only
             return
@@ -72,8 +89,36 @@ class SignalFlag:
         self._handler = _handler(weakref.ref(self), self._previous)
         signal.signal(signum, self._handler)
 
+    def step_started(self) -> None:
+        """A training step began: its end reads the flag (a pending idle exit is off)."""
+        self.in_step = True
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def step_ended(self) -> None:
+        self.in_step = False
+
+    def arm_idle_exit(self) -> None:
+        """The signal came outside a step: exit unless a step starts within the grace."""
+        if self.on_idle is None or self.in_step or self._timer is not None:
+            return
+        self._timer = threading.Timer(self.grace, self._expire)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _expire(self) -> None:
+        if self.in_step or self.closed:
+            return
+        self.expired = True
+        # A real signal to the main thread (not interrupt_main): it also wakes a blocking
+        # sleep or wait there, and our handler then raises on_idle() in that thread.
+        signal.pthread_kill(threading.main_thread().ident, self.signum)
+
     def close(self) -> None:
         """Give the signal back to the handler set before this one (if ours is still set)."""
+        if self._timer is not None:
+            self._timer.cancel()
         if self.closed:
             return
         self.closed = True
@@ -89,7 +134,11 @@ def _handler(flag: weakref.ref[SignalFlag], previous: Handler | int | None) -> H
     def handle(signum: int, frame: FrameType | None) -> None:
         live = flag()
         if live is not None and not live.closed:
+            if live.expired and live.on_idle is not None:
+                live.expired = False
+                raise live.on_idle()
             live.received = True
+            live.arm_idle_exit()
         if callable(previous):
             previous(signum, frame)
         elif (live is None or live.closed) and previous == signal.SIG_DFL:
