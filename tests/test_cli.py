@@ -57,6 +57,8 @@ ARGV = [
      "--nnodes=2 --nproc-per-node=1 --rdzv-backend=c10d --rdzv-endpoint=n0:29500 --rdzv-id=j7 --max-restarts=3 t.py"),
     ("elastic MIN:MAX: c10d, no node rank", "--nnodes 1:2 --nproc-per-node 2 --master-addr n0 t.py",
      "--nnodes=1:2 --nproc-per-node=2 --rdzv-backend=c10d --rdzv-endpoint=n0:29500 --rdzv-id=shardwise-29500 --max-restarts=0 t.py"),
+    ("rendezvous options pass to c10d", "--nnodes 1:2 --master-addr n0 --rdzv-conf last_call_timeout=5 t.py",
+     "--nnodes=1:2 --nproc-per-node=1 --rdzv-backend=c10d --rdzv-endpoint=n0:29500 --rdzv-id=shardwise-29500 --rdzv-conf=last_call_timeout=5 --max-restarts=0 t.py"),
     ("MIN:MAX with MIN = MAX is not elastic", "--nnodes 2:2 --master-addr n0 t.py",
      "--nnodes=2 --nproc-per-node=1 --node-rank=0 --master-addr=n0 --master-port=29500 --max-restarts=0 t.py"),
     ("module", "-m pkg.train --lr 1", f"--nnodes=1 --nproc-per-node=1 {ONE_NODE} --max-restarts=0 --module pkg.train --lr 1"),
@@ -99,6 +101,16 @@ def test_the_torchrun_argv_parses_with_torchrun_itself():
         ("nproc zero", ["--nproc-per-node", "0", "t.py"], "--nproc-per-node='0'"),
         ("negative restarts", ["--max-restarts", "-1", "t.py"], "--max-restarts=-1"),
         ("zero timeout", ["--timeout", "0", "t.py"], "--timeout=0 must be > 0 seconds"),
+        (
+            "rendezvous options without a value",
+            ["--max-restarts", "1", "--rdzv-conf", "x", "t.py"],
+            "--rdzv-conf='x'",
+        ),
+        (
+            "rendezvous options of a static rendezvous",
+            ["--nnodes", "2", "--master-addr", "h", "--rdzv-conf", "a=1", "t.py"],
+            "--rdzv-conf=a=1 configures the c10d rendezvous",
+        ),
     ],
 )
 def test_build_torchrun_argv_errors_name_the_flag(case, flags, named):

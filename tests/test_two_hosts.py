@@ -195,6 +195,7 @@ def test_an_elastic_job_goes_on_without_a_lost_host_and_takes_it_back(two_hosts,
     script = str(Path(__file__).parent / "scripts" / "elastic_dp.py")
     argv = [sys.executable, "-m", "shardwise", "run", "--nnodes", "1:2", "--nproc-per-node", "2",
             "--max-restarts", "3", "--master-addr", ADDRESSES[0], "--master-port", "29615",
+            "--rdzv-conf", f"last_call_timeout={scaled_int(5)}",  # torch's 30 s is no point here
             script, str(out), "120"]  # fmt: skip
     logs = [tmp_path / "host0.log", tmp_path / "host1.log", tmp_path / "host1-again.log"]
 
@@ -207,7 +208,7 @@ def test_an_elastic_job_goes_on_without_a_lost_host_and_takes_it_back(two_hosts,
         return int(text) if text else 0
 
     def wait_for(what: str, seconds: float) -> None:
-        deadline = time.monotonic() + seconds
+        deadline = time.monotonic() + scaled(seconds)
         while what not in logs[0].read_text():
             assert time.monotonic() < deadline, (
                 f"no {what!r} within {seconds} s:\n"

@@ -56,6 +56,8 @@ RUN_FLAGS = [
     (("--max-restarts", "--max_restarts"),
      dict(type=int, default=0, help="restart all workers up to N times after a failure")),
     (("--rdzv-id", "--rdzv_id"), dict(help="job id shared by all nodes when restarts use c10d")),
+    (("--rdzv-conf", "--rdzv_conf"),
+     dict(help="c10d rendezvous options KEY=VALUE,..., e.g. last_call_timeout=5 (torchrun's; its default last call waits 30 s)")),
     (("-m", "--module"), dict(action="store_true", help="run the script as `python -m`")),
     (("--omp-num-threads",), dict(type=int, help="OMP_NUM_THREADS of each worker (default: inherited, else 1)")),
     (("--local-rank-arg",), dict(action="store_true", help="also pass --local_rank=N, as DeepSpeed's launcher")),

@@ -78,8 +78,9 @@ def _check_nproc(value: object) -> str:
 def _rendezvous_argv(args: argparse.Namespace, nnodes: int, elastic: bool = False) -> list[str]:
     """How the agents meet: standalone, static (fixed node ranks) or c10d (survives restarts,
     and lets an elastic job go on with fewer nodes and take them back)."""
+    conf = getattr(args, "rdzv_conf", None)
     if nnodes == 1 and args.master_addr is None and args.master_port is None:
-        return ["--standalone"]
+        return ["--standalone", *([f"--rdzv-conf={_rdzv_conf(conf)}"] if conf else [])]
     if nnodes > 1 and not args.master_addr:
         raise ValueError(
             f"--master-addr is required with --nnodes={nnodes}: give the host of node 0 "
@@ -94,11 +95,29 @@ def _rendezvous_argv(args: argparse.Namespace, nnodes: int, elastic: bool = Fals
             "--rdzv-backend=c10d",
             f"--rdzv-endpoint={addr}:{port}",
             f"--rdzv-id={args.rdzv_id or f'shardwise-{port}'}",
+            *([f"--rdzv-conf={_rdzv_conf(conf)}"] if conf else []),
         ]
+    if getattr(args, "rdzv_conf", None):
+        raise ValueError(
+            f"--rdzv-conf={args.rdzv_conf} configures the c10d rendezvous, used on several "
+            "nodes only with --max-restarts N > 0 or --nnodes MIN:MAX: add one, or drop it"
+        )
     node_rank = args.node_rank or 0
     if not 0 <= node_rank < nnodes:
         raise ValueError(f"--node-rank={node_rank} must be in 0..{nnodes - 1} (--nnodes={nnodes})")
     return [f"--node-rank={node_rank}", f"--master-addr={addr}", f"--master-port={port}"]
+
+
+def _rdzv_conf(text: str) -> str:
+    """``KEY=VALUE,...`` as torchrun takes it, each pair checked for its ``=``."""
+    pairs = [p.strip() for p in text.split(",") if p.strip()]
+    bad = [p for p in pairs if p.count("=") != 1 or not p.split("=")[0] or not p.split("=")[1]]
+    if bad or not pairs:
+        raise ValueError(
+            f"--rdzv-conf={text!r}: give KEY=VALUE pairs joined by commas, e.g. "
+            "last_call_timeout=5,join_timeout=600"
+        )
+    return ",".join(pairs)
 
 
 def build_torchrun_argv(args: argparse.Namespace) -> list[str]:
