@@ -75,6 +75,16 @@ CASES = [
         ],
     ),
     (
+        "own",
+        2,
+        [
+            "rank 1 never entered all_reduce #1 on group 'metrics' (ranks [0, 1]), where rank 0 "
+            "waits",
+            f"{_at('the script' + chr(39) + 's own all-reduce')} in own_metrics",
+            f"rank 1 is in no collective, at {_at('rank 1 never sends')} in own_metrics",
+        ],
+    ),
+    (
         "extra",
         2,
         [

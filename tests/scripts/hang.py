@@ -6,6 +6,8 @@ sleep-world  2 ranks: rank 1 sleeps before its first collective (world group)
 sleep-data   4 ranks, data 2 x tensor 2: rank 3 sleeps before step 2's data all_reduce
 skip         2 ranks: rank 1 skips step 1's all_reduce; all then meet at a barrier
 extra        2 ranks: rank 0 makes one all_reduce more after step 1; all meet at a barrier
+own          2 ranks: the script's own torch.distributed all_reduce on a group it made with
+             dist.new_group (no timeout given); rank 1 sleeps instead
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import sys
 import time
 
 import torch
+import torch.distributed as dist
 
 import shardwise
 from shardwise import comm
@@ -30,7 +33,18 @@ def activations(group=None) -> None:
     comm.all_reduce(torch.ones(2, 3), group=group)  # the step's tensor-parallel all-reduce
 
 
+def own_metrics(rank: int) -> None:
+    """A script's own collective on its own group, through torch.distributed directly."""
+    metrics = dist.new_group([0, 1], group_desc="metrics")
+    grads()
+    if rank == 1:
+        time.sleep(3600)  # rank 1 never sends its metric
+    dist.all_reduce(torch.ones(3), group=metrics)  # the script's own all-reduce
+
+
 def train(kind: str, rank: int) -> None:
+    if kind == "own":
+        return own_metrics(rank)
     mesh = ProcessMesh.create(
         Topology.build(comm.get_world_size(), tp=2 if kind == "sleep-data" else 1)
     )

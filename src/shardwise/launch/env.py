@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
+from shardwise.diagnose.interpose import cover_torch_distributed
 from shardwise.diagnose.recorder import process_recorder
 from shardwise.launch import slurm
 from shardwise.launch.guard import guard_worker
@@ -335,6 +336,7 @@ def _init_group(
     master = (env.master_addr, env.master_port)  # a lost host is named within a minute
     start_heartbeat(env.node_rank, env.local_rank, env.world_size, env.local_world_size, master)
     process_recorder().arm()  # the hang watchdog, before any collective (diagnose/watchdog.py)
+    cover_torch_distributed()  # the script's own dist.* calls and groups too (diagnose/interpose.py)
     if verbose and env.rank == 0:
         print(
             f"[shardwise] {backend} world of {env.world_size} processes ready "
