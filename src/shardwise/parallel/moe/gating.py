@@ -2,14 +2,20 @@
 
 Legend: S tokens (of this rank), E experts (all of them), C capacity (slots per expert), M hidden.
 
-    gates = softmax(x W_g)                          (S, E), in fp32
+    gates = softmax(x W_g)                          (S, E), in fp32, never noisy: the combine
+                                                    weights and l_aux's me are these gates
     capacity C = max(ceil(S / E * capacity_factor), min_capacity)   (top-2: factor * 2)
-    top-1: each token goes to argmax(gates); an expert keeps at most C of its tokens (with
+    top-1: each token goes to argmax(gates), or with ``noisy_gate_policy="RSample"`` (training)
+           to argmax(logits + g), g ~ Gumbel(0, 1) iid: expert e with probability
+           softmax(logits)_e (Gumbel-max); an expert keeps at most C of its tokens (with
            random token selection, ``use_rts``, C chosen at random; else by ``topk`` on the
            0/1 mask), the others are dropped (their output is zero; a residual carries them)
-    top-2: the second expert is argmax over the others (of logits + Gumbel noise when
-           ``top2_2nd_expert_sampling``); first choices fill the slots before second ones, in
-           token order; the two gate values are renormalised to sum to one
+    top-2: the first expert is argmax(gates); the second is argmax over the others of
+           logits + g when ``top2_2nd_expert_sampling`` (training and eval, as DeepSpeed), so
+           P(second = e | first = f) = exp(l_e) / sum_{j != f} exp(l_j); else the runner-up;
+           first choices fill the slots before second ones, in token order; the two gate
+           values are renormalised to sum to one
+    Jitter (training): the router's input x becomes x * U(1 - 1e-2, 1 + 1e-2) per element
     l_aux: top-1  E * sum_e me_e * ce_e
            top-2  E * E * mean_e me_e * ce_e   (= the same number; DeepSpeed writes it so)
            me_e = mean gate of expert e, ce_e = fraction of tokens whose first choice is e
@@ -64,7 +70,7 @@ def top1gating(
     """``(l_aux, combine_weights, dispatch_mask, exp_counts)`` of top-1 gating (module doc)."""
     noisy = logits
     if noisy_gate_policy == "RSample":
-        noisy = logits + _gumbel(logits)
+        noisy = logits + gumbel_noise(logits.shape, logits.device)
     gates = F.softmax(logits, dim=1)
     num_tokens, num_experts = gates.shape
     cap = capacity(num_tokens, num_experts, capacity_factor, min_capacity)
@@ -105,7 +111,7 @@ def top2gating(
     num_tokens, num_experts = gates.shape
     mask1 = F.one_hot(torch.argmax(gates, dim=1), num_classes=num_experts)
     if top2_2nd_expert_sampling:  # Gumbel-max: the second expert sampled from the gates
-        logits = logits + _gumbel(logits)
+        logits = logits + gumbel_noise(logits.shape, logits.device)
     logits_except1 = logits.masked_fill(mask1.bool(), float("-inf"))
     mask2 = F.one_hot(torch.argmax(logits_except1, dim=1), num_classes=num_experts)
     locations1 = torch.cumsum(mask1, dim=0) - 1
@@ -134,17 +140,34 @@ def top2gating(
     return l_aux, combine_weights, combine_weights.bool(), exp_counts
 
 
-def _gumbel(logits: torch.Tensor) -> torch.Tensor:
-    """Gumbel(0, 1) noise shaped like ``logits``."""
-    u = torch.rand(logits.shape, device=logits.device).clamp_(1e-20, 1.0)
-    return -torch.log(-torch.log(u).clamp_min(1e-20))
+def gumbel_noise(shape: torch.Size, device: torch.device) -> torch.Tensor:
+    """Gumbel(0, 1) samples: g = -log(-log(u)), u ~ U(tiny, 1 - eps) (fp32's tiny and eps).
+
+    u >= tiny keeps -log(u) <= 87.4 finite; u <= 1 - eps keeps -log(u) >= 1.2e-7 > 0, so the
+    outer log is finite too: g lies in [-4.5, 15.9]. The draws are those of
+    ``torch.distributions.Gumbel(0, 1).rsample``, DeepSpeed's ``gumbel_rsample``: one
+    ``torch.rand`` of ``shape``, scaled onto [tiny, 1 - eps)."""
+    finfo = torch.finfo(torch.float32)
+    low = torch.tensor(finfo.tiny, device=device)
+    high = torch.tensor(1.0 - finfo.eps, device=device)
+    u = low + torch.rand(shape, device=device) * (high - low)
+    return -torch.log(-torch.log(u))
+
+
+def multiplicative_jitter(x: torch.Tensor, epsilon: float = 1e-2) -> torch.Tensor:
+    """x * U(1 - epsilon, 1 + epsilon), one factor per element (DeepSpeed's ``Jitter``: the
+    router's input, before ``wg``); the same draws as ``torch.distributions.Uniform``."""
+    low = torch.tensor(1.0 - epsilon, device=x.device)
+    high = torch.tensor(1.0 + epsilon, device=x.device)
+    return x * (low + torch.rand(x.shape, device=x.device) * (high - low))
 
 
 class TopKGate(nn.Module):
     """DeepSpeed's ``TopKGate``: the linear router ``wg`` (M -> E, no bias, fp32) and the rule.
 
     Training uses ``capacity_factor`` and the noise policy; eval ``eval_capacity_factor`` and
-    no noise. ``ep_group`` is set when expert parallelism is bound (layer.py)."""
+    no noise policy (top-2's second-expert sampling stays on, as DeepSpeed's). ``ep_group``
+    is set when expert parallelism is bound (layer.py)."""
 
     def __init__(
         self,
@@ -176,9 +199,11 @@ class TopKGate(nn.Module):
 
     def forward(self, x_sm: torch.Tensor) -> Gating:
         x = x_sm.float()
+        # DeepSpeed 0.19's rule of noise (sharded_moe.py TopKGate.forward): "Jitter" and
+        # "RSample" in training only; top-2's second-expert sampling in eval too.
         policy = self.noisy_gate_policy if self.training else None
-        if policy == "Jitter":  # multiplicative jitter in [1 - 1e-2, 1 + 1e-2]
-            x = x * torch.empty_like(x).uniform_(1.0 - 1e-2, 1.0 + 1e-2)
+        if policy == "Jitter":
+            x = multiplicative_jitter(x, 1e-2)
         logits = F.linear(x, self.wg.weight.float())
         factor = self.capacity_factor if self.training else self.eval_capacity_factor
         if self.k == 1:
@@ -191,7 +216,11 @@ class TopKGate(nn.Module):
                 self.use_rts,
                 self.ep_group,
             )
-        sampling = self.top2_2nd_expert_sampling and self.training
         return top2gating(
-            logits, factor, self.min_capacity, self.drop_tokens, self.ep_group, sampling
+            logits,
+            factor,
+            self.min_capacity,
+            self.drop_tokens,
+            self.ep_group,
+            self.top2_2nd_expert_sampling,
         )
