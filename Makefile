@@ -16,15 +16,17 @@ $(VENV)/.base: pyproject.toml
 	$(VPIP) install -q -e ".[demo]"
 	touch $@
 
-$(VENV)/.dev: $(VENV)/.base
+# The tests compare with real DeepSpeed where it runs on CPU (MoE gate statistics, defaults
+# read from its signatures), so the test install has the `bench` extra too.
+$(VENV)/.dev: $(VENV)/.bench
 	$(VPIP) install -q -e ".[dev]"
 	touch $@
 
-# The peers the benchmarks measure (DeepSpeed) live in the `bench` extra, never in the test
-# install. The constraint keeps pip from swapping our torch for the one DeepSpeed would pick.
+# The peers the benchmarks measure (DeepSpeed 0.19). The constraint keeps pip from swapping our
+# torch for the one DeepSpeed would pick; DS_BUILD_OPS=0: its ops compile on first use, if any.
 $(VENV)/.bench: $(VENV)/.base
 	printf '%s\n' "$(TORCH_PIN)" > $(VENV)/bench-constraints.txt
-	$(VPIP) install -q -c $(VENV)/bench-constraints.txt -e ".[bench]"
+	DS_BUILD_OPS=0 $(VPIP) install -q -c $(VENV)/bench-constraints.txt -e ".[bench]"
 	touch $@
 
 venv: $(VENV)/.base
