@@ -27,6 +27,10 @@ class ConfigWarning(UserWarning):
     """A config key that is accepted but ignored, deprecated, or an ``"auto"`` that fell back to a default."""
 
 
+class DeepSpeedDifferenceWarning(ConfigWarning):
+    """A setting shardwise runs differently from DeepSpeed 0.19, on purpose (docs/config.md says why)."""
+
+
 def join(path: str, key: str) -> str:
     """Dotted path of ``key`` inside the block at ``path`` (``""`` is the top level)."""
     return f"{path}.{key}" if path else key
