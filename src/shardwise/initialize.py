@@ -78,7 +78,7 @@ def initialize(
     ``args.deepspeed_config``). ``optimizer`` / ``lr_scheduler`` may be instances or callables
     (``optimizer(params)``, ``lr_scheduler(optimizer)``) and override the config's blocks.
     ``loss_fn(outputs, labels)`` lets ``train_batch`` work with a model that returns outputs.
-    """
+    The loader of ``training_data`` is shuffled as DeepSpeed's (docs/deepspeed-compat.md)."""
     if model is None:
         raise ValueError("shardwise.initialize requires a model: initialize(model=..., config=...)")
     cfg = parse_config(_config_source(args, config, config_params))
