@@ -127,4 +127,4 @@ def test_the_timers_reach_the_monitors_as_deepspeeds_events(tmp_path):
     run_distributed(_train, 2, {"wall_clock_breakdown": True, **csv})
     names = sorted(p.name for p in (tmp_path / "j").iterdir())
     for event in ("forward", "backward", "backward_inner", "backward_allreduce", "step"):
-        assert f"elapsed_time_ms_{event}.csv" in names, names
+        assert f"Train_Samples_elapsed_time_ms_{event}.csv" in names, names

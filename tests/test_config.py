@@ -38,18 +38,10 @@ def refused(source, key: str, text: str) -> ConfigError:
 
 
 # fmt: off
-DEFAULTS = [  # DeepSpeed v0.16.5 code defaults, attribute path -> value
-    ("raw", {}), ("optimizer", None), ("scheduler", None), ("seed", None), ("steps_per_print", 10),
-    ("gradient_clipping", 0.0),  # DeepSpeed's code; its docs table says 1.0
-    ("communication_data_type", None), ("fp16.enabled", False), ("fp16.loss_scale", 0.0),
-    ("fp16.initial_scale_power", 16), ("fp16.loss_scale_window", 1000), ("fp16.hysteresis", 2),
-    ("fp16.min_loss_scale", 1.0), ("bf16.enabled", False), ("zero_optimization.stage", 0),
-    ("zero_optimization.reduce_bucket_size", 500_000_000), ("zero_optimization.overlap_comm", None),
-    ("zero_optimization.allgather_bucket_size", 500_000_000), ("zero_optimization.offload_optimizer", None),
-    ("zero_optimization.contiguous_gradients", True), ("zero_optimization.sub_group_size", 10**9),
-    ("zero_optimization.stage3_prefetch_bucket_size", 50_000_000),
-    ("zero_optimization.stage3_param_persistence_threshold", 100_000),
-    ("zero_optimization.stage3_max_live_parameters", 10**9), ("tensor_parallel.size", 1),
+DEFAULTS = [  # the DeepSpeed blocks' defaults are pinned, row by row, in test_config_defaults.py
+    ("raw", {}), ("optimizer", None), ("scheduler", None), ("seed", None),
+    ("steps_per_print", 10),  # DeepSpeed's is null (no progress line) since 0.15: see docs/config.md
+    ("communication_data_type", None), ("tensor_parallel.size", 1),
     ("pipeline.stages", 1), ("pipeline.schedule", "1f1b"), ("pipeline.activation_checkpoint_interval", 0),
     ("pipeline.pipe_partitioned", True), ("activation_checkpointing.checkpoint_layers", None),
     ("checkpoint.keep_last", None), ("checkpoint.tag_validation", "Warn"),
@@ -61,7 +53,7 @@ DEFAULTS = [  # DeepSpeed v0.16.5 code defaults, attribute path -> value
 
 @pytest.mark.parametrize("attribute, default", DEFAULTS, ids=[a for a, _ in DEFAULTS])
 def test_none_is_the_empty_config_with_deepspeed_defaults(attribute, default):
-    assert attrgetter(attribute)(parse_config(None)) == default
+    assert attrgetter(attribute)(parse_quietly(None)) == default
 
 
 def test_file_path_pathlike_and_json_text_give_the_same_config(tmp_path):

@@ -191,3 +191,22 @@ def test_collate_fn_and_plain_dataloader_interop():
     sampler = DistributedSampler(12, 2, 1, shuffle=False, micro_batch_size=3)
     plain = torch.utils.data.DataLoader(data, batch_size=3, sampler=sampler)
     assert [b[1].tolist() for b in plain] == [[0, 1, 2], [0, 1, 2]]
+
+
+@pytest.mark.parametrize("seed", [None, 5])
+def test_initialize_training_data_is_shuffled_as_deepspeeds_sampler(seed):
+    """docs/deepspeed-compat.md: DeepSpeed's loader draws from torch's DistributedSampler, which
+    shuffles with seed 0; here the config's ``seed`` (shardwise's key) replaces that 0."""
+    import shardwise  # noqa: PLC0415 - the rest of this file needs no engine
+
+    data = TensorDataset(torch.arange(24.0).view(24, 1), torch.zeros(24, 1))
+    config = {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 0.0}
+    config |= {} if seed is None else {"seed": seed}
+    _, _, loader, _ = shardwise.initialize(
+        model=torch.nn.Linear(1, 1), config=config, training_data=data
+    )
+    got = [int(v) for x, _ in loader for v in x.flatten()]
+    theirs = TorchDistributedSampler(data, num_replicas=1, rank=0)  # DeepSpeed's: shuffle, seed 0
+    theirs.seed = 0 if seed is None else seed
+    assert got == list(theirs), f"seed {seed}: {got}"
+    assert got != sorted(got), f"seed {seed}: not shuffled"

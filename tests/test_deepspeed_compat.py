@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from harness import run_distributed
 from waits import scaled
 
 REPO = Path(__file__).resolve().parents[1]
@@ -75,3 +76,143 @@ def test_a_deepspeed_style_script_using_the_deep_names_trains_and_resumes(tmp_pa
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     assert "resumed epoch=7 steps=4 device=cpu" in out.stdout, out.stdout[-2000:]
     assert "after training | MA " in out.stderr + out.stdout
+
+
+# --- deepspeed.utils.groups on two processes ---------------------------------------------------
+
+GROUP_FUNCTIONS = [  # the functions returning a process group
+    "_get_data_parallel_group", "get_data_parallel_group", "_get_sequence_data_parallel_group",
+    "get_tensor_model_parallel_group", "get_model_parallel_group",
+]  # fmt: skip
+NUMBER_FUNCTIONS = [  # the functions returning a size, a rank or rank lists
+    "_get_data_parallel_world_size", "_get_data_parallel_rank", "_get_data_parallel_group_ranks",
+    "get_data_parallel_world_size", "get_data_parallel_rank", "_get_model_parallel_world_size",
+    "_get_sequence_parallel_world_size", "_get_sequence_parallel_rank",
+    "_get_sequence_data_parallel_world_size", "_get_sequence_data_parallel_rank",
+    "_get_broadcast_src_rank", "get_tensor_model_parallel_world_size",
+    "get_tensor_model_parallel_rank", "get_tensor_model_parallel_src_rank",
+    "get_model_parallel_world_size", "get_model_parallel_rank", "_get_max_expert_size",
+]  # fmt: skip
+EXPERT_FUNCTIONS = [  # f(group_name)
+    "_get_expert_parallel_group_ranks", "_get_expert_parallel_world_size",
+    "_get_expert_parallel_rank", "_get_expert_parallel_src_rank",
+    "_get_expert_data_parallel_group_ranks", "_get_expert_data_parallel_world_size",
+    "_get_expert_data_parallel_rank", "_get_expert_broadcast_src_rank",
+]  # fmt: skip
+
+
+def _members(group) -> tuple:
+    """The group's global ranks, and the sum of an all-reduce of ones over it (its real size)."""
+    import torch
+    import torch.distributed as dist
+
+    ones = torch.ones(1)
+    dist.all_reduce(ones, group=group)
+    return (dist.get_process_group_ranks(group), int(ones.item()))
+
+
+def _ask_groups(layout: dict, moe: bool) -> dict:
+    """Build an engine of ``layout`` and call every deepspeed.utils.groups function."""
+    import torch
+    from cp_train_runs import make_gpt
+    from moe_models import MoENet
+
+    import shardwise as deepspeed
+
+    torch.manual_seed(0)
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0, **layout}
+    config["optimizer"] = {"type": "SGD", "params": {"lr": 0.1}}
+    model = MoENet(ep=2) if moe else make_gpt()
+    engine, *_ = deepspeed.initialize(model=model, config=config)
+    groups = deepspeed.utils.groups
+    out = {name: _members(getattr(groups, name)()) for name in GROUP_FUNCTIONS}
+    out |= {name: getattr(groups, name)() for name in NUMBER_FUNCTIONS}
+    try:
+        out["_get_sequence_parallel_group"] = _members(groups._get_sequence_parallel_group())
+    except KeyError as error:
+        out["_get_sequence_parallel_group"] = f"KeyError: {error.args[0]}"
+    if moe:
+        name = groups._get_max_expert_size_name()
+        out["name"] = name
+        out |= {f: getattr(groups, f)(name) for f in EXPERT_FUNCTIONS}
+        out["_get_expert_parallel_group"] = _members(groups._get_expert_parallel_group(name))
+        out["_get_expert_data_parallel_group"] = _members(
+            groups._get_expert_data_parallel_group(name)
+        )
+        out["dicts"] = sorted(groups._get_expert_parallel_group_dict()) + sorted(
+            groups._get_expert_data_parallel_group_dict()
+        )
+    del engine
+    return out
+
+
+def _expect(r: int, dp: int, tp: int, cp: int, moe: bool) -> dict:
+    """DeepSpeed's answers on rank ``r`` of 2 for this layout (dp x cp x tp, tp fastest)."""
+    both, mine = [0, 1], [r]
+    dp_ranks = both if dp == 2 else mine
+    dp_cp = both if dp * cp == 2 else mine
+    tp_ranks = both if tp == 2 else mine
+    want = {
+        "_get_data_parallel_group": (dp_ranks, dp), "get_data_parallel_group": (dp_ranks, dp),
+        "_get_sequence_data_parallel_group": (dp_cp, dp * cp),
+        "get_tensor_model_parallel_group": (tp_ranks, tp), "get_model_parallel_group": (tp_ranks, tp),
+        "_get_data_parallel_world_size": dp, "_get_data_parallel_rank": r if dp == 2 else 0,
+        "_get_data_parallel_group_ranks": dp_ranks, "get_data_parallel_world_size": dp,
+        "get_data_parallel_rank": r if dp == 2 else 0, "_get_model_parallel_world_size": tp,
+        "_get_sequence_parallel_world_size": cp, "_get_sequence_parallel_rank": r if cp == 2 else 0,
+        "_get_sequence_data_parallel_world_size": dp * cp,
+        "_get_sequence_data_parallel_rank": r if dp * cp == 2 else 0,
+        "_get_broadcast_src_rank": dp_cp[0], "get_tensor_model_parallel_world_size": tp,
+        "get_tensor_model_parallel_rank": r if tp == 2 else 0,
+        "get_tensor_model_parallel_src_rank": tp_ranks[0], "get_model_parallel_world_size": tp,
+        "get_model_parallel_rank": r if tp == 2 else 0,
+        "_get_max_expert_size": 2 if moe else None,
+        "_get_sequence_parallel_group": (
+            (both, 2) if cp == 2 else "KeyError: No sequence parallel group found: "
+            "context_parallel.size is 1 in this engine's config"
+        ),
+    }  # fmt: skip
+    if moe:  # ep_size 2 over the 2 data ranks: one expert-parallel group, singleton expert-data
+        want |= {
+            "name": "ep_size_2", "_get_expert_parallel_group_ranks": both,
+            "_get_expert_parallel_world_size": 2, "_get_expert_parallel_rank": r,
+            "_get_expert_parallel_src_rank": 0, "_get_expert_data_parallel_group_ranks": mine,
+            "_get_expert_data_parallel_world_size": 1, "_get_expert_data_parallel_rank": 0,
+            "_get_expert_broadcast_src_rank": r, "_get_expert_parallel_group": (both, 2),
+            "_get_expert_data_parallel_group": (mine, 1), "dicts": ["ep_size_2", "ep_size_2"],
+        }  # fmt: skip
+    return want
+
+
+GROUP_LAYOUTS = {  # name -> (config, dp, tp, cp, moe)
+    "dp2": ({}, 2, 1, 1, False),
+    "tp2": ({"tensor_parallel": {"size": 2}}, 1, 2, 1, False),
+    "cp2": ({"context_parallel": {"size": 2}}, 1, 1, 2, False),
+    "dp2 moe ep2": ({}, 2, 1, 1, True),
+}
+
+
+@pytest.mark.parametrize("layout", list(GROUP_LAYOUTS))
+def test_utils_groups_answer_from_the_engines_mesh(layout):
+    config, dp, tp, cp, moe = GROUP_LAYOUTS[layout]
+    got = run_distributed(_ask_groups, 2, config, moe)
+    for rank, answers in enumerate(got):
+        want = _expect(rank, dp, tp, cp, moe)
+        assert set(answers) == set(want), f"{layout} rank {rank}: functions asked"
+        for name, value in want.items():
+            assert answers[name] == value, f"{layout} rank {rank}: {name}() = {answers[name]!r}"
+
+
+def test_utils_groups_without_an_engine_says_to_initialize_first():
+    import gc
+
+    from shardwise import mesh_groups
+    from shardwise.errors import EngineError
+
+    gc.collect()  # an engine of an earlier test in this process would answer
+    saved, mesh_groups._LATEST = mesh_groups._LATEST, None
+    try:
+        with pytest.raises(EngineError, match="call initialize first"):
+            resolve("deepspeed.utils.groups._get_data_parallel_world_size")()
+    finally:
+        mesh_groups._LATEST = saved

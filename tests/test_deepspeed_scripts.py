@@ -69,7 +69,7 @@ def test_the_cifar_tutorial_trains_with_fp16_masters_and_every_monitor_speaks(tm
     assert re.search(r"time \(ms\) \| fwd: [\d.]+ \| bwd: [\d.]+ .*\| step: [\d.]+", out), out
     assert "memory | params: " in out and "Profile Summary at step 3:" in out, out[-3000:]
     assert re.search(r"\nreduce_scatter\n +[\d.]+ \w?B +\d+ ", out), out[-2000:]
-    assert (tmp_path / "cifar" / "loss_scale.csv").exists()
+    assert (tmp_path / "cifar" / "Train_Samples_loss_scale.csv").exists()
 
 
 def test_a_bert_style_mlm_resumes_from_its_checkpoint_exactly(tmp_path):

@@ -17,6 +17,8 @@ from models import make_data, make_model
 from pipe_models import micro_batches, pipeline_module
 
 import shardwise
+from shardwise.config.monitor import MonitorConfig
+from shardwise.monitor.writers import CsvWriter
 
 pytest.importorskip("tensorboard", reason="the TensorBoard reader comes with the dev extra")
 
@@ -93,7 +95,7 @@ def test_tensorboard_and_csv_hold_deepspeeds_events(case, tmp_path):
     for tag, values in want.items():
         assert [s for s, _ in events[tag]] == steps, f"{case}: {tag} steps"
         assert [v for _, v in events[tag]] == pytest.approx(values, rel=1e-6), f"{case}: {tag}"
-    with open(tmp_path / "csv" / "train_loss.csv") as f:
+    with open(tmp_path / "csv" / "Train_Samples_train_loss.csv") as f:
         rows = list(csv.reader(f))
     assert rows[0] == ["step", "train_loss"], f"{case}: csv header"
     assert [int(r[0]) for r in rows[1:]] == steps, f"{case}: csv steps"
@@ -106,3 +108,26 @@ def test_a_pipeline_writes_its_loss_too(tmp_path):
     loss = events["Train/Samples/train_loss"]
     assert [s for s, _ in loss] == [got["samples"] * (k + 1) for k in range(3)]
     assert [v for _, v in loss] == pytest.approx(got["losses"], rel=1e-6)
+
+
+# DeepSpeed's csvMonitor (deepspeed/monitor/csv_monitor.py, 0.19.8): the file is the event name
+# with "/" and " " made "_"; the header is "step" and the name's last "/" part.
+CSV_NAMES = [
+    ("Train/Samples/train_loss", "Train_Samples_train_loss.csv", "train_loss"),
+    ("Train/Samples/lr", "Train_Samples_lr.csv", "lr"),
+    ("Train/Samples/elapsed_time_ms_forward", "Train_Samples_elapsed_time_ms_forward.csv",
+     "elapsed_time_ms_forward"),
+    ("eval loss", "eval_loss.csv", "eval loss"),
+    ("Eval/top 1", "Eval_top_1.csv", "top 1"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("tag, name, header", CSV_NAMES, ids=[t for t, _, _ in CSV_NAMES])
+def test_csv_monitor_writes_deepspeeds_file_names_and_columns(tmp_path, tag, name, header):
+    writer = CsvWriter(MonitorConfig(enabled=True, output_path=str(tmp_path), job_name="job"))
+    writer.write_events([(tag, 0.5, 4)])
+    writer.write_events([(tag, 0.25, 8)])
+    assert sorted(p.name for p in (tmp_path / "job").iterdir()) == [name], tag
+    with open(tmp_path / "job" / name, newline="") as f:
+        rows = list(csv.reader(f))
+    assert rows == [["step", header], ["4", "0.5"], ["8", "0.25"]], tag

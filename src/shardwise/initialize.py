@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from shardwise import comm
+from shardwise import comm, mesh_groups
 from shardwise.config import Config, ConfigError, parse_config
 from shardwise.data import build_dataloader
 from shardwise.engine import Engine
@@ -78,7 +78,7 @@ def initialize(
     ``args.deepspeed_config``). ``optimizer`` / ``lr_scheduler`` may be instances or callables
     (``optimizer(params)``, ``lr_scheduler(optimizer)``) and override the config's blocks.
     ``loss_fn(outputs, labels)`` lets ``train_batch`` work with a model that returns outputs.
-    """
+    The loader of ``training_data`` is shuffled as DeepSpeed's (docs/deepspeed-compat.md)."""
     if model is None:
         raise ValueError("shardwise.initialize requires a model: initialize(model=..., config=...)")
     cfg = parse_config(_config_source(args, config, config_params))
@@ -113,14 +113,16 @@ def initialize(
     loader = _build_loader(cfg, training_data, batch, mesh, collate_fn)
     scaler = LossScaler.from_config(cfg)
     engine = Engine(model, opt, sched, strategy, mesh, cfg, batch, loader, loss_fn, scaler, runner)
-    _bind_hf_context(engine, model)
+    _bind_engine(engine, model)
     engine.autosave.resume(engine)  # checkpoint.auto_resume: the newest checkpoint of save_dir
     return engine, opt, loader, sched
 
 
-def _bind_hf_context(engine: Engine, model: nn.Module) -> None:
-    """Context parallelism on a Hugging Face model: its attention through shardwise.attention,
-    its batches prepared and its loss taken over every labelled token (hf_context.py)."""
+def _bind_engine(engine: Engine, model: nn.Module) -> None:
+    """What answers from the new engine: ``deepspeed.utils.groups`` (mesh_groups.py) and, for
+    context parallelism on a Hugging Face model, its attention through shardwise.attention, its
+    batches prepared and its loss taken over every labelled token (hf_context.py)."""
+    mesh_groups.bind(engine)
     if engine.context.size > 1 and hf_context.is_hf_model(model):
         hf_context.use_context_attention(model)
         engine.context.prepare = functools.partial(hf_context.prepare_batch, model)

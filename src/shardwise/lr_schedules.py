@@ -1,9 +1,10 @@
 """DeepSpeed's learning-rate schedules as ``torch.optim.lr_scheduler.LRScheduler`` subclasses.
 
-Same names, parameters and formulas as DeepSpeed (deepspeed/runtime/lr_schedules.py, v0.16.5);
-written from those formulas, so ``state_dict``/``load_state_dict``, ``get_last_lr`` and torch's
-tooling work. Counting follows DeepSpeed: ``it`` (``last_batch_iteration``) is -1 before the
-first ``step()``, and after k calls to ``step()`` it is k - 1 (torch's ``last_epoch`` is it + 1).
+Same names, parameters, defaults and formulas as DeepSpeed 0.19.8 (deepspeed/runtime/lr_schedules.py;
+the defaults are pinned by tests/test_scheduler_defaults.py); written from those formulas, so
+``state_dict``/``load_state_dict``, ``get_last_lr`` and torch's tooling work. Counting follows
+DeepSpeed: ``it`` (``last_batch_iteration``) is -1 before the first ``step()``, and after k calls to
+``step()`` it is k - 1 (torch's ``last_epoch`` is it + 1).
 Each lr is a closed form of ``it``; W = max(2, warmup_num_steps), T = total_num_steps:
 
 - WarmupLR:       lr = min + (max - min) * g(it); g = ln(it + 1) / ln(W) ("log") or it / W
@@ -17,24 +18,25 @@ Each lr is a closed form of ``it``; W = max(2, warmup_num_steps), T = total_num_
                   decay_step_size), n = it - (s1 + s2) + 1 (no decay when either is 0).
 - LRRangeTest:    lr = min_lr * (1 + step_rate * (it + 1) / step_size) (floored with staircase).
 
-Deliberate differences from DeepSpeed (docs/config.md): ``warmup_max_lr`` left out means the
-optimizer's lr per parameter group (DeepSpeed <= 0.16: 0.001); WarmupCosineLR is ``wmin * base_lr``
-before the first step (DeepSpeed: 0) and stays at ``cos_min_ratio`` after T (DeepSpeed 0.16 rose
-again); OneCycle keeps each group's own beta2 (DeepSpeed sets 0.99) and starts at cycle_max_mom,
-the value its formula gives at the lr minimum (DeepSpeed starts at cycle_min_mom); an unknown ``warmup_type`` is
-an error (DeepSpeed falls back to "log").
+``warmup_max_lr`` left out is DeepSpeed's: the optimizer's lr per parameter group for WarmupLR,
+0.001 for WarmupDecayLR. Deliberate differences from DeepSpeed (docs/config.md says why; each warns
+with a DeepSpeedDifferenceWarning): WarmupCosineLR is ``wmin * base_lr`` before the first step
+(DeepSpeed: 0); OneCycle keeps each group's own beta2 (DeepSpeed sets 0.99) and starts at
+cycle_max_mom, the value its formula gives at the lr minimum (DeepSpeed starts at cycle_min_mom);
+an unknown ``warmup_type`` is an error (DeepSpeed falls back to "log").
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any, Literal
 
 import torch
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
-from shardwise.config.errors import fail
+from shardwise.config.errors import DeepSpeedDifferenceWarning, fail
 from shardwise.config.optim_blocks import SchedulerConfig
 from shardwise.config.scheduler_params import check_scheduler_config, resolve_auto, scheduler_class
 
@@ -50,6 +52,15 @@ def _per_group(value: float | list[float], n: int, name: str) -> list[float]:
             )
         return [float(v) for v in value]
     return [float(value)] * n
+
+
+def _differs(what: str) -> None:
+    """Say where this schedule runs differently from DeepSpeed 0.19's (docs/config.md: why)."""
+    warnings.warn(
+        f"{what} (a deliberate difference, docs/config.md)",
+        DeepSpeedDifferenceWarning,
+        stacklevel=3,
+    )
 
 
 def _warmup_fraction(it: int, steps: int, kind: str) -> float:
@@ -151,14 +162,17 @@ class WarmupLR(_IterationLR):
 
 
 class WarmupDecayLR(WarmupLR):
-    """WarmupLR, then a linear decay to ``warmup_min_lr`` at ``total_num_steps``."""
+    """WarmupLR, then a linear decay to ``warmup_min_lr`` at ``total_num_steps``.
+
+    Unlike WarmupLR, ``warmup_max_lr`` defaults to 0.001 (DeepSpeed's signature), not to the
+    optimizer's lr."""
 
     def __init__(
         self,
         optimizer: Optimizer,
         total_num_steps: int,
         warmup_min_lr: Lr = 0.0,
-        warmup_max_lr: Lr | None = None,
+        warmup_max_lr: Lr | None = 0.001,  # DeepSpeed's; None: the optimizer's lr, as WarmupLR
         warmup_num_steps: int = 1000,
         warmup_type: Literal["log", "linear"] = "log",
         last_batch_iteration: int = -1,
@@ -200,6 +214,11 @@ class WarmupCosineLR(_IterationLR):
         self.warmup_num_steps = max(2, warmup_num_steps)
         self.cos_min_ratio = cos_min_ratio
         self.warmup_type = warmup_type
+        if warmup_min_ratio > 0 and last_batch_iteration == -1:
+            _differs(
+                f"WarmupCosineLR: the first optimizer step uses warmup_min_ratio * lr "
+                f"({warmup_min_ratio} * lr); DeepSpeed's uses lr 0, so that step changes nothing"
+            )
         super().__init__(optimizer, last_batch_iteration)
 
     def ratio(self, it: int) -> float:
@@ -257,6 +276,12 @@ class OneCycle(_IterationLR):
         )
         # Momentum is Adam's beta1; optimizers without betas (e.g. SGD) keep theirs, as in DeepSpeed.
         self.cycle_momentum = cycle_momentum and "betas" in optimizer.defaults
+        if self.cycle_momentum:
+            _differs(
+                "OneCycle: beta1 starts at cycle_max_mom (DeepSpeed: cycle_min_mom for the first "
+                "step, then its formula, which gives cycle_max_mom at the lr minimum) and beta2 "
+                "stays each group's own (DeepSpeed sets 0.99)"
+            )
         super().__init__(optimizer, last_batch_iteration)
 
     def scale(self, it: int) -> float:

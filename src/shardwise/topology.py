@@ -200,7 +200,7 @@ class ProcessMesh:
     rank: int
     groups: dict[str, Any] = field(default_factory=dict)
     # Groups beyond the axes (pipeline stages, tied weights), made once per rank tuple.
-    _made: dict[tuple[int, ...], Any] = field(default_factory=dict, repr=False)
+    _made: dict[tuple, Any] = field(default_factory=dict, repr=False)
 
     @classmethod
     def create(cls, topology: Topology, rank: int | None = None) -> ProcessMesh:
@@ -251,6 +251,17 @@ class ProcessMesh:
             return None
         if key not in self._made:
             self._made[key] = new_group(key, name)
+        return self._made[key]
+
+    def own_group(self) -> Any:
+        """A process group of this rank alone (None when not distributed), for callers that
+        need a real one-rank group where ``group_of`` gives None (DeepSpeed's accessors). Made
+        on first use by this rank only (``use_local_synchronization``), so no other rank waits."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        key = ("own", self.rank)
+        if key not in self._made:
+            self._made[key] = new_group([self.rank], f"rank-{self.rank}", local=True)
         return self._made[key]
 
     def stage_group(self) -> tuple[Any, int]:
@@ -360,11 +371,13 @@ def world_timeout() -> datetime.timedelta | None:
         return None
 
 
-def new_group(ranks: Sequence[int], name: str) -> Any:
+def new_group(ranks: Sequence[int], name: str, local: bool = False) -> Any:
     """``dist.new_group`` with the world's timeout and a name for errors and traces: without a
     timeout a sub-group keeps torch's 30-minute default, whatever the world was given, so a
-    hang on a data or tensor group would wait that long. Every rank must call it, same order."""
-    return dist.new_group(list(ranks), timeout=world_timeout(), group_desc=name)
+    hang on a data or tensor group would wait that long. Every rank must call it, same order
+    (with ``local``, only the members: torch's ``use_local_synchronization``)."""
+    extra = {"use_local_synchronization": True} if local else {}
+    return dist.new_group(list(ranks), timeout=world_timeout(), group_desc=name, **extra)
 
 
 def new_subgroup(ranks: Sequence[int]) -> Any:

@@ -13,7 +13,7 @@ from shardwise.config.batch import BatchSizes
 from shardwise.config.checkpoint import CheckpointConfig, ParallelWriteConfig
 from shardwise.config.comms import CommsConfig
 from shardwise.config.core import Config, parse_config
-from shardwise.config.errors import ConfigError, ConfigWarning
+from shardwise.config.errors import ConfigError, ConfigWarning, DeepSpeedDifferenceWarning
 from shardwise.config.optim_blocks import OptimizerConfig, SchedulerConfig
 from shardwise.config.parallel import (
     ActivationCheckpointingConfig,
@@ -48,6 +48,7 @@ __all__ = [
     "SchedulerConfig",
     "TensorParallelConfig",
     "ContextParallelConfig",
+    "DeepSpeedDifferenceWarning",
     "ZeroConfig",
     "parse_config",
 ]

@@ -49,10 +49,15 @@ from shardwise.config.parallel import (
     parse_pipeline,
 )
 from shardwise.config.precision import BF16Config, FP16Config
-from shardwise.config.schema import build, check_keys, schema_keys, spec
+from shardwise.config.schema import AUTO, build, check_keys, schema_keys, spec
 from shardwise.config.zero import ZeroConfig, parse_zero
 
 _INTERNAL = {"internal": True}
+# DeepSpeed 0.19.3 changed its gradient_clipping default from 0 to 1.0; shardwise keeps 0.
+_NO_CLIPPING = (
+    "gradient_clipping left out: no clipping (DeepSpeed 0.19.3 and later clip the gradient norm "
+    "at 1.0 by default, earlier versions do not)"
+)
 _TOP_LEVEL_POLICY = (
     " (shardwise refuses unknown keys at every level; DeepSpeed silently ignores unknown "
     "top-level keys, so a misspelt key there has no effect. Remove or correct it)"
@@ -157,6 +162,8 @@ def parse_config(source: dict[str, Any] | str | os.PathLike[str] | None) -> Conf
         elif value == "auto":
             notes.auto_defaults.append(key)
     cfg = build(Config, data, "", notes)
+    if data.get("gradient_clipping", AUTO) == AUTO:
+        notes.differences.append(_NO_CLIPPING)
     cfg = dataclasses.replace(
         cfg, **blocks, raw=raw, ignored=ignored, auto_defaults=tuple(notes.auto_defaults)
     )

@@ -27,6 +27,10 @@ class ConfigWarning(UserWarning):
     """A config key that is accepted but ignored, deprecated, or an ``"auto"`` that fell back to a default."""
 
 
+class DeepSpeedDifferenceWarning(ConfigWarning):
+    """A setting shardwise runs differently from DeepSpeed 0.19, on purpose (docs/config.md says why)."""
+
+
 def join(path: str, key: str) -> str:
     """Dotted path of ``key`` inside the block at ``path`` (``""`` is the top level)."""
     return f"{path}.{key}" if path else key
@@ -74,9 +78,10 @@ class Notes:
     auto_defaults: list[str] = field(
         default_factory=list
     )  # dotted paths whose "auto" became a default
+    differences: list[str] = field(default_factory=list)  # defaults unlike DeepSpeed 0.19's
 
     def emit(self) -> None:
-        """One ConfigWarning per non-empty kind (so a config produces at most three warnings)."""
+        """One ConfigWarning per non-empty kind (so a config produces at most four warnings)."""
         if self.ignored:
             warnings.warn(
                 "shardwise accepts but ignores these DeepSpeed config keys (no effect here; "
@@ -87,6 +92,13 @@ class Notes:
         if self.deprecated:
             warnings.warn(
                 "deprecated config keys: " + "; ".join(self.deprecated), ConfigWarning, stacklevel=3
+            )
+        if self.differences:
+            warnings.warn(
+                "defaults that differ from DeepSpeed 0.19 (docs/config.md says why; give the key "
+                "to choose): " + "; ".join(self.differences),
+                DeepSpeedDifferenceWarning,
+                stacklevel=3,
             )
         if self.auto_defaults:
             warnings.warn(

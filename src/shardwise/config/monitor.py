@@ -1,5 +1,6 @@
 """DeepSpeed's monitoring and profiling blocks, keys and defaults as DeepSpeed's
-(``deepspeed/monitor/config.py``, ``comm/config.py``, ``profiling/config.py``, v0.16.5).
+(``deepspeed/monitor/config.py``, ``comm/config.py``, ``profiling/config.py``, 0.19.8;
+the monitor blocks pinned by tests/test_config_defaults.py).
 What they do: shardwise/monitor/."""
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""The ``fp16`` and ``bf16`` blocks (DeepSpeed key names and code defaults, v0.16.5).
+"""The ``fp16`` and ``bf16`` blocks (DeepSpeed key names and 0.19.8's code defaults,
+deepspeed/runtime/precision_config.py; pinned by tests/test_config_defaults.py).
 
 fp16 dynamic loss scaling (DeepSpeed ``DynamicLossScaler``): the first scale is
 ``2 ** initial_scale_power``; an overflow skips the step and, once ``hysteresis`` overflows have been
@@ -11,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from shardwise.config.errors import fail
 from shardwise.config.schema import spec
 
 # fp16-only keys people leave in a bf16 block (ds_tests_torch_compile_zero3_bf16.json does);
@@ -67,3 +69,15 @@ class BF16Config:
     }
 
     enabled: bool = False
+    # DeepSpeed 0.19's bf16-only masters and optimizer states: not implemented here.
+    bf16_master_weights_and_grads: bool = False
+    bf16_optimizer_states: bool = False
+
+    def __post_init__(self) -> None:
+        for key in ("bf16_master_weights_and_grads", "bf16_optimizer_states"):
+            if getattr(self, key):
+                raise fail(
+                    f"bf16.{key}",
+                    "bf16 master weights / optimizer states are not supported by shardwise "
+                    "(masters and states stay fp32); remove the key or set it to false",
+                )

@@ -1,4 +1,5 @@
-"""The ``zero_optimization`` block: every key DeepSpeed v0.16 accepts, with its code default.
+"""The ``zero_optimization`` block: DeepSpeed's keys with DeepSpeed 0.19.8's code defaults
+(deepspeed/runtime/zero/config.py and offload_config.py; pinned by tests/test_config_defaults.py).
 
 Deprecated spellings still work, with a warning: ``cpu_offload: true`` becomes
 ``offload_optimizer: {"device": "cpu"}``, ``cpu_offload_param: true`` becomes
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
 from shardwise.config.errors import Notes, fail, join, show
@@ -22,6 +23,7 @@ _UNSUPPORTED_WHEN_SET: dict[str, tuple[str, Any]] = {
     "zero_quantized_weights": ("ZeRO++ quantized weight all-gather (GPU kernels)", False),
     "zero_quantized_nontrainable_weights": ("ZeRO++ quantized frozen weights (GPU kernels)", False),
     "zero_quantized_gradients": ("ZeRO++ quantized gradient all-to-all (GPU kernels)", False),
+    "zenflow": ("ZenFlow's asynchronous offloaded optimizer step", None),
 }
 _OFFLOAD_KEYS = ("offload_optimizer", "offload_param")
 
@@ -38,18 +40,23 @@ class OffloadConfig:
 
     device: Literal["cpu", "none", "nvme"] = "none"
     nvme_path: str | None = None
-    buffer_count: int = spec(5, ge=0)
-    pin_memory: bool = False
+    buffer_count: int = spec(5, ge=0)  # NVMe staging buffers: no effect here
+    pin_memory: bool = True  # page-locked host copies (DeepSpeed 0.19.5+; a CPU run has none)
 
 
 @dataclass(frozen=True)
 class OffloadOptimizerConfig(OffloadConfig):
     """``zero_optimization.offload_optimizer``: optimizer state (and step) in host memory."""
 
+    buffer_count: int = spec(4, ge=0)  # DeepSpeed's default here is 4, not offload_param's 5
     pipeline_read: bool = False
     pipeline_write: bool = False
     fast_init: bool = False
     ratio: float = spec(1.0, gt=0, le=1)  # fraction offloaded; < 1 needs ZeRO stage 3
+    super_offload: bool = False  # DeepSpeed's GPU/CPU overlap of the offloaded step: no effect
+    cpuadam_cores_perc: float = spec(
+        0.8, ge=0, le=1
+    )  # cores for SuperOffload's CPU Adam: no effect
 
 
 @dataclass(frozen=True)
@@ -110,6 +117,14 @@ class ZeroConfig:
     pipeline_loading_checkpoint: bool = False
     override_module_apply: bool = True
     log_trace_cache_warnings: bool = False
+    # Keys of DeepSpeed 0.19 with no effect here (docs/config.md says why for each).
+    compute_grad_norm: bool = True
+    parameter_alignment: bool = False
+    stage3_allgather_sequential: bool = False
+    enable_sanity_checks: bool = False
+    save_muon_momentum_buffer_in_memory: bool = False
+    leaf_module: dict[str, Any] = field(default_factory=dict)
+    zenflow: dict[str, Any] | None = None
 
 
 def parse_zero(raw: object, notes: Notes) -> ZeroConfig:

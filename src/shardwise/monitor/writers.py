@@ -41,21 +41,29 @@ class TensorBoardWriter:
 
 
 class CsvWriter:
-    """One CSV file per event, named after the tag's last part."""
+    """DeepSpeed's csvMonitor: one CSV file per event, named after the whole event name with
+    "/" and " " made "_" (``Train/Samples/train_loss`` -> ``Train_Samples_train_loss.csv``),
+    holding a ``step,<last part of the name>`` header and ``step,value`` rows."""
 
     def __init__(self, cfg: MonitorConfig) -> None:
         self.dir = os.path.join(cfg.output_path, cfg.job_name)
         os.makedirs(self.dir, exist_ok=True)
 
+    @staticmethod
+    def file_name(tag: str) -> str:
+        """``Train/Samples/train_loss`` -> ``Train_Samples_train_loss.csv``, as DeepSpeed."""
+        return tag.replace("/", "_").replace(" ", "_") + ".csv"
+
     def write_events(self, events: list[Event]) -> None:
         for tag, value, step in events:
-            name = tag.rsplit("/", 1)[-1]
-            path = os.path.join(self.dir, f"{name}.csv")
+            path = os.path.join(self.dir, self.file_name(tag))
+            # DeepSpeed heads a file again each time a new monitor appends to it (a resumed
+            # run); the header goes only at the top of a new file here.
             new = not os.path.exists(path)
             with open(path, "a", newline="") as f:
                 out = csv.writer(f)
                 if new:
-                    out.writerow(["step", name])
+                    out.writerow(["step", tag.rsplit("/", 1)[-1]])
                 out.writerow([step, value])
 
 

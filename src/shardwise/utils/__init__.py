@@ -1,10 +1,11 @@
 """Small helpers DeepSpeed scripts import from ``deepspeed.utils`` (each lives where it works:
-rank_log.py, seeding.py, repeating.py)."""
+rank_log.py, seeding.py, repeating.py), and ``groups`` (mesh_groups.py)."""
 
 from __future__ import annotations
 
 from shardwise.rank_log import log_dist, logger
 from shardwise.repeating import RepeatingLoader
 from shardwise.seeding import set_random_seed
+from shardwise.utils import groups
 
-__all__ = ["RepeatingLoader", "log_dist", "logger", "set_random_seed"]
+__all__ = ["RepeatingLoader", "groups", "log_dist", "logger", "set_random_seed"]
