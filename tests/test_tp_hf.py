@@ -22,6 +22,7 @@ from hf_models import decay_groups, make_hf_model  # noqa: E402
 from test_hf_models import CLIP, LR, MB, assert_matches, reference, train_engine  # noqa: E402
 
 import shardwise  # noqa: E402
+from shardwise.parallel.tensor.hf_styles import decoder_sequence_parallel  # noqa: E402
 from shardwise.parallel.tensor.parallelize import match_plan, resolve_plan  # noqa: E402
 from shardwise.parallel.tensor.styles import STYLES  # noqa: E402
 
@@ -156,3 +157,11 @@ def test_a_user_plan_marking_the_norms_sequence_parallel_is_completed():
     )
     results = run_distributed(run_tp2_with_plan, 2, "llama", plan, True)
     assert_matches(results, reference("llama", MB), "llama tp2 sp, norms marked by the user")
+
+
+def test_sequence_parallelism_on_a_decoder_shardwise_cannot_complete_is_refused_naming_the_entries():
+    model = make_hf_model("gpt2")
+    with pytest.raises(ValueError, match="'sequence_entry' on the module whose input is"):
+        decoder_sequence_parallel(model, {"transformer.h.*.ln_1": "sequence_parallel"})
+    plan = {"transformer.h.0": "sequence_entry", "transformer.h.*.ln_1": "sequence_parallel"}
+    assert decoder_sequence_parallel(model, plan) == plan, "the user's own entries are kept"
