@@ -7,7 +7,7 @@ VPIP := $(VPY) -m pip
 TORCH_PIN ?= torch==2.13.0
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: venv dev demo test lint clean bench test-stress test-isa
+.PHONY: venv dev demo test lint clean bench test-stress test-isa test-hf-457
 
 $(VENV)/.base: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -71,5 +71,22 @@ bench: $(VENV)/.bench
 	$(VPY) -m shardwise run --nproc-per-node 2 benchmarks/tp_vs_torch.py
 	$(VPY) benchmarks/overhead.py
 
+# The Hugging Face tests under transformers 4.57, the oldest release pyproject admits (CI installs
+# only the newest): a second venv beside .venv, same torch. Not part of `make test`.
+HF457 := .venv-hf457
+HF_TESTS := tests/test_hf_models.py tests/test_hf_pipeline.py tests/test_hf_save.py \
+	tests/test_hf_context_parallel.py tests/test_tp_hf.py tests/test_packed_qkv.py \
+	tests/test_tp_styles.py
+$(HF457)/.base: pyproject.toml
+	$(PY) -m venv $(HF457)
+	$(HF457)/bin/python -m pip install -q --upgrade pip
+	printf '%s\n' "$(TORCH_PIN)" "transformers==4.57.*" > $(HF457)/constraints.txt
+	$(HF457)/bin/python -m pip install -q -c $(HF457)/constraints.txt "$(TORCH_PIN)"
+	$(HF457)/bin/python -m pip install -q -c $(HF457)/constraints.txt -e ".[hf]" pytest
+	touch $@
+
+test-hf-457: $(HF457)/.base
+	$(HF457)/bin/python -m pytest -q --durations=10 $(HF_TESTS)
+
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) $(HF457) runs .pytest_cache

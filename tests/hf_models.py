@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-FAMILIES = ("llama", "mistral", "qwen2", "gpt2", "bert")
+FAMILIES = ("llama", "mistral", "qwen2", "gpt2", "bert")  # the equivalence tables; also "phi3"
 CAUSAL = ("llama", "mistral", "qwen2", "gpt2")
 VOCAB, HIDDEN, SEQ, MASKED, MASK_ID = 64, 32, 8, 2, 3
 
@@ -37,6 +37,8 @@ def _config(family: str):
     )
     if family == "llama":
         return tf.LlamaConfig(**decoder, tie_word_embeddings=False)
+    if family == "phi3":  # fused qkv_proj and gate_up_proj: its plan gathers them (rowwise_rep)
+        return tf.Phi3Config(**decoder, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     if family == "mistral":
         return tf.MistralConfig(**decoder, sliding_window=None, tie_word_embeddings=False)
     if family == "qwen2":
@@ -79,6 +81,7 @@ def make_hf_model(family: str, seed: int = 0) -> torch.nn.Module:
         "mistral": tf.MistralForCausalLM,
         "qwen2": tf.Qwen2ForCausalLM,
         "gpt2": tf.GPT2LMHeadModel,
+        "phi3": tf.Phi3ForCausalLM,
         "bert": tf.BertForMaskedLM,
     }
     torch.manual_seed(seed)

@@ -11,6 +11,8 @@ optimizer held the unsplit parameters and the split layers never moved (99% of e
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 pytest.importorskip("transformers", reason="the Hugging Face tests need the dev extra")
@@ -20,8 +22,9 @@ from hf_models import decay_groups, make_hf_model  # noqa: E402
 from test_hf_models import CLIP, LR, MB, assert_matches, reference, train_engine  # noqa: E402
 
 import shardwise  # noqa: E402
-from shardwise.parallel.tensor.hf_styles import REFUSED, TRANSLATED  # noqa: E402
-from shardwise.parallel.tensor.parallelize import STYLES, match_plan, resolve_plan  # noqa: E402
+from shardwise.parallel.tensor.hf_styles import decoder_sequence_parallel  # noqa: E402
+from shardwise.parallel.tensor.parallelize import match_plan, resolve_plan  # noqa: E402
+from shardwise.parallel.tensor.styles import STYLES  # noqa: E402
 
 DECAY = 0.01  # hf_models.decay_groups' default
 PARAM_LISTS = {
@@ -53,23 +56,44 @@ def test_model_parameters_collected_before_the_split_train_the_shards(kind):
         assert results[0]["wd"] == [DECAY, 0.0], "group options kept"
 
 
-@pytest.mark.parametrize("style", sorted(TRANSLATED))
-def test_every_translated_hugging_face_style_is_a_shardwise_style_or_kept_whole(style):
-    assert TRANSLATED[style] is None or TRANSLATED[style] in STYLES, style
+HF_NAMES = sorted(n for n, s in STYLES.items() if set(s.names) - {"shardwise"})
 
 
-@pytest.mark.parametrize("style", sorted(REFUSED))
-def test_every_refused_hugging_face_style_says_why(style):
+@pytest.mark.parametrize("style", HF_NAMES)
+def test_every_hugging_face_style_runs_as_a_shardwise_style_or_is_refused_saying_why(style):
+    runs_as = STYLES[style].runs_as
+    if runs_as is not None:
+        assert "shardwise" in STYLES[runs_as].names, f"{style} runs as {runs_as}, not ours"
+        return
     model = make_hf_model("llama")
-    with pytest.raises(ValueError, match=rf"'model.layers.\*.mlp.up_proj': '{style}' is .*plan"):
+    with pytest.raises(ValueError, match=rf"'model.layers.\*.mlp.up_proj': '{style}' is .*"):
         match_plan(model, {"model.layers.*.mlp.up_proj": style})
+
+
+LLAMA_MLP = "model.layers.*.mlp"
+# id: (family, plan, what the refusal must say); each ran (and crashed or trained wrong) before
+REFUSED_ON_MODELS = {
+    "gpt2 c_attn colwise": ("gpt2", {"transformer.h.*.attn.c_attn": "colwise", "transformer.h.*.attn.c_proj": "rowwise"}, "use 'packed_colwise'"),
+    "llama gate_proj packed_colwise": ("llama", {f"{LLAMA_MLP}.gate_proj": "packed_colwise", f"{LLAMA_MLP}.up_proj": "colwise", f"{LLAMA_MLP}.down_proj": "rowwise"}, "use 'colwise'"),
+    "llama down_proj rwga after colwise": ("llama", {f"{LLAMA_MLP}.gate_proj": "colwise", f"{LLAMA_MLP}.up_proj": "colwise", f"{LLAMA_MLP}.down_proj": "replicated_with_grad_allreduce"}, "use 'rowwise'"),
+    "llama down_proj rwga alone": ("llama", {f"{LLAMA_MLP}.down_proj": "replicated_with_grad_allreduce"}, "use 'replicate'"),
+    "phi3 o_proj rowwise after colwise_rep": ("phi3", {"model.layers.*.self_attn.qkv_proj": "colwise_rep", "model.layers.*.self_attn.o_proj": "rowwise"}, "use 'rowwise_split_input'"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(REFUSED_ON_MODELS))
+def test_a_style_that_does_not_fit_a_hugging_face_module_is_refused(case):
+    family, plan, says = REFUSED_ON_MODELS[case]
+    with pytest.raises(ValueError, match=re.escape(says)):
+        match_plan(make_hf_model(family), plan)
 
 
 def test_the_models_own_plan_is_accepted_with_hugging_face_style_names():
     model = make_hf_model("llama")
     styles = match_plan(model, resolve_plan(model))
-    assert styles["model.embed_tokens"] == "vocab", styles
-    assert styles["lm_head"] == "colwise_rep", styles
+    if "model.embed_tokens" in styles:  # transformers 5's plan names them; 4.57's instance
+        assert styles["model.embed_tokens"] == "vocab", styles  # plan lacks both
+        assert styles["lm_head"] == "colwise_rep", styles
     assert styles["model.layers.1.mlp.down_proj"] == "rowwise", styles
 
 
@@ -95,3 +119,50 @@ def test_sequence_parallel_hugging_face_decoder_trains_like_one_process(family):
     split happened at the first norm, inside the layer, and the residual add crashed)."""
     results = run_distributed(run_tp2_sequence_parallel, 2, family)
     assert_matches(results, reference(family, MB), f"{family} tp2 + sequence parallelism")
+
+
+PHI3_OTHER_NAMES = {  # Phi-3's plan in the vocabulary the installed transformers does not use
+    "model.layers.*.self_attn.qkv_proj": "colwise_gather_output",
+    "model.layers.*.self_attn.o_proj": "rowwise_rep",
+    "model.layers.*.mlp.gate_up_proj": "colwise_rep",
+    "model.layers.*.mlp.down_proj": "rowwise_split_input",
+}
+
+
+def run_tp2_with_plan(family: str, plan: dict | None, sp: bool = False) -> dict:
+    config = {**TP2, "tensor_parallel": {"size": 2, "plan": plan, "sequence_parallel": sp}}
+    engine, *_ = shardwise.initialize(model=make_hf_model(family), config=config)
+    return train_engine(engine, family)
+
+
+@pytest.mark.parametrize("plan", ["own", "both vocabularies"])
+def test_phi3_gathered_qkv_and_whole_input_row_layers_train_like_one_process(plan):
+    """Phi-3 gathers its fused qkv_proj / gate_up_proj (it slices them itself) and its row
+    layers take a whole input: rowwise_rep (4.57) / rowwise_split_input (5.x). Before, 4.57's
+    rowwise_rep ran as a rowwise on a whole input (a shape error) and 5.x's was refused."""
+    given = None if plan == "own" else PHI3_OTHER_NAMES
+    results = run_distributed(run_tp2_with_plan, 2, "phi3", given)
+    assert_matches(results, reference("phi3", MB), f"phi3 tp2 plan={plan}")
+
+
+def test_a_user_plan_marking_the_norms_sequence_parallel_is_completed():
+    """Hugging Face's own vocabulary: the norms marked "sequence_parallel". Before, the first
+    norm became the entry, inside the layer, and the residual add crashed on shapes."""
+    model = make_hf_model("llama")
+    plan = dict(resolve_plan(model))
+    plan.update(
+        {
+            f"model.layers.*.{n}": "sequence_parallel"
+            for n in ("input_layernorm", "post_attention_layernorm")
+        }
+    )
+    results = run_distributed(run_tp2_with_plan, 2, "llama", plan, True)
+    assert_matches(results, reference("llama", MB), "llama tp2 sp, norms marked by the user")
+
+
+def test_sequence_parallelism_on_a_decoder_shardwise_cannot_complete_is_refused_naming_the_entries():
+    model = make_hf_model("gpt2")
+    with pytest.raises(ValueError, match="'sequence_entry' on the module whose input is"):
+        decoder_sequence_parallel(model, {"transformer.h.*.ln_1": "sequence_parallel"})
+    plan = {"transformer.h.0": "sequence_entry", "transformer.h.*.ln_1": "sequence_parallel"}
+    assert decoder_sequence_parallel(model, plan) == plan, "the user's own entries are kept"

@@ -47,6 +47,7 @@ from shardwise.config.parallel import (
     TensorParallelConfig,
     parse_activation_checkpointing,
     parse_pipeline,
+    parse_tensor_parallel,
 )
 from shardwise.config.precision import BF16Config, FP16Config
 from shardwise.config.schema import AUTO, build, check_keys, schema_keys, spec
@@ -139,6 +140,7 @@ _BLOCK_PARSERS: dict[str, Callable[[Any, Notes], Any]] = {
     "optimizer": parse_optimizer,
     "scheduler": parse_scheduler,
     "zero_optimization": parse_zero,
+    "tensor_parallel": parse_tensor_parallel,
     "pipeline": parse_pipeline,
     "activation_checkpointing": parse_activation_checkpointing,
     "checkpoint": parse_checkpoint,

@@ -14,16 +14,8 @@ from typing import ClassVar, Literal
 
 from shardwise.config.errors import Notes, fail, join, show
 from shardwise.config.schema import build, spec
+from shardwise.parallel.tensor.styles import style_problem
 
-TPStyle = Literal[
-    "colwise",
-    "rowwise",
-    "colwise_rep",
-    "vocab",
-    "sequence_parallel",
-    "loss_parallel",
-    "split_dropout",
-]
 PARTITION_METHODS = ("parameters", "uniform", "best")  # plus "type:<regex>"
 
 
@@ -31,16 +23,18 @@ PARTITION_METHODS = ("parameters", "uniform", "best")  # plus "type:<regex>"
 class TensorParallelConfig:
     """``"tensor_parallel": {"size": 2, "plan": {"layers.*.q_proj": "colwise", ...}}``.
 
-    ``plan`` maps module-name patterns to a style, the strings Hugging Face models publish in their
-    ``tp_plan``: colwise (split the output features), rowwise (split the input features, all-reduce
-    the output), vocab (split the embedding rows), sequence_parallel (norms on sequence shards).
-    Without a plan the model's own ``tp_plan`` is used, if it has one.
+    ``plan`` maps module-name patterns to a style: shardwise's names or Hugging Face's (4.57 and
+    5.x), all in one table (``shardwise.parallel.tensor.styles``; docs/tensor-parallel.md): e.g.
+    colwise (split the output features), rowwise (split the input features, all-reduce the
+    output), vocab (split the embedding rows), sequence_parallel (norms on sequence shards).
+    A refused or unknown name is an error here; whether a style fits its module is checked on
+    the model. Without a plan the model's own ``tp_plan`` is used, if it has one.
     """
 
     EXAMPLE: ClassVar[str] = '{"size": 2}'
 
     size: int = spec(1, ge=1)
-    plan: dict[str, TPStyle] | None = None
+    plan: dict[str, str] | None = None
     sequence_parallel: bool = False
 
 
@@ -102,6 +96,19 @@ class ActivationCheckpointingConfig:
     synchronize_checkpoint_boundary: bool = False
     profile: bool = False
     checkpoint_layers: list[str | int] | Literal["all"] | None = None
+
+
+def parse_tensor_parallel(raw: object, notes: Notes) -> TensorParallelConfig:
+    """Build ``TensorParallelConfig``; every plan style must be one the table runs."""
+    path = "tensor_parallel"
+    if not isinstance(raw, dict):
+        raise fail(path, f"expected an object like {TensorParallelConfig.EXAMPLE}, got {show(raw)}")
+    block = build(TensorParallelConfig, raw, path, notes)
+    for pattern, style in (block.plan or {}).items():
+        problem = style_problem(style)
+        if problem:
+            raise fail(join(join(path, "plan"), pattern), problem)
+    return block
 
 
 def parse_pipeline(raw: object, notes: Notes) -> PipelineConfig:

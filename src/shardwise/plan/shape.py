@@ -13,7 +13,7 @@ units follow), the module that owns it (a ZeRO-3 unit is one module's parameters
 the tensor-parallel plan, the dimension of the *stored* tensor that tensor parallelism splits:
 
     colwise, colwise_rep, packed_colwise, vocab (Linear)   W (out, in): dim 0; bias: dim 0
-    rowwise                                               W: dim 1; bias whole
+    rowwise, rowwise_split_input                          W: dim 1; bias whole
     vocab (Embedding)                                     E (V, C): dim 0
     anything else                                         whole on every TP rank
 
@@ -34,6 +34,7 @@ from shardwise.parallel.pipeline.module import PipelineModule
 from shardwise.parallel.tensor.layers import linear_dims
 from shardwise.parallel.tensor.parallelize import match_plan
 from shardwise.parallel.tensor.plans import resolve_plan
+from shardwise.parallel.tensor.styles import ROW
 
 COLUMN_STYLES = ("colwise", "colwise_rep", "packed_colwise", "vocab")
 
@@ -158,7 +159,7 @@ def _split_dim(module: nn.Module, attr: str, style: str | None) -> int | None:
     transposed = dims[2]
     if style in COLUMN_STYLES:
         return (1 if transposed else 0) if attr == "weight" else 0
-    if style == "rowwise" and attr == "weight":
+    if style in ROW and attr == "weight":
         return 0 if transposed else 1
     return None
 

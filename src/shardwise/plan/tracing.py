@@ -18,6 +18,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
+from shardwise.parallel.tensor.styles import ROW
 from shardwise.plan.saved import Saved
 from shardwise.plan.shape import COLUMN_STYLES
 
@@ -118,8 +119,8 @@ def hook_styles(model: nn.Module, styles: dict[str, str], tr: Tracker) -> list[A
             handles.append(m.register_forward_pre_hook(column_pre))
             post = functools.partial(column_post, style == "colwise_rep")
             handles.append(m.register_forward_hook(post))
-        elif style == "rowwise" or (style == "vocab" and embedding):
-            site = "row_out" if style == "rowwise" else "emb_out"
+        elif style in ROW or (style == "vocab" and embedding):
+            site = "row_out" if style in ROW else "emb_out"
             handles.append(m.register_forward_hook(functools.partial(replicated_post, site)))
         elif style == "loss_parallel":
             handles.append(m.register_forward_pre_hook(tr.enter_loss))

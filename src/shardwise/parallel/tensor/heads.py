@@ -25,15 +25,17 @@ HEAD_ATTRS = (
 
 
 def packs_of(model: nn.Module, name: str) -> int:
-    """The number of parts a packed_colwise layer holds: its parent's ``split_size`` parts
-    (GPT-2 attention splits c_attn's output by it), else 2 (gate|up)."""
-    parent_name = name.rpartition(".")[0]
+    """How many parts end to end a linear layer's outputs hold: its parent's ``split_size``
+    parts (GPT-2 attention splits c_attn's output by it), 2 for a fused gate|up (a name with
+    "gate_up": Hugging Face's convention, its parent chunks the output in two), else 1 (plain)."""
+    parent_name, _, child = name.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
     width = getattr(parent, "split_size", None)
-    out = linear_dims(model.get_submodule(name))[1]
-    if isinstance(width, int) and width > 0 and out % width == 0:
+    dims = linear_dims(model.get_submodule(name))
+    out = dims[1] if dims is not None else 0
+    if isinstance(width, int) and 0 < width < out and out % width == 0:
         return out // width
-    return 2
+    return 2 if "gate_up" in child and out % 2 == 0 else 1
 
 
 def _attention_parents(model: nn.Module, matches: dict[str, str]) -> dict[str, list[str]]:

@@ -1,22 +1,30 @@
 """parallelize(model, plan, mesh): rewrite an ordinary model for tensor parallelism, in place.
 
-A plan maps module-name patterns to styles, the strings Hugging Face models publish in
-``base_model_tp_plan`` (plus torchtitan's ``loss_parallel``). In a pattern ``*`` stands for
-exactly one name component ("blocks.*.attn.q" matches "blocks.3.attn.q", not "blocks.3.x.q").
+A plan maps module-name patterns to styles: shardwise's names or Hugging Face's (4.57 and 5.x),
+one table for all (tensor/styles.py, which says what each does; Hugging Face's names that mean
+the same split run as ours). In a pattern ``*`` stands for exactly one name component
+("blocks.*.attn.q" matches "blocks.3.attn.q", not "blocks.3.x.q"); a pattern naming a parameter
+("norm.weight", as transformers 4.57 wrote some) stands for its module. Each style is checked
+against its module before anything changes (tensor/fit.py).
 
     colwise            nn.Linear -> ColumnParallelLinear, output left split
     colwise_rep        nn.Linear -> ColumnParallelLinear, output all-gathered (replicated)
     packed_colwise     nn.Linear whose outputs are k parts end to end (a fused q|k|v or
                        gate|up) -> ColumnParallelLinear splitting each part: rank r computes
                        q_r | k_r | v_r. k is the parent's ``split_size`` parts (GPT-2's c_attn:
-                       3), else 2 (gate|up, Hugging Face's convention)
-    rowwise            nn.Linear -> RowParallelLinear, partial outputs summed
+                       3), else 2 for a fused gate_up (Hugging Face's convention)
+    rowwise            nn.Linear -> RowParallelLinear, its input a column layer's split output,
+                       partial outputs summed
+    rowwise_split_input  the same on a whole input (after a colwise_rep): it takes its slice
     vocab              nn.Embedding -> VocabParallelEmbedding; nn.Linear (an LM head) ->
                        ColumnParallelLinear over the vocabulary padded to a multiple of the TP
                        size, padded logits -inf (feed it to a "loss_parallel" loss)
     loss_parallel      nn.CrossEntropyLoss -> VocabParallelCrossEntropyLoss (split logits)
     split_dropout      the module's forward draws from the per-TP-rank random stream (dropout
                        on split activations, e.g. attention probabilities of local heads)
+    replicated_with_grad_allreduce  kept whole, gradients summed over the TP group: a norm
+                       that sees this rank's heads only (Qwen3's q_norm / k_norm)
+    replicate          kept whole on every rank (nothing to do)
     sequence_parallel  a module between the TP regions (norm, dropout); a no-op unless
                        ``sequence_parallel=True``, see below
     sequence_entry     the module whose input is split along the sequence (a Hugging Face
@@ -68,8 +76,8 @@ from shardwise.parallel.tensor.comm import (
     scatter_to_sequence,
     sum_grad_over_tp,
 )
+from shardwise.parallel.tensor.fit import check_fit
 from shardwise.parallel.tensor.heads import HEAD_ATTRS, heads_to_divide, packs_of  # noqa: F401
-from shardwise.parallel.tensor.hf_styles import TRANSLATED, translate_hf_styles
 from shardwise.parallel.tensor.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -78,25 +86,13 @@ from shardwise.parallel.tensor.layers import (
 )
 from shardwise.parallel.tensor.placement import get_placement
 from shardwise.parallel.tensor.plans import pattern_regex, resolve_plan  # noqa: F401 (re-exported)
+from shardwise.parallel.tensor.styles import STYLES, canonical  # noqa: F401 (re-exported)
 from shardwise.parallel.tensor.vocab import VocabParallelCrossEntropyLoss, VocabParallelEmbedding
 
 if TYPE_CHECKING:  # annotations only
     from torch.distributed import ProcessGroup
 
     from shardwise.topology import ProcessMesh
-
-STYLES = {
-    "colwise": (nn.Linear,),
-    "colwise_rep": (nn.Linear,),
-    "packed_colwise": (nn.Linear,),
-    "rowwise": (nn.Linear,),
-    "vocab": (nn.Embedding, nn.Linear),
-    "loss_parallel": (nn.CrossEntropyLoss,),
-    "split_dropout": (nn.Module,),
-    "sequence_parallel": (nn.Module,),
-    "sequence_entry": (nn.Module,),
-    "sequence_gather": (nn.Module,),
-}
 
 
 @dataclass
@@ -118,23 +114,21 @@ def _tp_of(mesh_or_group: ProcessMesh | ProcessGroup | None) -> tuple[Any, int]:
     return mesh_or_group, comm.get_rank(mesh_or_group)
 
 
-def match_plan(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
-    """module name -> style, in module order; every pattern must match, every style exist."""
+def match_plan(
+    model: nn.Module, plan: dict[str, str], sequence_parallel: bool = False
+) -> dict[str, str]:
+    """module name -> shardwise style, in module order; every pattern must match a module,
+    every style be one the table runs (tensor/styles.py) and fit its module (tensor/fit.py)."""
     if not plan:
         raise ValueError("the tensor-parallel plan is empty: map module-name patterns to styles")
-    plan = translate_hf_styles(plan, set(STYLES))
-    unknown = {p: s for p, s in plan.items() if s not in STYLES}
-    if unknown:
-        raise ValueError(
-            f"unknown tensor-parallel styles {unknown}; known: {sorted(STYLES)} and Hugging "
-            f"Face's {sorted(TRANSLATED)}"
-        )
-    compiled = {p: pattern_regex(p) for p in plan}
+    plan = canonical(plan)
+    names = [n for n, _ in model.named_modules() if n]
+    compiled = {p: pattern_regex(_module_pattern(p, names)) for p in plan}
     found: dict[str, tuple[str, str]] = {}
     used = set()
-    for name, module in model.named_modules():
+    for name in names:
         for pattern, rx in compiled.items():
-            if not name or not rx.fullmatch(name):
+            if not rx.fullmatch(name):
                 continue
             used.add(pattern)
             style = plan[pattern]
@@ -143,13 +137,6 @@ def match_plan(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
                     f"module {name!r} is matched by plan patterns {found[name][0]!r} "
                     f"({found[name][1]}) and {pattern!r} ({style}): keep one"
                 )
-            if not _fits(module, style):
-                kinds = " or ".join(f"nn.{k.__name__}" for k in STYLES[style])
-                kinds += " or a Conv1D" if nn.Linear in STYLES[style] else ""
-                raise ValueError(
-                    f"plan pattern {pattern!r} matched {name!r}, a {type(module).__name__}, "
-                    f"but style {style!r} needs {kinds}"
-                )
             found[name] = (pattern, style)
     missing = [p for p in plan if p not in used]
     if missing:
@@ -157,14 +144,19 @@ def match_plan(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
             f"tensor-parallel plan patterns {missing} match no module of "
             f"{type(model).__name__} ('*' stands for one name component, e.g. 'blocks.*.mlp.fc')"
         )
+    check_fit(model, found, sequence_parallel)
     return {name: style for name, (_, style) in found.items()}
 
 
-def _fits(module: nn.Module, style: str) -> bool:
-    """``module`` is of a kind ``style`` splits (a Conv1D counts as an nn.Linear)."""
-    if isinstance(module, STYLES[style]):
-        return True
-    return nn.Linear in STYLES[style] and linear_dims(module) is not None
+def _module_pattern(pattern: str, names: list[str]) -> str:
+    """A pattern naming a parameter ("layers.*.norm.weight", transformers 4.57) stands for its
+    module, when it matches no module itself."""
+    head, _, last = pattern.rpartition(".")
+    if last not in ("weight", "bias") or not head:
+        return pattern
+    if any(pattern_regex(pattern).fullmatch(n) for n in names):
+        return pattern
+    return head
 
 
 def _parent(model: nn.Module, name: str) -> tuple[nn.Module, str]:
@@ -186,10 +178,10 @@ def _check_sizes(model: nn.Module, matches: dict[str, str], tp: int) -> None:
                 f"{name}: out_features {out_f} {what} is not divisible by the "
                 f"tensor-parallel size {tp} (style {style!r})"
             )
-        if style == "rowwise" and in_f % tp:
+        if style in ("rowwise", "rowwise_split_input") and in_f % tp:
             raise ValueError(
                 f"{name}: in_features {in_f} is not divisible by the "
-                f"tensor-parallel size {tp} (style 'rowwise')"
+                f"tensor-parallel size {tp} (style {style!r})"
             )
 
 
@@ -265,6 +257,8 @@ def _replacement(module: nn.Module, name: str, style: str, ctx: _Context) -> nn.
         return ColumnParallelLinear.from_linear(module, ctx.group, packs=ctx.packs[name], **col)
     if style == "rowwise":
         return RowParallelLinear.from_linear(module, ctx.group, **sp)
+    if style == "rowwise_split_input":
+        return RowParallelLinear.from_linear(module, ctx.group, input_is_parallel=False, **sp)
     if style == "vocab" and isinstance(module, nn.Embedding):
         return VocabParallelEmbedding.from_embedding(module, ctx.group, name)
     if style == "vocab":
@@ -284,6 +278,9 @@ def _apply(model: nn.Module, name: str, style: str, ctx: _Context, entry: bool) 
         setattr(parent, child, new)
     elif style == "split_dropout":
         _fork_rng(module, ctx.tracker)
+    elif style == "replicated_with_grad_allreduce":
+        for p in module.parameters():
+            sum_grad_over_tp(p, ctx.group)  # each rank's gradient covers its heads only
     elif style == "sequence_parallel" and ctx.sequence_parallel:
         for p in module.parameters():
             sum_grad_over_tp(p, ctx.group)  # each rank's gradient covers its positions only
@@ -325,7 +322,7 @@ def parallelize(
     """
     group, rank = _tp_of(mesh_or_group)
     tp = comm.get_world_size(group)
-    matches = match_plan(model, plan)
+    matches = match_plan(model, plan, sequence_parallel)
     if sequence_parallel and "sequence_parallel" not in matches.values():
         raise ValueError(
             "sequence_parallel=True needs 'sequence_parallel' entries in the plan: the norms "
