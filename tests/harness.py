@@ -175,7 +175,8 @@ def capture_logs(fn, *args):
     handler.emit = lambda record: lines.append(record.getMessage())
     log = logging.getLogger("shardwise")
     log.addHandler(handler)
-    level, log.level = log.level, logging.INFO
+    level = log.level
+    log.setLevel(logging.INFO)  # not `log.level =`: that keeps the cached "INFO is off" answer
     try:
         return fn(*args), lines
     finally:

@@ -75,7 +75,17 @@ def test_a_deepspeed_style_script_using_the_deep_names_trains_and_resumes(tmp_pa
     )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     assert "resumed epoch=7 steps=4 device=cpu" in out.stdout, out.stdout[-2000:]
-    assert "after training | MA " in out.stderr + out.stdout
+    for rank in (0, 1):  # deepspeed.comm: what each call answered on this rank
+        assert (
+            f"comm rank={rank} world=2 local_rank={rank} all_reduce=3.0 logged=[4] count=1 "
+            f"meta={rank},2 mark_after_barrier=True"
+        ) in out.stdout, f"rank {rank}: {out.stdout[-2000:]}"
+    # see_memory_usage: DeepSpeed's report, printed once (rank 0)
+    assert re.search(r"after training\nMA [\d.]+ GB Max_MA ", out.stdout), out.stdout
+    assert out.stdout.count("after training") == 1, out.stdout[-2000:]
+    logs = out.stdout + out.stderr  # log_dist: None nowhere, [1] on rank 1, [-1] everywhere
+    got = sorted(set(re.findall(r"\[Rank (\d)\] log_dist to (\S+)", logs)))
+    assert got == [("0", "[-1]"), ("1", "[-1]"), ("1", "[1]")], got
 
 
 # --- deepspeed.utils.groups on two processes ---------------------------------------------------

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from shardwise.config.monitor import CommsLoggerConfig
 from shardwise.diagnose.recorder import FlightRecorder, process_recorder
 from shardwise.launch.env import init_distributed as _init
-from shardwise.monitor.comms import CommsLogger
+from shardwise.monitor.comms import CommsLogger, summary_result
 
 ReduceOp = dist.ReduceOp
 Group, Op = dist.ProcessGroup | None, ReduceOp.RedOpType  # group None: the default group
@@ -102,7 +102,7 @@ def configure(
 def log_summary(show_straggler: bool = False, return_dict: bool = False) -> Any:
     """DeepSpeed's ``deepspeed.comm.log_summary``: every rank waits for the others, rank 0
     prints the comms logger's table (op, message size, count, total and mean latency, algbw,
-    busbw); with ``return_dict`` every rank returns its own numbers."""
+    busbw); with ``return_dict`` every rank returns its own numbers and ``metadata``."""
     if show_straggler:
         raise NotImplementedError("log_summary(show_straggler=True) is not available in shardwise")
     if is_initialized():
@@ -112,7 +112,7 @@ def log_summary(show_straggler: bool = False, return_dict: bool = False) -> Any:
         print(_PROFILER.table() if _PROFILER is not None else "comms_logger is not enabled")
     if is_initialized():
         dist.barrier()
-    return {"summary": summary, "straggler_analysis": None} if return_dict else None
+    return summary_result(summary, get_world_size(), get_rank()) if return_dict else None
 
 
 def recent_calls() -> list[tuple[float, str, int, int]]:

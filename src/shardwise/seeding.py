@@ -10,7 +10,9 @@ import torch
 
 
 def set_random_seed(seed: int) -> None:
-    """Seed Python, NumPy and torch in this process."""
+    """Seed Python, NumPy and torch in this process, as DeepSpeed does: NumPy takes
+    ``seed mod 2**32`` and torch ``seed mod 2**63`` (the widths they accept), so any int works,
+    pytest-randomly's seeds beyond 2**64 included."""
     random.seed(seed)
     np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
+    torch.manual_seed(seed % 2**63)

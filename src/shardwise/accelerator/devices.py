@@ -125,13 +125,30 @@ class CpuAccelerator(Accelerator):
             return int(f.read().split()[1]) * resource.getpagesize()
 
     def max_memory_allocated(self, device_index: int | None = None) -> int:
+        """The peak resident memory since the start or the last reset (VmHWM, in KiB)."""
+        try:
+            with open("/proc/self/status") as f:
+                for line in f:
+                    if line.startswith("VmHWM:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            pass
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
     memory_reserved = memory_allocated
     max_memory_reserved = max_memory_allocated
 
     def reset_max_memory_allocated(self, device_index: int | None = None) -> None:
-        """The kernel's peak cannot be reset."""
+        """Restart the peak from the current resident memory, as DeepSpeed's CPU accelerator
+        does: writing 5 to clear_refs resets the kernel's VmHWM (Linux >= 4.0; elsewhere the
+        peak stays the process's)."""
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        except OSError:
+            pass
+
+    reset_peak_memory_stats = reset_max_memory_allocated
 
     def total_memory(self, device_index: int | None = None) -> int:
         with open("/proc/meminfo") as f:
@@ -192,6 +209,8 @@ class CudaAccelerator(Accelerator):
 
     def reset_max_memory_allocated(self, device_index: int | None = None) -> None:
         torch.cuda.reset_peak_memory_stats(device_index)
+
+    reset_peak_memory_stats = reset_max_memory_allocated
 
     def total_memory(self, device_index: int | None = None) -> int:
         return torch.cuda.get_device_properties(device_index or 0).total_memory

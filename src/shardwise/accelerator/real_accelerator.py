@@ -31,5 +31,11 @@ def get_accelerator() -> Accelerator:
 
 
 def set_accelerator(accelerator: Accelerator) -> None:
-    """Use ``accelerator`` from now on (DeepSpeed's ``set_accelerator``)."""
+    """Use ``accelerator`` from now on (DeepSpeed's ``set_accelerator``, which also refuses
+    an object that is not an accelerator)."""
+    if not isinstance(accelerator, Accelerator):
+        raise ValueError(
+            f"set_accelerator({type(accelerator).__name__}): pass an accelerator, such as "
+            "get_accelerator() or a subclass of shardwise.accelerator.devices.Accelerator"
+        )
     _CHOICE[:] = [accelerator]

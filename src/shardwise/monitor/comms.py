@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import math
+from datetime import datetime
 from typing import Any
 
 from shardwise.config.monitor import COMM_OPS, CommsLoggerConfig
@@ -63,6 +64,12 @@ def trim_mean(values: list[float], trim: float = 0.1) -> float:
     k = int(round(len(ordered) * trim))
     kept = ordered[k : len(ordered) - k] or ordered
     return sum(kept) / len(kept)
+
+
+def summary_result(summary: dict, world_size: int, rank: int) -> dict[str, Any]:
+    """What DeepSpeed's ``log_summary(return_dict=True)`` returns around the per-op summary."""
+    metadata = {"world_size": world_size, "rank": rank, "timestamp": datetime.now().isoformat()}
+    return {"summary": summary, "straggler_analysis": None, "metadata": metadata}
 
 
 class CommsLogger:

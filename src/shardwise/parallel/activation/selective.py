@@ -84,7 +84,8 @@ def disable_kv_cache(model: nn.Module) -> list[str]:
     if changed:
         log_dist(
             f"activation checkpointing: use_cache=True is incompatible, setting use_cache=False "
-            f"on {changed[0]}" + (f" and {len(changed) - 1} more" if len(changed) > 1 else "")
+            f"on {changed[0]}" + (f" and {len(changed) - 1} more" if len(changed) > 1 else ""),
+            ranks=[0],
         )
     return changed
 
