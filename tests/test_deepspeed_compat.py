@@ -1,8 +1,11 @@
-"""Every DeepSpeed name docs/deepspeed-compat.md lists as working resolves under shardwise, and a
-DeepSpeed-style script using them trains, saves and resumes on two processes."""
+"""Every DeepSpeed name docs/deepspeed-compat.md lists resolves under shardwise and is used by a
+test that checks what it does (``USED_BY``: a row without one fails here); a DeepSpeed-style
+script using the deeper names trains, saves and resumes on two processes."""
 
 from __future__ import annotations
 
+import ast
+import functools
 import importlib
 import os
 import re
@@ -54,6 +57,154 @@ def test_every_listed_name_resolves(name, status):
     if module != "deepspeed":  # `from deepspeed.x import y` works too
         mod = importlib.import_module("shardwise." + module.split(".", 1)[1])
         assert getattr(mod, attr) is resolve(name), name
+
+
+# --- every row is used by a test ---------------------------------------------------------------
+
+SCRIPT_RUN = "test_deepspeed_compat.py::test_a_deepspeed_style_script_using_the_deep_names_trains_and_resumes"
+NAMES = "test_deepspeed_names.py::"
+ALIAS = "test_deepspeed_compat.py::test_each_alias_is_the_object_it_stands_for"
+GROUPS = "test_deepspeed_compat.py::test_utils_groups_answer_from_the_engines_mesh"
+# Each row of the table -> the tests ("file::function") that use the name as a DeepSpeed script
+# does and check what it does against DeepSpeed's documented behaviour (a return value, a side
+# effect, a refusal naming the name and the alternative). Checked: every row has an entry, every
+# test exists, and it mentions the name (its function, the same-file helpers and tables it
+# reaches, and any tests/scripts/*.py it launches spell every part of the dotted name).
+USED_BY = {
+    "deepspeed.initialize": "test_engine_api.py::test_initialize_returns_the_deepspeed_four_tuple",
+    "deepspeed.init_distributed": "test_launch_env.py::test_init_distributed_single_process_needs_no_launcher",
+    "deepspeed.add_config_arguments": "test_engine_api.py::test_add_config_arguments",
+    "deepspeed.DeepSpeedEngine": NAMES + "test_initialize_returns_a_deepspeed_engine_that_is_a_module",
+    "deepspeed.comm": SCRIPT_RUN,
+    "deepspeed.comm.get_rank": SCRIPT_RUN,
+    "deepspeed.comm.get_world_size": SCRIPT_RUN,
+    "deepspeed.comm.get_local_rank": SCRIPT_RUN,
+    "deepspeed.comm.barrier": SCRIPT_RUN,
+    "deepspeed.comm.all_reduce": SCRIPT_RUN,
+    "deepspeed.comm.configure": SCRIPT_RUN,
+    "deepspeed.comm.log_summary": SCRIPT_RUN,
+    "deepspeed.accelerator.get_accelerator": NAMES + "test_get_accelerator_is_one_object_and_set_accelerator_replaces_it",
+    "deepspeed.accelerator.real_accelerator.get_accelerator": NAMES + "test_get_accelerator_is_one_object_and_set_accelerator_replaces_it",
+    "deepspeed.accelerator.set_accelerator": NAMES + "test_get_accelerator_is_one_object_and_set_accelerator_replaces_it",
+    "deepspeed.runtime.utils.set_random_seed": NAMES + "test_set_random_seed_seeds_python_numpy_and_torch_as_deepspeed",
+    "deepspeed.runtime.utils.see_memory_usage": (NAMES + "test_see_memory_usage_prints_deepspeeds_report_and_restarts_the_peak", SCRIPT_RUN),
+    "deepspeed.runtime.engine.DeepSpeedEngine": NAMES + "test_initialize_returns_a_deepspeed_engine_that_is_a_module",
+    "deepspeed.runtime.dataloader.RepeatingLoader": NAMES + "test_repeating_loader_restarts_its_loader_endlessly",
+    "deepspeed.runtime.lr_schedules.WarmupLR": "test_scheduler_defaults.py::test_lr_sequence_is_deepspeeds",
+    "deepspeed.runtime.lr_schedules.WarmupDecayLR": "test_scheduler_defaults.py::test_lr_sequence_is_deepspeeds",
+    "deepspeed.runtime.lr_schedules.WarmupCosineLR": "test_scheduler_defaults.py::test_lr_sequence_is_deepspeeds",
+    "deepspeed.runtime.lr_schedules.OneCycle": "test_scheduler_defaults.py::test_lr_sequence_is_deepspeeds",
+    "deepspeed.runtime.lr_schedules.LRRangeTest": "test_scheduler_defaults.py::test_lr_sequence_is_deepspeeds",
+    "deepspeed.runtime.pipe.PipelineModule": ALIAS,
+    "deepspeed.runtime.pipe.LayerSpec": ALIAS,
+    "deepspeed.runtime.pipe.TiedLayerSpec": ALIAS,
+    "deepspeed.runtime.pipe.module.PipelineModule": ALIAS,
+    "deepspeed.pipe.PipelineModule": "test_pipe_equivalence.py::test_pipeline_trains_like_one_process",
+    "deepspeed.pipe.LayerSpec": "test_pipe_module.py::test_one_stage_is_the_sequential_model_same_names_same_weights",
+    "deepspeed.pipe.TiedLayerSpec": "test_pipe_module.py::test_tied_layers_share_one_module_per_stage_and_a_copy_per_stage",
+    "deepspeed.zero.Init": "test_zero3_init.py::test_partitioned_build_trains_like_whole_build",
+    "deepspeed.zero.GatheredParameters": "test_zero3_init.py::test_gathered_parameters_with_modifier_rank",
+    "deepspeed.runtime.zero.partition_parameters.Init": ALIAS,
+    "deepspeed.runtime.zero.partition_parameters.GatheredParameters": ALIAS,
+    "deepspeed.checkpointing.checkpoint": "test_activation_checkpointing.py::test_deepspeed_style_checkpoint_call",
+    "deepspeed.checkpointing.configure": "test_partition_activations.py::test_deepspeed_configure_with_an_mpu_partitions_checkpoint_calls",
+    "deepspeed.ops.adam.FusedAdam": "test_optim_defaults.py::test_fused_adam_update_matches_deepspeeds_formula",
+    "deepspeed.ops.adam.DeepSpeedCPUAdam": "test_optim_defaults.py::test_fused_adam_update_matches_deepspeeds_formula",
+    "deepspeed.moe.layer.MoE": "test_moe.py::test_deepspeed_names_and_utils",
+    "deepspeed.moe.utils.split_params_into_different_moe_groups_for_optimizer": "test_moe.py::test_deepspeed_names_and_utils",
+    "deepspeed.moe.utils.is_moe_param": "test_moe.py::test_deepspeed_names_and_utils",
+    "deepspeed.utils.log_dist": (NAMES + "test_log_dist_without_torch_distributed_logs_here_as_rank_minus_one", SCRIPT_RUN),
+    "deepspeed.utils.logger": NAMES + "test_utils_logger_carries_the_engines_lines_and_its_level_silences_them",
+    "deepspeed.utils.RepeatingLoader": NAMES + "test_repeating_loader_restarts_its_loader_endlessly",
+    "deepspeed.utils.groups._get_data_parallel_group": GROUPS,
+    "deepspeed.utils.groups._get_data_parallel_world_size": GROUPS,
+    "deepspeed.utils.groups._get_model_parallel_world_size": GROUPS,
+    "deepspeed.utils.groups._get_sequence_parallel_group": GROUPS,
+    "deepspeed.utils.groups._get_sequence_data_parallel_group": GROUPS,
+    "deepspeed.utils.groups._get_expert_parallel_group": GROUPS,
+}  # fmt: skip
+
+# alias row -> the row it is another name for, in DeepSpeed 0.19.8 as here: the same object
+ALIASES = {
+    "deepspeed.runtime.pipe.PipelineModule": "deepspeed.pipe.PipelineModule",
+    "deepspeed.runtime.pipe.module.PipelineModule": "deepspeed.pipe.PipelineModule",
+    "deepspeed.runtime.pipe.LayerSpec": "deepspeed.pipe.LayerSpec",
+    "deepspeed.runtime.pipe.TiedLayerSpec": "deepspeed.pipe.TiedLayerSpec",
+    "deepspeed.runtime.zero.partition_parameters.Init": "deepspeed.zero.Init",
+    "deepspeed.runtime.zero.partition_parameters.GatheredParameters": "deepspeed.zero.GatheredParameters",
+}  # fmt: skip
+
+
+def _words(text: str) -> set[str]:
+    return set(re.findall(r"\w+", text))
+
+
+@functools.cache
+def _top_level(file: str) -> dict[str, ast.stmt]:
+    """tests/``file``'s module-level statements by the names they define."""
+    top: dict[str, ast.stmt] = {}
+    for node in ast.parse((REPO / "tests" / file).read_text()).body:
+        if isinstance(node, ast.FunctionDef | ast.ClassDef):
+            top[node.name] = node
+        elif isinstance(node, ast.Assign | ast.Import | ast.ImportFrom):
+            for sub in ast.walk(node):
+                if isinstance(sub, ast.Name):
+                    top.setdefault(sub.id, node)
+                elif isinstance(sub, ast.alias):
+                    top.setdefault((sub.asname or sub.name).split(".")[0], node)
+    return top
+
+
+def _mentioned(test_id: str) -> set[str]:
+    """The words of test ``file::function``: its code (decorators too), the module-level
+    functions, tables and imports it reaches, transitively, in its file and in the tests/
+    helper modules it imports from, and the text of the tests/scripts/*.py they name."""
+    file, function = test_id.split("::")
+    tops = {file: _top_level(file)}
+    assert function.startswith("test_") and function in tops[file], f"{test_id}: no such test"
+    text, todo, seen = "", [(file, tops[file][function])], set()
+    while todo:
+        where, node = todo.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        text += ast.unparse(node) + "\n"
+        if isinstance(node, ast.ImportFrom) and (REPO / "tests" / f"{node.module}.py").exists():
+            helper = f"{node.module}.py"  # a tests/ helper module: follow the names taken
+            tops.setdefault(helper, _top_level(helper))
+            todo += [(helper, tops[helper][a.name]) for a in node.names if a.name in tops[helper]]
+        names = {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+        todo += [(where, tops[where][n]) for n in names if n in tops[where]]
+    for script in set(re.findall(r"(\w+\.py)", text)):
+        if (REPO / "tests" / "scripts" / script).exists():
+            text += (REPO / "tests" / "scripts" / script).read_text()
+    return _words(text)
+
+
+@pytest.mark.parametrize("name, status", listed())
+def test_every_row_is_used_by_a_test_that_checks_it(name, status):
+    assert name in USED_BY, f"{name} ({status}): add the test that uses it to USED_BY"
+    tests = USED_BY[name] if isinstance(USED_BY[name], tuple) else (USED_BY[name],)
+    parts = set(name.split(".")[1:])
+    for test_id in tests:
+        missing = parts - _mentioned(test_id)
+        assert not missing, f"{name}: {test_id} never spells {sorted(missing)}"
+    if status == "alias" and ALIAS in tests:
+        assert ALIASES.get(name) in USED_BY, f"{name}: ALIASES names no row it stands for"
+
+
+def test_the_registry_names_only_rows():
+    stale = set(USED_BY) - {name for name, _ in listed()}
+    assert not stale, f"USED_BY names what the table no longer lists: {sorted(stale)}"
+
+
+@pytest.mark.parametrize("alias", list(ALIASES))
+def test_each_alias_is_the_object_it_stands_for(alias):
+    # DeepSpeed re-exports these (deepspeed/pipe/__init__.py from runtime.pipe,
+    # deepspeed/zero from runtime.zero.partition_parameters): one object, two spellings.
+    target = ALIASES[alias]
+    assert resolve(alias) is resolve(target), f"{alias} is not {target}"
+    assert dict(listed())[target] == "works", f"{target}: the row an alias stands for"
 
 
 def test_cpu_accelerator_answers_as_deepspeeds():

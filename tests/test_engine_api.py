@@ -182,6 +182,11 @@ def test_add_config_arguments():
     parser = shardwise.add_config_arguments(argparse.ArgumentParser())
     args = parser.parse_args(["--deepspeed", "--deepspeed_config", "c.json"])
     assert args.deepspeed and args.deepspeed_config == "c.json"
+    # DeepSpeed 0.19.8's group "DeepSpeed": its defaults, and the deprecated deepscale flags
+    defaults = {"deepspeed": False, "deepspeed_config": None, "deepscale": False}
+    assert vars(parser.parse_args([])) == {**defaults, "deepscale_config": None}
+    assert parser.parse_args(["--deepscale", "--deepscale_config", "d.json"]).deepscale_config
+    assert "DeepSpeed" in [group.title for group in parser._action_groups]
 
 
 def test_steps_per_print_logs_progress_on_rank_0(caplog):

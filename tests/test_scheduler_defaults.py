@@ -19,13 +19,13 @@ import pytest
 import torch
 
 from shardwise.config import DeepSpeedDifferenceWarning, SchedulerConfig
-from shardwise.lr_schedules import (
+from shardwise.lr_schedules import build_scheduler
+from shardwise.runtime.lr_schedules import (  # DeepSpeed's path: deepspeed.runtime.lr_schedules
     LRRangeTest,
     OneCycle,
     WarmupCosineLR,
     WarmupDecayLR,
     WarmupLR,
-    build_scheduler,
 )
 
 pytestmark = pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)`")
