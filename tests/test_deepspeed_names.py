@@ -102,7 +102,7 @@ def test_see_memory_usage_prints_deepspeeds_report_and_restarts_the_peak(capsys)
     see = deepspeed.runtime.utils.see_memory_usage
     see("not forced")
     assert capsys.readouterr().out == "", "without force=True DeepSpeed prints nothing"
-    block = torch.ones(2**26)  # 256 MiB, touched then freed: the peak keeps it
+    block = torch.ones(2**25)  # 128 MiB, touched then freed: the peak keeps it
     del block
     reports = []
     for message in ("after the block", "again"):
@@ -112,9 +112,9 @@ def test_see_memory_usage_prints_deepspeeds_report_and_restarts_the_peak(capsys)
         assert lines[0] == message and MEMORY_LINE.fullmatch(lines[1]), lines
         assert lines[2].startswith("CPU Virtual Memory:  used = "), lines
     (ma, peak), (ma2, peak2) = (map(float, MEMORY_LINE.match(r[1]).groups()) for r in reports)
-    # Figures are rounded to 0.01 GiB; the block is 0.25 GiB.
-    assert peak - ma >= 0.2, f"the freed block is in the first peak: {reports[0]}"
-    assert peak2 - ma2 < 0.1, f"the first report restarted the peak: {reports[1]}"
+    # Figures are rounded to 0.01 GiB; the block is 0.125 GiB, the rest moves by a few MiB.
+    assert peak - ma >= 0.1, f"the freed block is in the first peak: {reports[0]}"
+    assert peak2 - ma2 < 0.05, f"the first report restarted the peak: {reports[1]}"
 
 
 # --- accelerator -------------------------------------------------------------------------------
