@@ -147,7 +147,7 @@ def classify(failure: Failure, config: dict, case: Case) -> Outcome:
     key = named_key(failure, config, case)
     if key is None:
         return Outcome(case, "finding", f"refusal naming no config key: {failure.kind}: {first}")
-    return Outcome(case, "refused", f"{key}: {first}")
+    return Outcome(case, "refused", first if first.startswith(key) else f"{key}: {first}")
 
 
 def precheck(case: Case, setup: VerifySetup) -> dict:
