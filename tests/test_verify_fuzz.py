@@ -6,8 +6,6 @@ support matrix, and fixed cases run for real that must show no finding."""
 from __future__ import annotations
 
 import dataclasses
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -202,22 +200,18 @@ def test_the_committed_support_matrix_is_the_generated_one():
     )
 
 
-# Cases run for real in CI. Measured on the 2-core machine: see the commit. Excluded on
-# purpose: MoE with noisy gating (Jitter/RSample) or top-2 second-expert sampling, whose random
-# draws differ between one process and a data split (a known defect being fixed elsewhere).
-CI_CASES = [
-    '{"dp":2,"zero":3,"optimizer":"Adam","scheduler":"WarmupLR"}',
-    '{"dp":2,"tp":2,"sp":true,"precision":"bf16","clip":1.0,"ckpt":"layers"}',
-]
+# Draws run for real in CI: (seed, index) of ``shardwise verify --fuzz 1 --seed S --fuzz-index I``,
+# picked to cover each model, data / tensor / pipeline / context ranks, ZeRO 1-3 with offload,
+# the three precisions and both refusal paths (in this process, and in initialize on the
+# workers). Measured on the 2-core machine: see CI_BUDGET_S. Left out on purpose: MoE draws with
+# noisy gating (Jitter, RSample) or top-2 second-expert sampling over data ranks, whose random
+# draws differ from one process (a known defect being fixed elsewhere), and the findings listed
+# in the fuzzer's commit (reported, not yet fixed).
+CI_DRAWS = [(1, 2), (1, 3), (1, 4), (1, 11), (2, 0)]
 
 
-def test_fixed_cases_train_like_one_process_or_are_refused():
-    cmd = [sys.executable, "-m", "shardwise", "verify", "--steps", "2"]
-    failures = []
-    for text in CI_CASES:
-        done = subprocess.run(
-            [*cmd, "--fuzz-case", text], capture_output=True, text=True, timeout=scaled(240)
-        )
-        if done.returncode != 0:
-            failures.append(f"{text}:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
-    assert not failures, "\n".join(failures)
+def test_fixed_draws_are_refused_naming_their_key_or_train_like_one_process(tmp_path, capsys):
+    cases = [(f"seed {s} case {i}", draw_cases(s, i + 1)[i]) for s, i in CI_DRAWS]
+    code = run_cases(cases, Fuzzer(None, "shardwise_verify", 3, scaled(240), tmp_path), None)
+    out = capsys.readouterr().out
+    assert code == 0, out

@@ -168,6 +168,7 @@ class Fuzzer:
         self.script, self.entry, self.steps, self.timeout = script, entry, steps, timeout
         self.work = work
         self.references: dict[str, tuple[Path, RunResult | Failure]] = {}
+        self.launched = 0  # each launch writes to its own directory
 
     def reference(self, case: Case) -> tuple[Path, RunResult | Failure]:
         """(initial weights, the one-process result or its Failure), once per key."""
@@ -200,7 +201,8 @@ class Fuzzer:
         init, want = self.reference(case)
         if isinstance(want, Failure):
             return classify(want, config, case)
-        out = self.work / f"case{id(case)}"
+        self.launched += 1
+        out = self.work / f"case{self.launched}"
         got = self._launch(case, init, out)
         if isinstance(got, Outcome):
             return got
