@@ -220,8 +220,10 @@ class Fuzzer:
         cmd = worker_command(case.world, args)
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=self.timeout)
-        except subprocess.TimeoutExpired:
-            return Outcome(case, "finding", f"hang: no result within {self.timeout:.0f}s")
+        except subprocess.TimeoutExpired as e:
+            said = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else e.stderr
+            tail = " | ".join((said or "").strip().splitlines()[-TAIL:])
+            return Outcome(case, "finding", f"hang: no result within {self.timeout:.0f}s: {tail}")
         errors = sorted(out.glob("error.*.json"), key=lambda p: int(p.name.split(".")[1]))
         if errors:
             return Failure(**json.loads(errors[0].read_text()))
@@ -246,7 +248,7 @@ def run_cases(cases: list[tuple[str, Case]], fuzzer: Fuzzer, script: str | None)
     """Run and print every case; 1 if any is a finding, else 0."""
     findings = []
     for label, case in cases:
-        print(f"{label}: {case.summary()}", flush=True)
+        print(f"{label}: {case.summary()} | replay: {replay(case, script)}", flush=True)
         try:
             outcome = fuzzer.run(case)
         except Exception as e:  # the fuzzer's own failure is a finding too, never a crash
@@ -254,7 +256,6 @@ def run_cases(cases: list[tuple[str, Case]], fuzzer: Fuzzer, script: str | None)
         print(f"  {outcome.kind}: {outcome.detail}", flush=True)
         if outcome.kind == "finding":
             findings.append((label, outcome))
-            print(f"  replay: {replay(case, script)}", flush=True)
     print(f"\nfuzz: {len(cases)} cases, {len(findings)} findings", flush=True)
     for label, outcome in findings:
         print(f"  {label}: {outcome.detail}\n    {replay(outcome.case, script)}")

@@ -23,6 +23,7 @@ from shardwise.verify.hf_setups import hf_setup
 from shardwise.verify.layouts import Layout
 from shardwise.verify.setup import DEFAULT_ENTRY, VerifySetup, batch_rows, load_setup, take_rows
 
+COLLECTIVE_TIMEOUT_S = 90  # well under --fuzz's 240 s per case, far above a tiny step
 EXAMPLE_SCRIPT = Path(__file__).resolve().parents[3] / "examples" / "gpt" / "train.py"
 
 
@@ -100,4 +101,6 @@ def case_setup(
     config = train_config(case, seed=int(setup.config.get("seed", 0)))
     if layout_side:
         config.update(layout_blocks(case))
+        # A hung collective fails within the case's timeout, naming the call (comms watchdog).
+        config["comms"] = {"timeout_s": COLLECTIVE_TIMEOUT_S}
     return dataclasses.replace(setup, config=config, batches=rebatch(setup.batches, case.rows))
