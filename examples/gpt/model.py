@@ -17,7 +17,7 @@ the single-process model, or a plan whose head is "colwise_rep".
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
@@ -41,6 +41,7 @@ class GPTConfig:
     ep: int = 1  # expert-parallel size: the experts split over this many data ranks
     moe_k: int = 1  # experts per token (top-1 or top-2 gating)
     moe_aux: float = 0.01  # weight of the load-balancing loss added to the training loss
+    moe_args: dict = field(default_factory=dict)  # more MoE arguments (noisy_gate_policy, ...)
 
     def __post_init__(self) -> None:
         if self.n_embd % self.n_head:
@@ -123,7 +124,9 @@ class MoEMLP(nn.Module):
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
-        self.moe = MoE(cfg.n_embd, MLP(cfg), cfg.moe_experts, ep_size=cfg.ep, k=cfg.moe_k)
+        self.moe = MoE(
+            cfg.n_embd, MLP(cfg), cfg.moe_experts, ep_size=cfg.ep, k=cfg.moe_k, **cfg.moe_args
+        )
         self.l_aux = torch.zeros(())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

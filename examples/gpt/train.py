@@ -21,6 +21,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 # model.py and data.py live beside this file, whichever directory the launcher starts us in.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -370,14 +371,18 @@ def sample(out: Path, n_chars: int, prompt: str = "def ", seed: int = 0) -> str:
     return tok.decode(ids[0])
 
 
-def shardwise_verify() -> dict:
+def shardwise_verify(**model: Any) -> dict:
     """Entry point of ``shardwise verify examples/gpt/train.py --layouts dp2,tp2,pp2``
     (docs/verify.md): a 2-layer GPT, 8 windows per step in 2 micro-batches, this script's
-    optimizer and clipping at a constant lr; no dropout, so every layout can match one process."""
+    optimizer and clipping at a constant lr; no dropout, so every layout can match one process.
+    ``model`` overrides GPTConfig fields (``shardwise verify --fuzz`` builds the MoE variant
+    with ``moe_experts``, ``moe_k``, ``ep`` and ``moe_args``)."""
     small = "--n-layer 2 --n-embd 32 --n-head 2 --block-size 32 --corpus-mb 0.1 --grad-accum 2"
     args = parse_args(small.split())
     train_set, _, tok, _ = build_datasets(args.corpus_mb, args.block_size)
-    gcfg = GPTConfig(tok.vocab_size, args.block_size, args.n_layer, args.n_head, args.n_embd)
+    gcfg = GPTConfig(
+        tok.vocab_size, args.block_size, args.n_layer, args.n_head, args.n_embd, **model
+    )
 
     def batches() -> Iterator:
         g = torch.Generator().manual_seed(args.seed)  # the same windows at every call

@@ -10,6 +10,11 @@ the same weights and batches, and report where each layout departs from one proc
     compare.py  the tolerance rule and the comparison
     report.py   the printed table
     cli.py      the command
+    fuzz_space.py      ``--fuzz``: the space drawn from, a drawn Case, its replay JSON
+    fuzz_setup.py      a Case's verify setup (reference or layout side) and Layout
+    hf_setups.py       tiny Hugging Face Llama / GPT-2 setups (only with transformers)
+    fuzz_run.py        running cases: refused naming a key, ok, or a finding
+    support_matrix.py  docs/support-matrix.md from the config validation
 """
 
 from shardwise.verify.compare import BF16, FP32, Tolerance, Verdict, compare

@@ -20,11 +20,13 @@ import torch
 import torch.distributed as dist
 
 from shardwise.verify.compare import TOLERANCES, Verdict, compare, failed, still, tolerance_for
+from shardwise.verify.fuzz_run import fuzz_command
 from shardwise.verify.layouts import EXAMPLE, Layout, LayoutError, check_batch, parse_layouts
 from shardwise.verify.report import render
 from shardwise.verify.results import RESULT_JSON, RunResult, load_result, load_weights
 from shardwise.verify.setup import DEFAULT_ENTRY, VerifySetup, batch_rows, load_setup
-from shardwise.verify.worker import run_reference, write_initial_weights
+from shardwise.verify.support_matrix import render_matrix
+from shardwise.verify.worker import run_reference, worker_command, write_initial_weights
 
 NOT_MOVED = "no parameter moved in the reference run (lr 0 or a warmup from 0?): give more steps"
 ERROR_TAIL = 12  # lines of a failed layout's stderr shown in its finding
@@ -34,9 +36,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "verify", help="train a script in several layouts and compare each with one process"
     )
-    p.add_argument("script", help="training script defining the entry point (docs/verify.md)")
-    p.add_argument("--layouts", required=True, help=f"comma-separated, e.g. {EXAMPLE}")
-    p.add_argument("--steps", type=int, default=5, help="optimizer steps per layout (default 5)")
+    p.add_argument(
+        "script",
+        nargs="?",
+        help="training script defining the entry point (docs/verify.md); --fuzz: the example GPT",
+    )
+    p.add_argument("--layouts", help=f"comma-separated, e.g. {EXAMPLE}")
+    p.add_argument("--steps", type=int, help="optimizer steps per layout (default 5; --fuzz 3)")
     p.add_argument("--entry", default=DEFAULT_ENTRY, help="the script's entry point function")
     p.add_argument(
         "--tolerance",
@@ -44,11 +50,27 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="bounds to use (default: the config's precision)",
     )
     p.add_argument("--out", help="keep every run's files here (default: a temporary directory)")
-    p.add_argument("--layout-timeout", type=float, default=600, help="seconds per layout run")
+    p.add_argument(
+        "--layout-timeout", type=float, help="seconds per layout run (default 600; --fuzz 240)"
+    )
+    fuzz = p.add_argument_group("fuzzing (docs/verify.md, 'Fuzzing layouts')")
+    fuzz.add_argument("--fuzz", type=int, metavar="N", help="draw N configurations and run each")
+    fuzz.add_argument("--seed", type=int, default=0, help="seed of the draws (default 0)")
+    fuzz.add_argument("--fuzz-index", type=int, metavar="I", help="with --fuzz: from draw I on")
+    fuzz.add_argument("--fuzz-case", metavar="JSON", help="run one case as the fuzzer printed it")
+    fuzz.add_argument(
+        "--support-matrix", action="store_true", help="print docs/support-matrix.md (no training)"
+    )
 
 
 def check(args: argparse.Namespace) -> tuple[list[Layout], VerifySetup]:
     """Everything that can be refused before a process starts, refused."""
+    if args.script is None or args.layouts is None:
+        raise LayoutError(
+            "verify needs a SCRIPT and --layouts (or --fuzz N, --fuzz-case, --support-matrix)"
+        )
+    args.steps = 5 if args.steps is None else args.steps
+    args.layout_timeout = 600 if args.layout_timeout is None else args.layout_timeout
     if args.steps < 1:
         raise LayoutError(f"--steps {args.steps}: give at least 1 step")
     if args.layout_timeout <= 0:
@@ -68,12 +90,24 @@ def check(args: argparse.Namespace) -> tuple[list[Layout], VerifySetup]:
     return layouts, setup
 
 
+def check_fuzz(args: argparse.Namespace) -> None:
+    """The fuzzing flags, refused before anything runs."""
+    if args.layouts is not None:
+        raise LayoutError("--layouts with --fuzz: the fuzzer draws the layouts; give one of them")
+    if args.fuzz is not None and args.fuzz_case is not None:
+        raise LayoutError("--fuzz with --fuzz-case: give N draws or one case, not both")
+    if args.fuzz is not None and args.fuzz < 1:
+        raise LayoutError(f"--fuzz {args.fuzz}: draw at least 1 configuration")
+    if args.fuzz_index is not None and (args.fuzz is None or args.fuzz_index < 0):
+        raise LayoutError("--fuzz-index I needs --fuzz N and I >= 0")
+    if args.steps is not None and args.steps < 1:
+        raise LayoutError(f"--steps {args.steps}: give at least 1 step")
+
+
 def _launch(args: argparse.Namespace, layout: Layout, init: Path, out: Path) -> Verdict | None:
     """Run ``layout`` through ``shardwise run``; a Verdict when it failed, else None."""
-    cmd = [sys.executable, "-m", "shardwise", "run", "--nproc-per-node", str(layout.world)]
-    cmd += ["--omp-num-threads", "1", "-m", "shardwise.verify.worker", str(args.script)]
-    cmd += ["--layout", layout.name, "--steps", str(args.steps), "--init", str(init)]
-    cmd += ["--out", str(out), "--entry", args.entry]
+    worker = [str(args.script), "--layout", layout.name, "--steps", str(args.steps)]
+    cmd = worker_command(layout.world, worker + ["--init", str(init), "--out", str(out), "--entry", args.entry])  # fmt: skip
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.layout_timeout)
     except subprocess.TimeoutExpired:
@@ -97,6 +131,12 @@ def _reference(setup: VerifySetup, steps: int, init: Path) -> RunResult:
 
 def run(args: argparse.Namespace) -> int:
     """The verify command: print the report; 1 if any layout diverged, else 0."""
+    if args.support_matrix:
+        print(render_matrix(), end="")
+        return 0
+    if any(v is not None for v in (args.fuzz, args.fuzz_case, args.fuzz_index)):
+        check_fuzz(args)
+        return fuzz_command(args)
     layouts, setup = check(args)
     tol = TOLERANCES[args.tolerance] if args.tolerance else tolerance_for(setup.config)
     work = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="shardwise-verify-"))

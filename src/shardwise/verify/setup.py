@@ -63,9 +63,12 @@ def as_setup(value: Any, where: str) -> VerifySetup:
     return VerifySetup(**value)
 
 
-def load_setup(script: str | Path, entry: str = DEFAULT_ENTRY) -> VerifySetup:
+def load_setup(
+    script: str | Path, entry: str = DEFAULT_ENTRY, options: dict | None = None
+) -> VerifySetup:
     """Run ``script`` as a module (not as ``__main__``: its training does not start) and call
-    its entry point."""
+    its entry point, with ``options`` as keyword arguments when given (``--fuzz``'s model
+    options, e.g. the example GPT's MoE arguments)."""
     path = Path(script)
     if not path.is_file():
         raise ValueError(f"script {str(script)!r} not found: give the path of a training script")
@@ -76,7 +79,7 @@ def load_setup(script: str | Path, entry: str = DEFAULT_ENTRY) -> VerifySetup:
             f"{path} defines no {entry}(): add a function returning the model factory, batches "
             "and config (docs/verify.md), or name yours with --entry"
         )
-    return as_setup(fn(), f"{path}:{entry}()")
+    return as_setup(fn(**(options or {})), f"{path}:{entry}()")
 
 
 def take_rows(batch: Any, rows: slice) -> Any:

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import os
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -19,7 +21,10 @@ import torch
 from torch import nn
 
 from shardwise.initialize import initialize
+from shardwise.parallel.moe.experts import every_expert_name, moe_layers
+from shardwise.parallel.moe.groups import expert_rank_groups
 from shardwise.parallel.pipeline.module import PipelineModule
+from shardwise.topology import Topology
 from shardwise.verify.gradients import GradNorms, zero_gradient
 from shardwise.verify.layouts import REFERENCE, Layout, layout_config, parse_layout
 from shardwise.verify.results import RunResult, load_weights, save_result, save_weights
@@ -48,13 +53,38 @@ def _single_names(model: nn.Module, net: nn.Module) -> dict[str, str]:
     return names
 
 
+def _local_experts(model: nn.Module, state: dict, layout: Layout, rank: int) -> dict:
+    """The initial weights (every expert under its single-process name) for this rank's
+    model, whose MoE layers of ``ep_size`` > 1 hold experts ``ep_rank * L .. + L - 1`` under
+    local indices 0..L-1 (parallel/moe/experts.py); the rank's place in its expert-parallel
+    group follows from the layout alone, before any process group exists."""
+    blocks = [(n, m) for n, m in moe_layers(model) if m.ep_size > 1]
+    if not blocks:
+        return state
+    topo = Topology.build(layout.world, pp=layout.pp, tp=layout.tp, cp=layout.cp)
+    out = dict(state)
+    for name, layer in blocks:
+        ep_ranks = next(g for g in expert_rank_groups(topo, layer.ep_size)[0] if rank in g)
+        prefix = f"{name}.experts.deepspeed_experts." if name else "experts.deepspeed_experts."
+        first = ep_ranks.index(rank) * layer.num_local_experts
+        for key in [k for k in out if k.startswith(prefix)]:
+            del out[key]
+        for key, value in state.items():
+            if key.startswith(prefix):
+                i, rest = key[len(prefix) :].split(".", 1)
+                if first <= int(i) < first + layer.num_local_experts:
+                    out[f"{prefix}{int(i) - first}.{rest}"] = value
+    return out
+
+
 def build_engine(setup: VerifySetup, layout: Layout, init: str | Path, rows: int) -> tuple:
     """(engine, dropouts, name map): the script's model with the initial weights, split for
     ``layout`` by ``shardwise.initialize``. The map covers parameters only: buffers (BatchNorm
     running statistics) follow from the parameters and are not compared."""
     torch.manual_seed(int(setup.config.get("seed", 0)))
     model = setup.model()
-    model.load_state_dict(load_weights(init))
+    rank = int(os.environ.get("RANK", "0"))
+    model.load_state_dict(_local_experts(model, load_weights(init), layout, rank))
     dropouts = silence_dropout(model)
     net = model
     if layout.pp > 1:
@@ -63,6 +93,7 @@ def build_engine(setup: VerifySetup, layout: Layout, init: str | Path, rows: int
         net = setup.pipeline(model)
     params = dict(model.named_parameters())
     names = {k: v for k, v in _single_names(model, net).items() if v in params}
+    names.update({n: n for n in every_expert_name(model)})  # gathered under global names
     config = layout_config(setup.config, layout, rows)
     engine, *_ = initialize(model=net, config=config, loss_fn=setup.loss_fn)
     if setup.prepare is not None:
@@ -74,11 +105,24 @@ def run_layout(
     setup: VerifySetup, layout: Layout, steps: int, init: str | Path, out: str | Path | None
 ) -> RunResult:
     """Train ``steps`` steps in ``layout``; rank 0 writes the result to ``out`` (if given)."""
+    batches = setup_batches(setup, steps)
+    built = build_engine(setup, layout, init, batch_rows(batches[0]))
+    return train_layout(setup, layout, batches, built, out)
+
+
+def setup_batches(setup: VerifySetup, steps: int) -> list:
+    """The first ``steps`` global batches of the setup."""
     batches = list(itertools.islice(iter(setup.batches()), steps))
     if len(batches) < steps:
         raise ValueError(f"the setup's batches ended after {len(batches)} of {steps} steps")
-    rows = batch_rows(batches[0])
-    engine, dropouts, names = build_engine(setup, layout, init, rows)
+    return batches
+
+
+def train_layout(
+    setup: VerifySetup, layout: Layout, batches: list, built: tuple, out: str | Path | None
+) -> RunResult:
+    """One step per global batch on the engine ``build_engine`` returned; the result."""
+    engine, dropouts, names = built
     dp, dp_rank = engine.dp_world_size, engine.dp_rank
     probe = GradNorms(engine.module) if layout.world == 1 else None
     losses, norms, params = [], [], []
@@ -103,6 +147,12 @@ def run_layout(
     return result
 
 
+def worker_command(world: int, worker_args: list[str]) -> list[str]:
+    """``shardwise run`` (the project's launcher) of this module on ``world`` processes."""
+    cmd = [sys.executable, "-m", "shardwise", "run", "--nproc-per-node", str(world)]
+    return cmd + ["--omp-num-threads", "1", "-m", "shardwise.verify.worker", *worker_args]
+
+
 def write_initial_weights(setup: VerifySetup, path: str | Path) -> None:
     """The weights every run starts from: the script's model, built once under its seed."""
     torch.manual_seed(int(setup.config.get("seed", 0)))
@@ -117,13 +167,19 @@ def run_reference(setup: VerifySetup, steps: int, init: str | Path) -> RunResult
 def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(description="one layout of shardwise verify (started by it)")
     p.add_argument("script")
-    p.add_argument("--layout", required=True)
+    p.add_argument("--layout", help="the layout name (or --case)")
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--init", required=True, help="safetensors file of the initial weights")
     p.add_argument("--out", required=True)
     p.add_argument("--entry", default=DEFAULT_ENTRY)
+    p.add_argument("--case", help="a --fuzz case (JSON): its setup and layout replace --layout")
     args = p.parse_args(argv)
     torch.set_num_threads(1)  # one thread per rank, as the reference: repeatable bit for bit
+    if args.case:
+        from shardwise.verify.fuzz_run import run_case_worker  # noqa: PLC0415 - it imports this module
+
+        run_case_worker(args.script, args.entry, args.case, args.steps, args.init, args.out)
+        return
     setup = load_setup(args.script, args.entry)
     run_layout(setup, parse_layout(args.layout), args.steps, args.init, args.out)
 
