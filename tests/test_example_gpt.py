@@ -85,6 +85,7 @@ def test_heads_inferred_from_local_weight():
 
 
 def test_tp_plan_names_real_modules():
+    from shardwise.parallel.tensor.fit import check_fit
     from shardwise.parallel.tensor.parallelize import STYLES, match_plan
 
     model = tiny()
@@ -95,7 +96,9 @@ def test_tp_plan_names_real_modules():
         hits = [n for n in names if rx.fullmatch(n)]
         expected = model.cfg.n_layer if "*" in pattern else 1
         assert len(hits) == expected, (pattern, hits)
-        assert all(isinstance(model.get_submodule(h), STYLES[style]) for h in hits), pattern
+        assert STYLES[style].runs_as == style, f"{pattern}: {style} is not one of shardwise's own"
+        found = {h: (pattern, style) for h in hits}
+        check_fit(model, found, sequence_parallel=False)  # module kind, packing, input
     match_plan(model, M.GPT.tp_plan)  # what parallelize checks: every pattern, style and type
 
 

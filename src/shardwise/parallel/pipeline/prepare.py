@@ -168,8 +168,8 @@ def stage_plan(model: nn.Module, plan: dict[str, str], mesh: ProcessMesh) -> dic
     missing = [p for p, f in zip(plan, found, strict=True) if not f]
     if missing:
         raise ValueError(
-            f"tensor-parallel plan patterns {missing} match no module on any pipeline stage "
-            "('*' stands for one name component; stage modules are named by layer index, "
-            "e.g. '3.mlp.fc')"
+            f"tensor-parallel plan patterns {missing} (tensor_parallel.plan, or the "
+            "PipelineModule's tp_plan) match no module on any pipeline stage ('*' stands for one "
+            "name component; stage modules are named by layer index, e.g. '3.mlp.fc')"
         )
     return {p: style for (p, style), h in zip(plan.items(), here, strict=True) if h}

@@ -144,7 +144,7 @@ def interleaved(stages: int, stage_id: int, micro_batches: int, chunks: int) -> 
     if chunks > 1 and micro_batches % stages:
         raise ScheduleError(
             f"interleaved schedule: micro_batches={micro_batches} (gradient_accumulation_steps) "
-            f"must be a multiple of stages={stages}"
+            f"must be a multiple of stages={stages} (pipeline.stages)"
         )
     total = micro_batches * chunks
     group = stages * chunks

@@ -66,8 +66,8 @@ def heads_to_divide(
             if (out // tp) % head_dim:
                 raise ValueError(
                     f"{label}: {out // head_dim} attention heads (head_dim {head_dim} in "
-                    f"{child}) cannot be split over tensor-parallel size {tp}: use a TP size "
-                    "that divides the number of heads"
+                    f"{child}) cannot be split over tensor-parallel size {tp} "
+                    "(tensor_parallel.size): use a TP size that divides the number of heads"
                 )
         for attr in HEAD_ATTRS:
             value = getattr(parent, attr, None)
@@ -75,7 +75,8 @@ def heads_to_divide(
                 if value % tp:
                     raise ValueError(
                         f"{label}.{attr} = {value} is not divisible by the tensor-parallel "
-                        f"size {tp}: use a TP size that divides the number of heads"
+                        f"size {tp} (tensor_parallel.size): use a TP size that divides the number "
+                        "of heads"
                     )
                 to_divide.append((parent, attr))
         packed = any(matches[c] == "packed_colwise" for c in children)
