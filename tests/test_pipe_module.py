@@ -328,6 +328,15 @@ def sequential_reference():
         ("mlp", {"pipeline": {"stages": 2}}, "pipeline.stages", "needs the model as a list"),
         ("pipe2", {"zero_optimization": {"stage": 3}}, "zero_optimization.stage", "stage=3"),
         ("pipe2", {"pipeline": {"chunks": 2}}, "pipeline.schedule", '"interleaved"'),
+        (
+            "pipe2",  # found by shardwise verify --fuzz: refused at the first train_batch before
+            {
+                "pipeline": {"chunks": 2, "schedule": "interleaved"},
+                "gradient_accumulation_steps": 3,
+            },
+            "gradient_accumulation_steps",
+            "multiple of pipeline.stages=2",
+        ),
     ],
 )
 def test_what_a_pipeline_cannot_do_is_refused_naming_the_key(model, config, key, match):

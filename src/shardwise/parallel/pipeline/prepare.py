@@ -75,6 +75,14 @@ def prepare_model(cfg: Config, model: nn.Module, loss_fn: Callable[..., Any] | N
             f'{chunks} chunks were asked for: use "schedule": "interleaved" or chunks 1',
             key="pipeline.schedule",
         )
+    gas = cfg.gradient_accumulation_steps  # None: derived from the batch sizes later
+    if stages > 1 and chunks > 1 and gas is not None and gas % stages:
+        raise ConfigError(
+            f"gradient_accumulation_steps={gas} (the micro-batches of a step) must be a multiple "
+            f"of pipeline.stages={stages} for the interleaved schedule (micro-batches go through "
+            "in groups of one per stage)",
+            key="gradient_accumulation_steps",
+        )
     return model
 
 
