@@ -246,3 +246,27 @@ def test_deepspeed_tutorial_parameter_groups_train_expert_parallel():
     for rank, got in enumerate(run_distributed(tutorial_run, 2)):
         assert got["groups"] == [("parameters", None), ("ep_size_2", True)], got["groups"]
         assert got["losses"][-1] < got["losses"][0], f"rank {rank}: {got['losses']}"
+
+
+def _broadcast_with_a_lone_copy() -> dict:
+    """Rank r holds its own copy of ``lone`` (an expert whose data-parallel group is one rank,
+    recorded as None, which torch reads as the world) and shares ``shared`` with the world."""
+    from shardwise.parallel.data.reducer import broadcast_parameters
+    from shardwise.parallel.data.replicas import set_replicas
+
+    rank = torch.distributed.get_rank()
+    module = torch.nn.ParameterDict(
+        {"shared": torch.nn.Parameter(torch.full((3,), float(rank))),
+         "lone": torch.nn.Parameter(torch.full((2,), float(rank)))}
+    )  # fmt: skip
+    set_replicas(module["lone"], None, [rank], [[0], [1]])
+    broadcast_parameters(module, src=0, group=None)
+    return {k: v.detach().clone() for k, v in module.items()}
+
+
+def test_a_parameter_only_this_rank_holds_is_not_broadcast():
+    """GPT-MoE at TP2 deadlocked in initialize: each rank broadcast its lone expert copy on
+    'the world' from itself (found by shardwise verify --fuzz)."""
+    for rank, got in enumerate(run_distributed(_broadcast_with_a_lone_copy, 2, timeout=60)):
+        assert got["shared"].tolist() == [0.0] * 3, f"rank {rank}: shared not from rank 0"
+        assert got["lone"].tolist() == [float(rank)] * 2, f"rank {rank}: its own copy changed"

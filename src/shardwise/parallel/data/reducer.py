@@ -32,7 +32,7 @@ import torch
 from shardwise import clip, comm
 from shardwise.checkpoint.layouts import Layout, replicated_layout
 from shardwise.comm import Group
-from shardwise.parallel.data.replicas import get_replicas, partition_by_replicas
+from shardwise.parallel.data.replicas import get_replicas, has_replicas, partition_by_replicas
 from shardwise.parallel.flat import FlatLayout, plan_buckets
 from shardwise.parallel.strategy import StrategyContext, bucket_elements, plain_precision
 
@@ -231,8 +231,15 @@ def broadcast_parameters(
         for t in list(module.parameters()) + list(module.buffers()):
             if t.is_meta:
                 continue
+            if not has_replicas(t):  # held by the whole group: from src
+                comm.broadcast(t.data, src=src, group=group)
+                continue
+            # A tensor whose copies live on part of the group (an expert, replicas.py): from
+            # the first copy, and nothing when this rank holds the only one. (A one-rank
+            # group may be recorded as None, which torch reads as the world: broadcasting on
+            # it from each rank's own copy deadlocked GPT-MoE at TP2, found by verify --fuzz.)
             rep = get_replicas(t, group, [src])
-            if len(rep.ranks) > 1 or rep.group is group:
+            if len(rep.ranks) > 1:
                 comm.broadcast(t.data, src=rep.ranks[0], group=rep.group)
 
 

@@ -141,8 +141,9 @@ def match_plan(
     missing = [p for p in plan if p not in used]
     if missing:
         raise ValueError(
-            f"tensor-parallel plan patterns {missing} match no module of "
-            f"{type(model).__name__} ('*' stands for one name component, e.g. 'blocks.*.mlp.fc')"
+            f"tensor-parallel plan patterns {missing} (tensor_parallel.plan, or the model's "
+            f"tp_plan) match no module of {type(model).__name__} ('*' stands for one name "
+            "component, e.g. 'blocks.*.mlp.fc')"
         )
     check_fit(model, found, sequence_parallel)
     return {name: style for name, (_, style) in found.items()}
