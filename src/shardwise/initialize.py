@@ -89,10 +89,10 @@ def initialize(
     _configure_comms(cfg)
     model = pipe.prepare_model(cfg, model, loss_fn)
     mesh = _build_mesh(cfg, pipe.pipeline_stages(cfg, model))
-    bind_experts(model, mesh)  # MoE: expert groups, before any broadcast or reduction
     batch = cfg.resolve_batch(mesh.topology.dp)
     _log_start(cfg, mesh, batch)
     runner = pipe.bind_pipeline(cfg, model, mesh, compute_dtype(cfg), loss_fn)
+    bind_experts(model, mesh)  # MoE (of the built stage): before any broadcast or reduction
     loss_fn = pipe.engine_loss(model, loss_fn)
     if mesh.topology.tp > 1:
         params = _apply_tensor_parallel(cfg, model, mesh, optimizer, runner, params)

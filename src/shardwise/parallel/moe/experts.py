@@ -41,7 +41,12 @@ def bind_experts(model: nn.Module, mesh: ProcessMesh) -> None:
     Every rank calls this together (it makes the groups); ep_size must divide the data size."""
     layers = moe_layers(model)
     topo = mesh.topology
-    if layers and topo.pp * topo.tp > 1 and any(m.ep_size > 1 for _, m in layers):
+    expert_parallel = any(m.ep_size > 1 for _, m in layers)
+    if topo.pp * topo.tp > 1:  # a pipeline stage without MoE layers must refuse too
+        flag = torch.tensor([int(expert_parallel)], dtype=torch.int32)
+        comm.all_reduce(flag, op=comm.ReduceOp.MAX)
+        expert_parallel = bool(flag.item())
+    if expert_parallel and topo.pp * topo.tp > 1:
         raise NotImplementedError(
             f"MoE with ep_size > 1 runs on data parallelism only (pipeline {topo.pp} x tensor "
             f"{topo.tp} here): set pipeline stages and tensor_parallel.size to 1, or ep_size=1"
