@@ -322,6 +322,14 @@ def pipeline_layers(gpt: GPT) -> list[nn.Module]:
             "pipeline_layers: tie_weights=True shares the embedding with the head, which sit on "
             "different pipeline stages; train the pipeline untied (tie_weights=False)"
         )
+    if gpt.cfg.moe_experts:
+        # Found by shardwise verify --fuzz: the pipeline's loss (LMLoss on the last stage) left
+        # out the blocks' load-balancing terms, so a pipeline trained another objective.
+        raise ValueError(
+            f"pipeline_layers: MoE blocks (moe_experts={gpt.cfg.moe_experts}) add a "
+            "load-balancing loss on every stage, which the last stage's loss cannot see; train "
+            "MoE without pipeline.stages (data and expert parallelism)"
+        )
     return [Embed(gpt), *gpt.blocks, Final(gpt)]
 
 
