@@ -41,8 +41,10 @@ lint: $(VENV)/.dev
 	$(VENV)/bin/ruff format --check .
 
 # pytest exits 5 when it collects nothing: that is a failure, and `make` treats any non-zero as one.
+# Then the Hugging Face tests again under transformers 4.57 (test-hf-457, below).
 test: lint
 	$(VPY) -m pytest -q --durations=15 tests
+	$(MAKE) test-hf-457
 
 # The suite beside a CPU burner of twice the cores (tests/scripts/under_load.py): waits
 # stretch through tests/waits.py, so a loaded machine makes tests slower, not red.
@@ -71,8 +73,9 @@ bench: $(VENV)/.bench
 	$(VPY) -m shardwise run --nproc-per-node 2 benchmarks/tp_vs_torch.py
 	$(VPY) benchmarks/overhead.py
 
-# The Hugging Face tests under transformers 4.57, the oldest release pyproject admits (CI installs
-# only the newest): a second venv beside .venv, same torch. Not part of `make test`.
+# The Hugging Face tests under transformers 4.57, the oldest release pyproject admits (.venv has
+# the newest): a second venv beside .venv, same torch, shardwise installed editable from this
+# checkout. `make test` runs it after the main suite, so CI tests both lines.
 HF457 := .venv-hf457
 HF_TESTS := tests/test_hf_models.py tests/test_hf_pipeline.py tests/test_hf_save.py \
 	tests/test_hf_context_parallel.py tests/test_tp_hf.py tests/test_packed_qkv.py \

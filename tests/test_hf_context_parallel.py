@@ -13,14 +13,24 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("transformers", reason="the Hugging Face tables need the dev extra")
+transformers = pytest.importorskip("transformers", reason="the HF tables need the dev extra")
 
 from cp_train_runs import hf_padding_error, hf_run  # noqa: E402
 from harness import run_distributed  # noqa: E402
+from hf_models import make_hf_model  # noqa: E402
 from test_hf_models import CLIP, LR, MB, STEPS, assert_matches, reference  # noqa: E402
 
+import shardwise  # noqa: E402
+from shardwise.errors import EngineError  # noqa: E402
+
+# transformers 4.57's BERT builds its own attention classes (no AttentionInterface): refused,
+# see test_a_model_whose_attention_is_built_in_is_refused_naming_the_fix.
+BERT_ROUTED = transformers.BertPreTrainedModel._supports_attention_backend
+BUILT_IN = pytest.mark.skipif(
+    not BERT_ROUTED, reason="this transformers' BERT builds its own attention: refused (below)"
+)
 # family, processes, context size, method (data ranks: processes / context size)
-CASES = [
+ROWS = [
     ("llama", 2, 2, "ring"),
     ("llama", 4, 2, "ulysses"),
     ("qwen2", 2, 2, "ulysses"),
@@ -28,11 +38,11 @@ CASES = [
     ("bert", 2, 2, "ring"),
     ("mistral", 4, 2, "ring"),
 ]
+CASES = [pytest.param(*row, marks=BUILT_IN if row[0] == "bert" else ()) for row in ROWS]
+IDS = [f"{f}-dp{n // c}-cp{c}-{m}" for f, n, c, m in ROWS]
 
 
-@pytest.mark.parametrize(
-    "family, nproc, cp, method", CASES, ids=[f"{f}-dp{n // c}-cp{c}-{m}" for f, n, c, m in CASES]
-)
+@pytest.mark.parametrize("family, nproc, cp, method", CASES, ids=IDS)
 def test_hf_model_trains_like_one_process_under_context_parallelism(family, nproc, cp, method):
     dp = nproc // cp
     want = reference(family, MB * dp)
@@ -45,3 +55,18 @@ def test_padding_is_refused_naming_the_fix():
     for rank, error in enumerate(run_distributed(hf_padding_error, 2)):
         assert "padding attention_mask" in error, f"rank {rank}: {error}"
         assert "context_parallel.size to 1" in error, f"rank {rank}: {error}"
+
+
+def test_a_model_whose_attention_is_built_in_is_refused_naming_the_fix():
+    """A model whose class builds its own attention (``_supports_attention_backend = False``,
+    transformers 4.57's BERT; a subclass flagged so stands for it under 5.x) never calls the
+    registered attention: each rank would attend to its own tokens only. Refused by
+    ``initialize`` before any process group (one process is enough)."""
+    model = make_hf_model("bert")
+    flagged = type("BuiltInAttentionBert", (type(model),), {"_supports_attention_backend": False})
+    model.__class__ = flagged
+    config = {"train_micro_batch_size_per_gpu": 1, "context_parallel": {"size": 2}}
+    with pytest.raises(EngineError) as refused:
+        shardwise.initialize(model=model, config=config)
+    for says in ("BuiltInAttentionBert", "AttentionInterface", "context_parallel.size to 1"):
+        assert says in str(refused.value), f"the refusal names {says!r}: {refused.value}"

@@ -21,6 +21,7 @@ parameters 7.5e-9 of one process; the 1e-5 tolerance leaves a factor of 30 and m
 
 from __future__ import annotations
 
+import copy
 import os
 import subprocess
 import sys
@@ -133,6 +134,20 @@ MASKS = [
 ]
 
 
+def with_window(model: torch.nn.Module, family: str, window: int) -> torch.nn.Module:
+    """``model``'s weights in a model built with a sliding window of ``window`` tokens (Qwen2:
+    on its second layer). Built, not set afterwards: transformers 4.57 fixes a Qwen2 layer's
+    attention type at construction (``decoder_layer.attention_type``), 5.x reads
+    ``config.layer_types`` at each forward."""
+    config = copy.deepcopy(model.config)
+    config.sliding_window = window
+    if family == "qwen2":
+        config.layer_types = ["full_attention", "sliding_attention"]
+    windowed = type(model)(config)
+    windowed.load_state_dict(model.state_dict())
+    return windowed.train(model.training)
+
+
 @pytest.mark.parametrize("family, attention, window", MASKS)
 def test_every_layer_gets_the_mask_the_model_gives_it(family, attention, window):
     """One stage runs every layer as the pipeline calls it, each making its own mask: the
@@ -145,10 +160,7 @@ def test_every_layer_gets_the_mask_the_model_gives_it(family, attention, window)
     model.config.use_cache = False  # as the pipeline sets it (a cache changes the last bits)
     whole = model(ids).logits
     if window:
-        model.config.sliding_window = window
-        if family == "qwen2":
-            model.config.layer_types = ["full_attention", "sliding_attention"]
-            model.model.has_sliding_layers = True  # what Qwen2Model.__init__ reads off them
+        model = with_window(model, family, window)
     want = model(ids).logits
     assert window is None or not torch.allclose(want, whole), f"{tag}: void, no window effect"
     pipe = causal_lm_pipeline(model, num_stages=1)

@@ -160,6 +160,44 @@ def test_a_user_plan_marking_the_norms_sequence_parallel_is_completed():
     assert_matches(results, reference("llama", MB), "llama tp2 sp, norms marked by the user")
 
 
+def headless_plan(family: str) -> dict[str, str]:
+    """The model's plan as transformers 4.57's instances publish it: its base model's entries
+    under the prefix, no head and no embedding (5.x's name both)."""
+    base = make_hf_model(family).config.base_model_tp_plan
+    return {f"model.{pattern}": style for pattern, style in base.items()}
+
+
+# family, the plan given, the styles of the head and the embedding after completion
+HEADS = [
+    ("llama", "headless", {"lm_head": "colwise_rep"}),  # the embedding stays whole
+    ("qwen2", "headless", {"lm_head": "colwise_rep", "model.embed_tokens": "vocab"}),  # tied
+    ("llama", "head kept", {"lm_head": "vocab"}),  # the plan's own head entry is kept
+]
+
+
+@pytest.mark.parametrize("family, given, want", HEADS, ids=[f"{f}-{g}" for f, g, _ in HEADS])
+def test_sequence_parallelism_gives_a_plan_without_a_head_one_that_gathers_the_sequence(
+    family, given, want
+):
+    """transformers 4.57's plans name no head: whole, it would see the final norm's T/n
+    positions only. Completed as 5.x's plan does: the head split by vocabulary with its logits
+    gathered (its input all-gathered along the sequence), a tied embedding split like it."""
+    model = make_hf_model(family)
+    plan = headless_plan(family)
+    if given == "head kept":
+        plan["lm_head"] = "vocab"
+    styles = match_plan(model, decoder_sequence_parallel(model, plan), sequence_parallel=True)
+    got = {n: s for n, s in styles.items() if n in ("lm_head", "model.embed_tokens")}
+    assert got == want, f"{family} {given}: {got}"
+
+
+def test_a_headless_plan_with_a_tied_embedding_trains_like_one_process_under_sequence_parallelism():
+    """Qwen2 (tied) with 4.57's plan under either transformers: before, the head stayed whole
+    on T/n positions (shapes off against the labels)."""
+    results = run_distributed(run_tp2_with_plan, 2, "qwen2", headless_plan("qwen2"), True)
+    assert_matches(results, reference("qwen2", MB), "qwen2 tp2 sp, 4.57's headless plan")
+
+
 def test_sequence_parallelism_on_a_decoder_shardwise_cannot_complete_is_refused_naming_the_entries():
     model = make_hf_model("gpt2")
     with pytest.raises(ValueError, match="'sequence_entry' on the module whose input is"):

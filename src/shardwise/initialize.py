@@ -82,7 +82,7 @@ def initialize(
     if model is None:
         raise ValueError("shardwise.initialize requires a model: initialize(model=..., config=...)")
     cfg = parse_config(_config_source(args, config, config_params))
-    _refuse_unimplemented(cfg, mpu)
+    _refuse_unimplemented(cfg, mpu, model)
     params = remap.materialize(model_parameters)  # a generator is read once
     port, timeout = distributed_port, cfg.comms.timeout_s
     init_distributed(distributed_port=port, dist_init_required=dist_init_required, timeout=timeout)
@@ -249,8 +249,10 @@ def _configure_comms(cfg: Config) -> None:
         )
 
 
-def _refuse_unimplemented(cfg: Config, mpu: Any) -> None:
+def _refuse_unimplemented(cfg: Config, mpu: Any, model: nn.Module) -> None:
     """Features the config validates but this version cannot run: say so, never ignore."""
+    if cfg.context_parallel.size > 1:
+        hf_context.refuse_built_in_attention(model)  # a model no registered attention reaches
     todo = []
     if cfg.tensor_parallel.size > 1 and cfg.zero_optimization.stage == 3:
         todo.append("zero_optimization.stage=3 with tensor_parallel.size > 1 (use stage 1 or 2)")

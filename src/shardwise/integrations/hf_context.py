@@ -45,6 +45,26 @@ def is_hf_model(model: nn.Module) -> bool:
     return hasattr(model, "config") and hasattr(model, "set_attn_implementation")
 
 
+def refuse_built_in_attention(model: nn.Module) -> None:
+    """EngineError for a Hugging Face model whose attention no registered implementation
+    reaches: transformers calls the attention its config names only in models built on
+    ``AttentionInterface`` (the class's ``_supports_attention_backend``); the others build
+    their own attention classes at construction (transformers 4.57's BERT), and their
+    attention would see only this rank's tokens."""
+    if not is_hf_model(model) or getattr(model, "_supports_attention_backend", True):
+        return
+    import transformers  # noqa: PLC0415 - an optional dependency; a HF model brought it
+
+    raise EngineError(
+        f"context_parallel with {type(model).__name__}: under transformers "
+        f"{transformers.__version__} its attention is built into the model, not called "
+        "through transformers' AttentionInterface (its class sets _supports_attention_backend "
+        "= False), so shardwise cannot spread it over the context ranks. Upgrade transformers "
+        "to a release whose model calls that interface (BERT's does in transformers 5), or "
+        "set context_parallel.size to 1"
+    )
+
+
 def use_context_attention(model: nn.Module) -> None:
     """Register the ``"shardwise"`` attention and mask with transformers (once per process:
     they are transformers' own registries) and switch ``model`` to them."""

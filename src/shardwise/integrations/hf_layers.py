@@ -27,6 +27,7 @@ more arguments, or position ids to ``wpe``) still runs the original forward.
 
 from __future__ import annotations
 
+import inspect
 import types
 from collections.abc import Callable
 from typing import Any
@@ -92,7 +93,9 @@ def _mask_fn(model: nn.Module, layer_idx: int) -> Callable[[torch.Tensor, torch.
     """hidden (B, T, C), positions (1, T) -> the attention mask the model gives layer
     ``layer_idx``: transformers' causal mask, or its sliding-window one for a layer whose
     attention type says so (``config.layer_types``, Qwen2) or whose model has a window
-    throughout (``config.sliding_window`` without layer types, Mistral)."""
+    throughout (``config.sliding_window`` without layer types, Mistral). The functions'
+    argument names differ between releases (4.57: ``input_embeds``, ``cache_position``,
+    ``past_key_values``; 5.x: ``inputs_embeds``, ``cache``): read once off their signature."""
     from transformers import masking_utils as mu  # noqa: PLC0415 - transformers is an optional dependency
 
     config = model.config
@@ -103,15 +106,21 @@ def _mask_fn(model: nn.Module, layer_idx: int) -> Callable[[torch.Tensor, torch.
         else getattr(config, "sliding_window", None) is not None
     )
     make = mu.create_sliding_window_causal_mask if sliding else mu.create_causal_mask
+    names = set(inspect.signature(make).parameters)
+    embeds = "inputs_embeds" if "inputs_embeds" in names else "input_embeds"  # 5.x / 4.57
+    cache = "cache" if "cache" in names else "past_key_values"  # 5.x / 4.57 (deprecated in 5)
 
     def mask(hidden: torch.Tensor, positions: torch.Tensor) -> Any:
-        return make(
-            config=config,
-            inputs_embeds=hidden,
-            attention_mask=None,  # no padding mask: the batch is (input_ids, labels)
-            past_key_values=None,
-            position_ids=positions,
-        )
+        kwargs = {
+            "config": config,
+            embeds: hidden,
+            "attention_mask": None,  # no padding mask: the batch is (input_ids, labels)
+            cache: None,
+            "position_ids": positions,
+        }
+        if "cache_position" in names:  # 4.57 requires it: without a cache, the positions
+            kwargs["cache_position"] = positions[0]
+        return make(**kwargs)
 
     return mask
 

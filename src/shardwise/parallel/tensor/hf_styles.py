@@ -3,19 +3,23 @@
 transformers publishes a ``tp_plan`` per model in its own style names, which the one table of
 styles (tensor/styles.py) runs or refuses. With ``"sequence_parallel": true`` a Llama-style
 decoder needs more than its plan says: where the sequence is split (the first layer: the
-residual stream is split too), and attention must see the whole sequence.
+residual stream is split too), attention must see the whole sequence, and the head must gather
+it back (transformers 4.57's plans name no head; 5.x's do).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from shardwise.parallel.tensor.plans import pattern_regex
+
 
 def decoder_sequence_parallel(model: Any, plan: dict[str, str]) -> dict[str, str]:
     """``plan`` completed with the sequence-parallel entries of a Llama-style Hugging Face
     decoder: the first layer is the entry (its input, the residual stream, is split along the
     sequence), the norms between the TP regions see only their positions, and attention gathers
-    the whole sequence on entry (it reshapes by its input's length). A plan that already marks
+    the whole sequence on entry (it reshapes by its input's length), and a head the plan does
+    not name gathers it back (``_head_entries``). A plan that already marks
     the norms (Hugging Face's own "sequence_parallel" entries) gets the entry and the gather;
     one that names a "sequence_entry" or "sequence_gather" is the user's own, returned unchanged. Another
     Hugging Face model whose plan has no entry is refused (ValueError naming the styles to add);
@@ -41,4 +45,31 @@ def decoder_sequence_parallel(model: Any, plan: dict[str, str]) -> dict[str, str
     extra = {f"{prefix}.layers.0": "sequence_entry", f"{prefix}.norm": "sequence_parallel"}
     extra[f"{prefix}.layers.*.self_attn"] = "sequence_gather"  # reads T off its input
     extra.update({f"{prefix}.layers.*.{n}": "sequence_parallel" for n in norms})
-    return {**extra, **plan}
+    return {**extra, **_head_entries(model, plan), **plan}
+
+
+def _head_entries(model: Any, plan: dict[str, str]) -> dict[str, str]:
+    """The exit of the sequence-parallel region, when the plan names no head: the final norm
+    leaves each rank T/n positions, and a whole head would give logits for those only. The
+    head split by vocabulary with its logits gathered (transformers 5's "lm_head":
+    "colwise_gather_output", 4.57's class plan "colwise_rep") all-gathers the sequence on
+    entry, as every column layer does here. A head tied to the input embedding shares its
+    weight, so the embedding is split by vocabulary too (5.x's "embedding_rowwise"; 4.57's
+    plans name neither). Names are found by module identity (``get_output_embeddings``)."""
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    names = {id(m): n for n, m in model.named_modules() if n}
+    head_name = names.get(id(head))
+    if head_name is None or _named(plan, head_name):
+        return {}
+    entries = {head_name: "colwise_rep"}
+    embed = model.get_input_embeddings()
+    tied = getattr(head, "weight", None) is getattr(embed, "weight", False)
+    if tied and not _named(plan, names[id(embed)]):
+        entries[names[id(embed)]] = "vocab"
+    return entries
+
+
+def _named(plan: dict[str, str], module: str) -> bool:
+    """Does a pattern of ``plan`` name ``module`` (or its weight, as 4.57 wrote some)?"""
+    return any(pattern_regex(p).fullmatch(n) for p in plan for n in (module, f"{module}.weight"))
