@@ -249,9 +249,10 @@ def _configure_comms(cfg: Config) -> None:
         )
 
 
-def _refuse_unimplemented(cfg: Config, mpu: Any, model: nn.Module) -> None:
-    """Features the config validates but this version cannot run: say so, never ignore."""
-    if cfg.context_parallel.size > 1:
+def _refuse_unimplemented(cfg: Config, mpu: Any, model: nn.Module | None = None) -> None:
+    """Features the config validates but this version cannot run: say so, never ignore.
+    Without ``model`` (verify --fuzz's check before launching), the config's rules only."""
+    if cfg.context_parallel.size > 1 and model is not None:
         hf_context.refuse_built_in_attention(model)  # a model no registered attention reaches
     todo = []
     if cfg.tensor_parallel.size > 1 and cfg.zero_optimization.stage == 3:

@@ -14,6 +14,7 @@ the same weights and batches, and report where each layout departs from one proc
     fuzz_setup.py      a Case's verify setup (reference or layout side) and Layout
     hf_setups.py       tiny Hugging Face Llama / GPT-2 setups (only with transformers)
     fuzz_run.py        running cases: refused naming a key, ok, or a finding
+    fuzz_worker.py     one rank of a case (started through ``shardwise run``)
     support_matrix.py  docs/support-matrix.md from the config validation
 """
 

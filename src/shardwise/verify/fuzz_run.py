@@ -98,7 +98,7 @@ def run_phased(setup: VerifySetup, layout: Layout, steps: int, init: Path, out: 
 
 
 def run_case_worker(script: str, entry: str, text: str, steps: int, init: str, out: str) -> None:
-    """One rank of a case's layout (``worker.py --case``); an error is written for the parent
+    """One rank of a case's layout (``fuzz_worker.py``); an error is written for the parent
     (``error.json`` of the lowest failing rank wins) and raised again."""
     case = from_json(text)
     try:
@@ -217,7 +217,7 @@ class Fuzzer:
         script = str(self.script or default_script())
         args = [script, "--case", case.to_json(), "--steps", str(self.steps)]
         args += ["--init", str(init), "--out", str(out), "--entry", self.entry]
-        cmd = worker_command(case.world, args)
+        cmd = worker_command(case.world, args, module="shardwise.verify.fuzz_worker")
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=self.timeout)
         except subprocess.TimeoutExpired as e:

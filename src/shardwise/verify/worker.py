@@ -147,10 +147,13 @@ def train_layout(
     return result
 
 
-def worker_command(world: int, worker_args: list[str]) -> list[str]:
-    """``shardwise run`` (the project's launcher) of this module on ``world`` processes."""
+def worker_command(
+    world: int, worker_args: list[str], module: str = "shardwise.verify.worker"
+) -> list[str]:
+    """``shardwise run`` (the project's launcher) of ``module`` (this one: a named layout;
+    ``fuzz_worker``: a fuzz case) on ``world`` processes."""
     cmd = [sys.executable, "-m", "shardwise", "run", "--nproc-per-node", str(world)]
-    return cmd + ["--omp-num-threads", "1", "-m", "shardwise.verify.worker", *worker_args]
+    return cmd + ["--omp-num-threads", "1", "-m", module, *worker_args]
 
 
 def write_initial_weights(setup: VerifySetup, path: str | Path) -> None:
@@ -167,19 +170,13 @@ def run_reference(setup: VerifySetup, steps: int, init: str | Path) -> RunResult
 def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(description="one layout of shardwise verify (started by it)")
     p.add_argument("script")
-    p.add_argument("--layout", help="the layout name (or --case)")
+    p.add_argument("--layout", required=True, help="the layout name")
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--init", required=True, help="safetensors file of the initial weights")
     p.add_argument("--out", required=True)
     p.add_argument("--entry", default=DEFAULT_ENTRY)
-    p.add_argument("--case", help="a --fuzz case (JSON): its setup and layout replace --layout")
     args = p.parse_args(argv)
     torch.set_num_threads(1)  # one thread per rank, as the reference: repeatable bit for bit
-    if args.case:
-        from shardwise.verify.fuzz_run import run_case_worker  # noqa: PLC0415 - it imports this module
-
-        run_case_worker(args.script, args.entry, args.case, args.steps, args.init, args.out)
-        return
     setup = load_setup(args.script, args.entry)
     run_layout(setup, parse_layout(args.layout), args.steps, args.init, args.out)
 
