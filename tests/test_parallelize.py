@@ -275,7 +275,10 @@ def fake_tp(monkeypatch):
 
 BAD_PLANS = [
     ({"blocks.*.attn.q": "colwize"}, "unknown style 'colwize'; did you mean 'colwise'"),
-    ({"blocks.*.attn.query": "colwise"}, r"\['blocks.\*.attn.query'\] match no module"),
+    (
+        {"blocks.*.attn.query": "colwise"},
+        r"\['blocks.\*.attn.query'\] \(tensor_parallel.plan.* match no module",
+    ),
     ({"blocks.*.ln_1": "colwise"}, "matched 'blocks.0.ln_1', a LayerNorm, .* not a linear layer"),
     ({"blocks.0.attn.q": "colwise", "blocks.*.attn.q": "rowwise"}, "keep one"),
     ({}, "plan is empty"),
