@@ -167,16 +167,25 @@ def run_reference(setup: VerifySetup, steps: int, init: str | Path) -> RunResult
     return run_layout(setup, REFERENCE, steps, init, out=None)
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description="one layout of shardwise verify (started by it)")
+def worker_args(
+    description: str, what: str, meaning: str, argv: Sequence[str] | None
+) -> argparse.Namespace:
+    """A worker's command line: SCRIPT, ``--<what>`` (the layout, or a fuzz case), steps, the
+    initial weights, the output folder and the entry point. Also one thread per rank, as the
+    reference, so runs repeat bit for bit."""
+    p = argparse.ArgumentParser(description=description)
     p.add_argument("script")
-    p.add_argument("--layout", required=True, help="the layout name")
+    p.add_argument(f"--{what}", required=True, help=meaning)
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--init", required=True, help="safetensors file of the initial weights")
     p.add_argument("--out", required=True)
     p.add_argument("--entry", default=DEFAULT_ENTRY)
-    args = p.parse_args(argv)
-    torch.set_num_threads(1)  # one thread per rank, as the reference: repeatable bit for bit
+    torch.set_num_threads(1)
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = worker_args("one layout of shardwise verify", "layout", "the layout name", argv)
     setup = load_setup(args.script, args.entry)
     run_layout(setup, parse_layout(args.layout), args.steps, args.init, args.out)
 
