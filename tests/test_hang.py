@@ -95,6 +95,9 @@ CASES = [
         ],
     ),
 ]
+# The reporting rank stopped before its report (a loaded machine, issue 32): the launcher
+# writes it from the records, with the same conclusion.
+CASES.append(("extra-slow-report", 2, CASES[-1][2]))
 
 
 def _launch(kind: str, nproc: int, run_dir: Path) -> subprocess.CompletedProcess:

@@ -6,6 +6,8 @@ sleep-world  2 ranks: rank 1 sleeps before its first collective (world group)
 sleep-data   4 ranks, data 2 x tensor 2: rank 3 sleeps before step 2's data all_reduce
 skip         2 ranks: rank 1 skips step 1's all_reduce; all then meet at a barrier
 extra        2 ranks: rank 0 makes one all_reduce more after step 1; all meet at a barrier
+extra-slow-report  as extra, but rank 0's report never finishes (as when the launcher stops
+             a reporter slowed by a loaded machine): the launcher writes it from the records
 own          2 ranks: the script's own torch.distributed all_reduce on a group it made with
              dist.new_group (no timeout given); rank 1 sleeps instead
 """
@@ -20,6 +22,7 @@ import torch.distributed as dist
 
 import shardwise
 from shardwise import comm
+from shardwise.diagnose import report
 from shardwise.topology import ProcessMesh, Topology
 
 STEPS = 3
@@ -57,12 +60,19 @@ def train(kind: str, rank: int) -> None:
             time.sleep(3600)  # rank 3 never comes
         if not (step == 1 and rank == 1 and kind == "skip"):
             grads(mesh.dp_group)
-        if step == 1 and rank == 0 and kind == "extra":
+        if step == 1 and rank == 0 and kind.startswith("extra"):
             comm.all_reduce(torch.zeros(4))  # one all-reduce more, on rank 0 only
     comm.barrier()  # the end of training: everyone meets
 
 
+def slow_report(*args, **kwargs) -> str:
+    time.sleep(3600)  # the reporter is stopped before it writes
+    return ""
+
+
 if __name__ == "__main__":
     shardwise.init_distributed(verbose=False)
+    if sys.argv[1] == "extra-slow-report" and comm.get_rank() == 0:
+        report.format_report = slow_report
     train(sys.argv[1], comm.get_rank())
     print(f"rank {comm.get_rank()} finished", flush=True)

@@ -312,6 +312,32 @@ def find_dir(path: str | os.PathLike[str]) -> Path:
     )
 
 
+def write_report(directory: Path, text: str) -> Path:
+    """``directory/report.txt``, whole or not at all (a rank killed mid-write leaves no half)."""
+    path = directory / "report.txt"
+    tmp = path.with_suffix(f".txt.tmp{os.getpid()}")
+    tmp.write_text(text + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def settle(directory: Path, since: float) -> str | None:
+    """After a failed job: the conclusion of the records its ranks wrote after ``since``, writing
+    ``report.txt`` from them when no rank did (the reporting rank was stopped, or died, before it
+    finished: the launcher kills the others when one exits); None when no rank wrote a record.
+    """
+    every = read_dir(directory, since=since)
+    if not every:
+        return None
+    newest = max(every.values(), key=lambda d: d.get("time", 0))
+    records = {r: d for r, d in every.items() if d.get("job") == newest.get("job")}
+    world = max(d.get("world_size", 0) for d in records.values())
+    path = directory / "report.txt"
+    if not path.exists() or path.stat().st_mtime < newest.get("time", 0):
+        write_report(directory, format_report(records, world, str(directory)))
+    return f"{conclusion(records, world)}\n(report: {path})"
+
+
 def load(path: str | os.PathLike[str]) -> tuple[Path, dict[int, dict]]:
     """The records of the newest job in ``path``'s diagnose folder, by rank."""
     directory = find_dir(path)

@@ -15,7 +15,8 @@
    not answered by then, the first other rank to claim the report does it. A collective that
    fails on this rank carries that conclusion in its error.
 
-The watchdog stops there, once per process. gloo raises in the waiting ranks at the timeout,
+If the reporter is stopped before it finishes, ``shardwise run`` writes the report from the
+records once the job has failed (``report.settle``). The watchdog stops there, once per process. gloo raises in the waiting ranks at the timeout,
 the error (with the conclusion) reaches torchrun's failure summary and the launcher stops the
 others: the job exits non-zero. Without a store (MPI), each rank writes its file and rank 0
 merges the files it can see.
@@ -217,7 +218,7 @@ class Watchdog:
             if not (directory / f"rank{r}.json").exists():
                 dump.write(directory, data)
         text = report.format_report(records, self.world_size, str(directory))
-        (directory / "report.txt").write_text(text + "\n")
+        report.write_report(directory, text)
         print(text, file=sys.stderr, flush=True)
         found = report.conclusion(records, self.world_size)
         self.conclusion = f"{found}\n(report: {directory / 'report.txt'})"

@@ -31,6 +31,7 @@ import signal
 import socket
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -39,7 +40,8 @@ from torch.distributed import run as torchrun
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-from shardwise.diagnose.dump import RUN_DIR_VAR
+from shardwise.diagnose import report
+from shardwise.diagnose.dump import RUN_DIR_VAR, diagnose_dir
 from shardwise.launch import hostfile, slurm
 from shardwise.launch.bound import BINDING_VAR, parse_core_list, split_cores
 from shardwise.launch.env import DEFAULT_MASTER_PORT, TIMEOUT_VAR, _get_int
@@ -307,6 +309,7 @@ def launch(args: argparse.Namespace) -> int:
     os.environ[LAUNCHER_VAR] = str(os.getpid())  # workers die with this process (launch/guard.py)
     resolve_hostname_once(one_node=(args.nnodes or 1) == 1)  # not one DNS lookup per agent event
     reports = os.environ[REPORT_DIR_VAR] = tempfile.mkdtemp(prefix="shardwise-run-")
+    started = time.time()
     try:
         torchrun.main(argv)
     except ChildFailedError as e:  # the agent already gave up after --max-restarts
@@ -316,6 +319,7 @@ def launch(args: argparse.Namespace) -> int:
         if PREEMPTED_EXIT_CODE in codes and codes <= {PREEMPTED_EXIT_CODE, -signal.SIGTERM}:
             return _preempted(reports, "SIGTERM to the workers")
         print(f"{first_failure(e)}\nshardwise run: workers failed\n{e}", file=sys.stderr)
+        _settle_hang(e, started)
         return 1
     except SignalException as e:  # torchrun forwarded it and waited for the workers
         if read_reports(reports):
@@ -330,6 +334,14 @@ def launch(args: argparse.Namespace) -> int:
     finally:
         shutil.rmtree(reports, ignore_errors=True)
     return 0
+
+
+def _settle_hang(error: ChildFailedError, started: float) -> None:
+    """A hang's conclusion, when the ranks wrote records but the failure does not carry it: the
+    reporting rank was stopped before it finished (diagnose/watchdog.py), so report it here."""
+    found = report.settle(diagnose_dir(), started)
+    if found and "shardwise diagnosis:" not in str(error):
+        print(found, file=sys.stderr)
 
 
 def _preempted(reports: str, why: str) -> int:
