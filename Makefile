@@ -48,9 +48,12 @@ test: lint
 
 # The suite beside a CPU burner of twice the cores (tests/scripts/under_load.py): waits
 # stretch through tests/waits.py, so a loaded machine makes tests slower, not red.
+# ISA=avx2 or ISA=default also caps the vector ISA as test-isa does (both conditions at once).
 STRESS_TESTS ?= tests
+ISA ?=
 test-stress: $(VENV)/.dev
-	$(VPY) tests/scripts/under_load.py -- $(VPY) -m pytest -q --durations=15 $(STRESS_TESTS)
+	$(if $(ISA),env $(ISA_$(ISA)) $(VPY) -c "import torch; print('ISA cap $(ISA): torch reports', torch.backends.cpu.get_cpu_capability())")
+	env $(ISA_$(ISA)) $(VPY) tests/scripts/under_load.py -- $(VPY) -m pytest -q --durations=15 $(STRESS_TESTS)
 
 # Kernel independence: the suite with the CPU's vector ISA capped, once at AVX2 and once at no
 # vector extension, in ATen (ATEN_CPU_CAPABILITY), oneDNN (ONEDNN_MAX_CPU_ISA) and MKL
