@@ -168,3 +168,41 @@ def test_utils_logger_carries_the_engines_lines_and_its_level_silences_them():
         log.setLevel(level)
     assert [m.split()[0] for m in at_info if m.startswith("step=")] == ["step=1"], at_info
     assert heard == at_info, f"at WARNING the engine's INFO lines must stop: {heard}"
+
+
+# --- names refused, each with the alternative ---------------------------------------------------
+
+REFUSED_NAMES = [  # (dotted name, the import a script writes, a word of the alternative)
+    ("deepspeed.ops.lamb.FusedLamb", "from shardwise.ops.lamb import FusedLamb", '"AdamW"'),
+    (
+        "deepspeed.utils.zero_to_fp32",
+        "from shardwise.utils import zero_to_fp32",
+        "shardwise export",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "name, statement, instead", REFUSED_NAMES, ids=[n for n, *_ in REFUSED_NAMES]
+)
+def test_a_refused_name_says_what_to_use_in_either_spelling(name, statement, instead):
+    with pytest.raises(
+        ImportError, match=re.escape(name) + " is not provided.*" + re.escape(instead)
+    ):
+        exec(
+            statement, {}
+        )  # the import a ported script writes (a try/except ImportError probe works)
+    package, module = name.split(".")[1:3]  # deepspeed.<package>.<module>
+    owner = getattr(deepspeed, package)
+    with pytest.raises(AttributeError, match=re.escape(name) + " is not provided"):
+        getattr(owner, module)
+    assert not hasattr(owner, module), f"{name}: hasattr must be false, as for a missing name"
+
+
+def test_groups_initialize_raises_as_deepspeeds_naming_where_the_groups_come_from():
+    # DeepSpeed 0.19 keeps the deprecated function and raises when it is called (DeprecatedException).
+    from shardwise.utils.groups import initialize
+
+    with pytest.raises(ImportError, match="deepspeed.utils.groups.initialize is not provided.*MoE"):
+        deepspeed.utils.groups.initialize(ep_size=2)
+    assert initialize is deepspeed.utils.groups.initialize

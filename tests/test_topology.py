@@ -25,7 +25,8 @@ needs_reference = pytest.mark.skipif(
 
 DEEPSPEED_AXES = {"pipe": "pp", "data": "dp", "model": "tp"}
 CHECKED = {"get_rank", "get_axis_list", "get_dim", "get_coord", "filter_match"}
-# get_rank_repr formats DeepSpeed's checkpoint-file suffixes; we have no such method.
+# get_rank_repr formats DeepSpeed's checkpoint-file suffixes: ProcessTopology has it, Topology
+# does not (test_process_topology.py checks these keys).
 NOT_MAPPED = {
     "get_rank_repr_default",
     "get_rank_repr_inner_sep_plus_rank3",

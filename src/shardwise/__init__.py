@@ -9,6 +9,7 @@ the deeper paths scripts import (``accelerator``, ``runtime.*``, ``ops.adam``, `
 
 from shardwise import accelerator, checkpointing, comm, moe, ops, pipe, runtime, utils, zero
 from shardwise.config import ConfigError
+from shardwise.config.deepspeed_view import DeepSpeedConfig
 from shardwise.engine import Engine, EngineError
 from shardwise.initialize import add_config_arguments, initialize
 from shardwise.launch.env import init_distributed
@@ -25,6 +26,7 @@ DeepSpeedConfigError = ConfigError
 
 __all__ = [
     "ConfigError",
+    "DeepSpeedConfig",
     "DeepSpeedConfigError",
     "DeepSpeedEngine",
     "Engine",

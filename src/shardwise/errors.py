@@ -12,3 +12,14 @@ from __future__ import annotations
 
 class EngineError(RuntimeError):
     """A call the engine cannot honour in its current state; the message says what to do."""
+
+
+class NotProvidedError(ImportError):
+    """A DeepSpeed module shardwise does not provide (docs/deepspeed-compat.md): the message says
+    what to use instead. An ImportError, so ``try: from deepspeed.X import Y except ImportError``
+    probes work; its package turns it into an AttributeError with the same message for
+    ``deepspeed.X.Y`` (so ``hasattr`` is False)."""
+
+    def __init__(self, name: str, instead: str) -> None:
+        super().__init__(f"{name} is not provided by shardwise: {instead}")
+        self.name = name

@@ -4,6 +4,6 @@ Nothing here does work: each module re-exports what lives elsewhere in shardwise
 ``from deepspeed.runtime.X import Y`` ports by the import alone (docs/deepspeed-compat.md).
 """
 
-from shardwise.runtime import dataloader, engine, lr_schedules, pipe, utils, zero
+from shardwise.runtime import config, dataloader, engine, lr_schedules, pipe, utils, zero
 
-__all__ = ["dataloader", "engine", "lr_schedules", "pipe", "utils", "zero"]
+__all__ = ["config", "dataloader", "engine", "lr_schedules", "pipe", "utils", "zero"]

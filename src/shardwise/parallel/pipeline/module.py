@@ -90,6 +90,7 @@ class PipelineModule(nn.Module):
                     f"layers[{i}] is a {type(layer).__name__}: expected a LayerSpec, an "
                     "nn.Module or a callable"
                 )
+        self._topo = topology  # a DeepSpeed ProcessTopology: initialize checks it (prepare.py)
         if topology is not None:
             num_stages = getattr(topology, "pp", None) or topology.get_dim("pipe")
         if num_stages is not None and (not isinstance(num_stages, int) or num_stages < 1):

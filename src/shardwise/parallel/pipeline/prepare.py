@@ -21,6 +21,7 @@ from torch import nn
 from shardwise import comm
 from shardwise.config import Config, ConfigError
 from shardwise.parallel.pipeline.module import PipelineModule
+from shardwise.parallel.pipeline.process_topology import check_layout
 from shardwise.parallel.pipeline.train_batch import PipelineRunner
 from shardwise.parallel.tensor.parallelize import pattern_regex
 
@@ -135,6 +136,8 @@ def bind_pipeline(
         return None
     built_before = model.built
     _fill_from_config(cfg, model, built_before)
+    t = mesh.topology
+    check_layout(model._topo, {"pp": t.pp, "dp": t.dp, "tp": t.tp, "cp": t.cp})
     pp, stage = mesh.topology.pp, mesh.pp_rank
     if not built_before:
         model.build_stage(pp, stage, cfg.pipeline.partition, cfg.pipeline.chunks)
