@@ -151,14 +151,18 @@ def attention_bytes(layout: dict, seq: int) -> dict:
 
 
 def forward_error(layout: dict, model: str) -> str:
-    """The error of the first forward under ``layout`` ("" if none): ``model`` "no-attention"
+    """The error of initialize (prefixed "initialize ") or else of the first forward under
+    ``layout`` ("" if none): ``model`` "no-attention"
     (embedding and head, no shardwise.attention) or "gpt-2-heads"."""
     if model == "no-attention":
         torch.manual_seed(0)
         net = torch.nn.Sequential(torch.nn.Embedding(VOCAB, 8), torch.nn.Linear(8, VOCAB))
     else:
         net = make_gpt(heads=2)
-    engine, *_ = shardwise.initialize(model=net, config=_config(layout))
+    try:
+        engine, *_ = shardwise.initialize(model=net, config=_config(layout))
+    except Exception as e:  # refused before any work
+        return f"initialize {type(e).__name__}: {e}"
     x, _ = make_windows(MB)
     try:
         engine(engine.shard_sequence(x))

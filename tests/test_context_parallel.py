@@ -152,8 +152,13 @@ def test_a_model_without_shardwise_attention_is_refused():
 
 
 def test_ulysses_needs_heads_divisible_by_the_context_size():
+    # Refused by initialize, from the model's head count (found by verify --fuzz: it used to
+    # wait for the first forward).
     errors = run_distributed(forward_error, 4, {"cp": 4, "method": "ulysses"}, "gpt-2-heads")
     for rank, error in enumerate(errors):
+        assert error.startswith("initialize ConfigError: context_parallel.method 'ulysses' "), (
+            f"rank {rank}: refused before any work: {error}"
+        )
         assert "context_parallel.size" in error and "2" in error, f"rank {rank}: {error}"
         assert "ring" in error, f"rank {rank}: the fix names the other method: {error}"
 

@@ -32,6 +32,7 @@ from shardwise.optim import build_optimizer
 from shardwise.parallel import remap
 from shardwise.parallel.activation.recompute import refused_options
 from shardwise.parallel.activation.selective import apply_activation_checkpointing
+from shardwise.parallel.context.ulysses import check_model_heads
 from shardwise.parallel.data.reducer import broadcast_parameters
 from shardwise.parallel.moe.experts import bind_experts
 from shardwise.parallel.pipeline import prepare as pipe
@@ -254,6 +255,9 @@ def _refuse_unimplemented(cfg: Config, mpu: Any, model: nn.Module | None = None)
     Without ``model`` (verify --fuzz's check before launching), the config's rules only."""
     if cfg.context_parallel.size > 1 and model is not None:
         hf_context.refuse_built_in_attention(model)  # a model no registered attention reaches
+        check_model_heads(
+            model, cfg.context_parallel.size, cfg.tensor_parallel.size, cfg.context_parallel.method
+        )
     todo = []
     if cfg.tensor_parallel.size > 1 and cfg.zero_optimization.stage == 3:
         todo.append("zero_optimization.stage=3 with tensor_parallel.size > 1 (use stage 1 or 2)")

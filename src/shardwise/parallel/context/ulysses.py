@@ -17,10 +17,15 @@ from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from shardwise import comm
+from shardwise.config import ConfigError
 from shardwise.parallel.context.layout import check_shards, context_rank
 from shardwise.parallel.exchange import all_to_all
+
+# where models keep their query-head count (key/value head counts are not these)
+QUERY_HEAD_ATTRS = ("num_attention_heads", "n_head", "n_heads", "num_heads")
 
 
 def _to_heads(x: torch.Tensor, cp: int, group: comm.Group) -> torch.Tensor:
@@ -47,14 +52,35 @@ def _to_sequence(y: torch.Tensor, cp: int, group: comm.Group) -> torch.Tensor:
 
 
 def check_heads(heads: int, cp: int) -> None:
-    """Raise ``ValueError`` unless ``heads`` splits evenly over ``cp`` ranks."""
+    """Raise ``ConfigError`` (a ValueError) unless ``heads`` splits evenly over ``cp`` ranks."""
     if heads % cp != 0:
-        raise ValueError(
+        raise ConfigError(
             f"context_parallel.method 'ulysses' splits the {heads} attention heads over "
             f"context_parallel.size={cp} ranks, which does not divide them: choose a "
             f"context_parallel.size that divides {heads}, or context_parallel.method 'ring' "
-            "(any head count)"
+            "(any head count)",
+            key="context_parallel.size",
         )
+
+
+def model_heads(model: nn.Module) -> int | None:
+    """The model's query-head count, read where models keep it: a ``config`` / ``cfg``
+    attribute (Hugging Face, the example GPT), else a submodule's own (``num_heads``, ...);
+    None if it keeps none (then the first forward checks the tensors)."""
+    for holder in (getattr(model, "config", None), getattr(model, "cfg", None), *model.modules()):
+        for attr in QUERY_HEAD_ATTRS:
+            heads = getattr(holder, attr, None)
+            if isinstance(heads, int) and not isinstance(heads, bool) and heads > 0:
+                return heads
+    return None
+
+
+def check_model_heads(model: nn.Module, cp: int, tp: int, method: str) -> None:
+    """In ``initialize``, before any work: the heads each tensor-parallel rank holds (H / tp)
+    must split over the ``cp`` context ranks under Ulysses (``check_heads``'s rule)."""
+    heads = model_heads(model) if method == "ulysses" and cp > 1 else None
+    if heads is not None and heads % tp == 0:  # else tensor parallelism refuses the split
+        check_heads(heads // tp, cp)
 
 
 def ulysses_attention(
