@@ -117,6 +117,28 @@ def test_a_few_noisy_elements_pass_and_a_moved_tensor_fails():
     assert compare(_result("far", far), want, FP32, 2).diverged
 
 
+@pytest.mark.parametrize(
+    "n, beyond, diverged",
+    [
+        (1024, 2, False),  # RMSprop / Adagrad in a correct layout (verify --fuzz): 2 of 1024
+        (1024, 3, False),  # the mean 1.02 plus two standard deviations
+        (1024, 4, True),
+        (100, 1, True),  # a small tensor: no element may move
+        (3, 1, True),  # a 3-element bias with one wrong element is wrong
+        (100_000, 120, False),
+        (100_000, 130, True),
+    ],
+)
+def test_the_elements_allowed_beyond_the_bound_are_a_poisson_mean_plus_two_sigma(
+    n, beyond, diverged
+):
+    want = _result("ref", torch.zeros(n))
+    got = torch.zeros(n)
+    got[:beyond] = 1e-3  # beyond 1e-5, within 5e-3: amplified rounding noise, or a bug
+    v = compare(_result("l", got), want, FP32, 2)
+    assert v.diverged == diverged, f"{beyond} of {n} elements moved: {v.findings}"
+
+
 def test_a_parameter_with_zero_gradient_is_not_judged():
     want = _result("ref", torch.zeros(4), zero_grad=["w"])
     v = compare(_result("l", torch.full((4,), 3e-3)), want, FP32, 2)

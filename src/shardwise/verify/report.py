@@ -22,7 +22,8 @@ def header(script: str, steps: int, tol: Tolerance) -> str:
         f"shardwise verify {script}: {steps} steps, each layout against one process, "
         f"{tol.name} tolerance\n(loss and grad norm: |diff| <= {tol.abs:.0e} + {tol.rel:.0e} "
         f"|reference|; parameters: |diff| <= {tol.param:.0e} per element, at most "
-        f"{tol.share:.1%} of a tensor's elements beyond it, none beyond {tol.param_max:.0e})"
+        f"{tol.share:.1%} of a tensor's elements (+ 2 sigma) beyond it, none beyond "
+        f"{tol.param_max:.0e})"
     )
 
 
