@@ -100,6 +100,29 @@ def test_data_ranks_together_hold_each_micro_batch_of_one_process():
         assert torch.equal(union, one[j]), f"micro-batch {j}: {union} vs {one[j]}"
 
 
+@pytest.mark.parametrize("dp, gas", [(2, 1), (2, 2), (4, 2)])
+def test_a_moe_reference_runs_each_ranks_rows_as_its_own_micro_batch(dp, gas):
+    """MoE gates compute per rank: the reference for dpN runs dp x gas micro-batches, the
+    (j dp + r)-th being rank r's j-th, so each gate sees the rows a rank's gate sees."""
+    from shardwise.verify.layouts import REFERENCE, layout_config, parse_layout, reference_for
+
+    layout = parse_layout(f"dp{dp}")
+    ref = reference_for(layout, per_rank=True)
+    assert (ref.world, ref.split) == (1, dp), f"dp{dp}: {ref}"
+    assert reference_for(layout, per_rank=False) is REFERENCE, "no MoE: the plain reference"
+    assert reference_for(parse_layout("tp2"), per_rank=True) is REFERENCE, "one data rank"
+    cfg = layout_config({"gradient_accumulation_steps": gas}, ref, 8 * dp * gas)
+    assert (cfg["gradient_accumulation_steps"], cfg["train_micro_batch_size_per_gpu"]) == (
+        gas * dp,
+        8,
+    ), f"dp{dp} gas{gas}: {cfg}"
+    x = torch.arange(8 * dp * gas)
+    one = list(micro_batches(x, gas * ref.split, 1, 0))
+    ranks = [list(micro_batches(x, gas, dp, r)) for r in range(dp)]
+    want = [ranks[r][j] for j in range(gas) for r in range(dp)]
+    assert all(torch.equal(a, b) for a, b in zip(one, want, strict=True)), f"dp{dp} gas{gas}"
+
+
 def _result(name: str, w: torch.Tensor, loss: float = 1.0, zero_grad=()) -> RunResult:
     return RunResult(name, [loss], [2.0], ["w"], [{"w": w}], zero_grad=list(zero_grad))
 

@@ -30,8 +30,9 @@ def build_strategy(ctx: StrategyContext) -> GradientStrategy:
         )
     if stage == 3 and any(has_replicas(p) for p in ctx.model.parameters()):
         raise ConfigError(
-            "zero_optimization.stage=3 does not shard mixture-of-experts layers with ep_size > 1 "
-            "yet: use stage 1 or 2 (experts are sharded over their expert-data group)",
+            "zero_optimization.stage=3 does not shard mixture-of-experts layers over several "
+            "data ranks yet (any ep_size): use stage 1 or 2 (experts are sharded over their "
+            "expert-data group)",
             key="zero_optimization.stage",
         )
     for cls in STRATEGIES:

@@ -21,12 +21,25 @@ import torch.distributed as dist
 
 from shardwise.verify.compare import TOLERANCES, Verdict, compare, failed, still, tolerance_for
 from shardwise.verify.fuzz_run import fuzz_command
-from shardwise.verify.layouts import EXAMPLE, Layout, LayoutError, check_batch, parse_layouts
+from shardwise.verify.layouts import (
+    EXAMPLE,
+    REFERENCE,
+    Layout,
+    LayoutError,
+    check_batch,
+    parse_layouts,
+    reference_for,
+)
 from shardwise.verify.report import render
 from shardwise.verify.results import RESULT_JSON, RunResult, load_result, load_weights
 from shardwise.verify.setup import DEFAULT_ENTRY, VerifySetup, batch_rows, load_setup
 from shardwise.verify.support_matrix import render_matrix
-from shardwise.verify.worker import run_reference, worker_command, write_initial_weights
+from shardwise.verify.worker import (
+    per_rank_statistics,
+    run_reference,
+    worker_command,
+    write_initial_weights,
+)
 
 NOT_MOVED = "no parameter moved in the reference run (lr 0 or a warmup from 0?): give more steps"
 ERROR_TAIL = 12  # lines of a failed layout's stderr shown in its finding
@@ -118,12 +131,13 @@ def _launch(args: argparse.Namespace, layout: Layout, init: Path, out: Path) -> 
     return None
 
 
-def _reference(setup: VerifySetup, steps: int, init: Path) -> RunResult:
+def _reference(setup: VerifySetup, steps: int, init: Path, layout: Layout = REFERENCE) -> RunResult:
     """The single-process run, in this process, then its process group released."""
     torch.set_num_threads(1)  # as each worker: one thread, the same sums in the same order
-    write_initial_weights(setup, init)
+    if not init.is_file():
+        write_initial_weights(setup, init)
     try:
-        return run_reference(setup, steps, init)
+        return run_reference(setup, steps, init, layout)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -143,16 +157,23 @@ def run(args: argparse.Namespace) -> int:
     work.mkdir(parents=True, exist_ok=True)
     try:
         print(f"verify: reference run, 1 process, {args.steps} steps", file=sys.stderr, flush=True)
-        want = _reference(setup, args.steps, work / "init.safetensors")
-        if still(want, load_weights(work / "init.safetensors")):
+        init = work / "init.safetensors"
+        init.unlink(missing_ok=True)  # a rerun with --out writes the weights afresh
+        want = {REFERENCE: _reference(setup, args.steps, init)}
+        if still(want[REFERENCE], load_weights(init)):
             print(f"verify: warning: {NOT_MOVED}", file=sys.stderr, flush=True)
+        per_rank = per_rank_statistics(setup)
         verdicts = []
         for layout in layouts:
+            ref = reference_for(layout, per_rank)
+            if ref not in want:  # MoE: the one process that sees each rank's rows together
+                print(f"verify: reference run, {ref.name}", file=sys.stderr, flush=True)
+                want[ref] = _reference(setup, args.steps, init, ref)
             print(f"verify: {layout.name}, {layout.world} processes", file=sys.stderr, flush=True)
             out = work / layout.name
             shutil.rmtree(out, ignore_errors=True)  # a rerun with --out never reads stale files
-            verdict = _launch(args, layout, work / "init.safetensors", out)
-            verdicts.append(verdict or compare(load_result(out), want, tol, layout.world))
+            verdict = _launch(args, layout, init, out)
+            verdicts.append(verdict or compare(load_result(out), want[ref], tol, layout.world))
     finally:
         if not args.out:
             shutil.rmtree(work, ignore_errors=True)

@@ -41,7 +41,7 @@ from shardwise.verify.fuzz_space import (
     reference_key,
     train_config,
 )
-from shardwise.verify.layouts import REFERENCE, Layout, layout_config
+from shardwise.verify.layouts import Layout, layout_config, reference_for
 from shardwise.verify.results import RESULT_JSON, RunResult, load_result
 from shardwise.verify.setup import VerifySetup, batch_rows
 from shardwise.verify.worker import (
@@ -182,7 +182,8 @@ class Fuzzer:
                     write_initial_weights(setup, init)
                 except Exception as e:
                     raise Failure.of("initialize", e) from e
-                result: RunResult | Failure = run_phased(setup, REFERENCE, self.steps, init, None)
+                ref = reference_for(case_layout(case), bool(case.moe))
+                result: RunResult | Failure = run_phased(setup, ref, self.steps, init, None)
             except Failure as f:
                 result = f
             finally:

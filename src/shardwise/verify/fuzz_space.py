@@ -227,4 +227,5 @@ def train_config(case: Case, seed: int = 0) -> dict:
 def reference_key(case: Case) -> str:
     """What the single-process run of ``case`` depends on (one reference per key)."""
     moe = dict(case.moe)
-    return json.dumps([case.model, moe, train_config(case), case.rows], sort_keys=True)
+    split = case.dp if moe else 1  # MoE: the one process that splits rows as the ranks do
+    return json.dumps([case.model, moe, train_config(case), case.rows, split], sort_keys=True)

@@ -9,6 +9,11 @@ is ZeRO-3 on two data ranks). The processes launched are dp x cp x tp x pp.
 Every layout trains on the same global batch of G rows per step, so a data rank's micro-batch
 is G / (dp x gas) rows: the mean loss over the global batch is then the mean, over data ranks,
 of their micro-batch means, exactly as in one process (equal sizes make the means compose).
+
+A model whose layers compute on the rows one rank sees, not only row by row (MoE gating:
+DeepSpeed's gate takes its capacity and its balancing loss over the rank's tokens), is compared
+with the one process that sees the same rows together: ``reference_for`` gives it dp x gas
+micro-batches per step, micro-batch ``j dp + r`` being rank r's j-th (``split`` = dp).
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ class Layout:
     sp: bool = False
     cp: int = 1
     ulysses: bool = False
+    split: int = 1  # one process only: each step's rows as dp ranks hold them (module doc)
 
     @property
     def world(self) -> int:
@@ -47,6 +53,14 @@ class Layout:
 
 
 REFERENCE = Layout("1 process")
+
+
+def reference_for(layout: Layout, per_rank: bool) -> Layout:
+    """The one-process run ``layout`` is compared with: REFERENCE, or for a model with
+    ``per_rank`` statistics (module docstring) one that splits each step as its data ranks do."""
+    if not per_rank or layout.dp == 1:
+        return REFERENCE
+    return Layout(f"1 process, {layout.dp} micro-batches as dp{layout.dp}", split=layout.dp)
 
 
 def _part(layout: str, part: str, sizes: dict) -> None:
@@ -103,7 +117,7 @@ def layout_config(base: dict, layout: Layout, global_batch: int) -> dict:
     pipeline micro-batches), so BatchNorm statistics cover the same rows everywhere.
     """
     cfg = copy.deepcopy(base)
-    gas = int(cfg.get("gradient_accumulation_steps", 1))
+    gas = int(cfg.get("gradient_accumulation_steps", 1)) * layout.split
     for key in ("train_batch_size", "train_micro_batch_size_per_gpu"):
         cfg.pop(key, None)
     cfg.update(

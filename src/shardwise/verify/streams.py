@@ -27,6 +27,7 @@ from torch import nn
 
 from shardwise import comm
 from shardwise.batch_loop import loss_of
+from shardwise.parallel.moe.gating import TopKGate
 
 
 def silence_dropout(model: nn.Module) -> dict[str, tuple[nn.Module, float]]:
@@ -36,6 +37,22 @@ def silence_dropout(model: nn.Module) -> dict[str, tuple[nn.Module, float]]:
         if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0:
             found[name] = (m, m.p)
             m.p = 0.0
+    return found
+
+
+def silence_gate_noise(model: nn.Module) -> list[str]:
+    """Turn off the random parts of MoE gates (noise policy, second-expert sampling, random
+    token selection when an expert is over capacity): each data rank draws them from its own
+    stream, one process from one stream over every rank's tokens, so they cannot match draw
+    for draw (their distributions are tested against DeepSpeed's in
+    tests/test_moe_gate_statistics.py). Returns the gates' names."""
+    found = []
+    for name, m in model.named_modules():
+        if isinstance(m, TopKGate) and (
+            m.noisy_gate_policy or m.top2_2nd_expert_sampling or m.use_rts
+        ):
+            m.noisy_gate_policy, m.top2_2nd_expert_sampling, m.use_rts = None, False, False
+            found.append(name)
     return found
 
 

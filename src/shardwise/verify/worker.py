@@ -29,7 +29,7 @@ from shardwise.verify.gradients import GradNorms, zero_gradient
 from shardwise.verify.layouts import REFERENCE, Layout, layout_config, parse_layout
 from shardwise.verify.results import RunResult, load_weights, save_result, save_weights
 from shardwise.verify.setup import DEFAULT_ENTRY, VerifySetup, batch_rows, load_setup, micro_batches
-from shardwise.verify.streams import check_streams, silence_dropout
+from shardwise.verify.streams import check_streams, silence_dropout, silence_gate_noise
 
 
 def _layers(net: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -86,6 +86,8 @@ def build_engine(setup: VerifySetup, layout: Layout, init: str | Path, rows: int
     rank = int(os.environ.get("RANK", "0"))
     model.load_state_dict(_local_experts(model, load_weights(init), layout, rank))
     dropouts = silence_dropout(model)
+    if layout.dp > 1 or layout.split > 1:
+        silence_gate_noise(model)
     net = model
     if layout.pp > 1:
         if setup.pipeline is None:
@@ -127,7 +129,7 @@ def train_layout(
     probe = GradNorms(engine.module) if layout.world == 1 else None
     losses, norms, params = [], [], []
     for batch in batches:
-        loss = engine.train_batch(micro_batches(batch, setup.gas, dp, dp_rank))
+        loss = engine.train_batch(micro_batches(batch, setup.gas * layout.split, dp, dp_rank))
         losses.append(float(loss))
         norms.append(engine.get_global_grad_norm())
         if probe is not None:
@@ -162,9 +164,18 @@ def write_initial_weights(setup: VerifySetup, path: str | Path) -> None:
     save_weights(setup.model().state_dict(), path)
 
 
-def run_reference(setup: VerifySetup, steps: int, init: str | Path) -> RunResult:
-    """The same setup in this one process: the run every layout must match."""
-    return run_layout(setup, REFERENCE, steps, init, out=None)
+def run_reference(
+    setup: VerifySetup, steps: int, init: str | Path, layout: Layout = REFERENCE
+) -> RunResult:
+    """The same setup in this one process: the run every layout must match (``layout``: the
+    reference ``reference_for`` gives, REFERENCE unless the model keeps per-rank statistics)."""
+    return run_layout(setup, layout, steps, init, out=None)
+
+
+def per_rank_statistics(setup: VerifySetup) -> bool:
+    """Whether the setup's model computes over the rows one rank sees (MoE gating)."""
+    torch.manual_seed(int(setup.config.get("seed", 0)))
+    return bool(moe_layers(setup.model()))
 
 
 def worker_args(
