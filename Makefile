@@ -7,7 +7,7 @@ VPIP := $(VPY) -m pip
 TORCH_PIN ?= torch==2.13.0
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: venv dev demo test lint clean bench test-stress test-isa test-hf-457
+.PHONY: venv dev demo test test-fast lint clean bench test-stress test-isa test-hf-457
 
 $(VENV)/.base: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -45,6 +45,10 @@ lint: $(VENV)/.dev
 test: lint
 	$(VPY) -m pytest -q --durations=15 tests
 	$(MAKE) test-hf-457
+
+# The fast tier: every test that starts no process (tests/tiers.py), about a minute.
+test-fast: $(VENV)/.dev
+	$(VPY) -m pytest -q -m "not procs" tests
 
 # The suite beside a CPU burner of twice the cores (tests/scripts/under_load.py): waits
 # stretch through tests/waits.py, so a loaded machine makes tests slower, not red.

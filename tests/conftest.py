@@ -8,10 +8,28 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, str(Path(__file__).parent))
 
 import pytest  # noqa: E402
+import tiers  # noqa: E402
 from harness import shutdown_worlds  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 REFERENCE = REPO.parent / "shared" / "reference"
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "procs: starts processes; the full tier (make test-fast runs the others)"
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    tiers.mark(items)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    with tiers.watch() as started:
+        yield
+    tiers.check(item, started)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -147,10 +147,14 @@ class World:
 _WORLDS: dict[int, World] = {}
 
 
+WORLD_RUNS: list[int] = []  # one entry per run_distributed call (tiers.py reads and clears it)
+
+
 def run_distributed(
     fn: Any, world_size: int, *args: Any, timeout: float = DEFAULT_TIMEOUT, **kwargs: Any
 ) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on every rank; return the results in rank order."""
+    WORLD_RUNS.append(world_size)  # a test that runs here is in the full tier (tiers.py)
     world = _WORLDS.get(world_size)
     if world is None or not world.alive():
         world = _WORLDS[world_size] = World(world_size)

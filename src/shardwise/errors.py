@@ -9,6 +9,9 @@ module can raise them without an import cycle. Each message says what to do.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from importlib import import_module
+
 
 class EngineError(RuntimeError):
     """A call the engine cannot honour in its current state; the message says what to do."""
@@ -23,3 +26,19 @@ class NotProvidedError(ImportError):
     def __init__(self, name: str, instead: str) -> None:
         super().__init__(f"{name} is not provided by shardwise: {instead}")
         self.name = name
+
+
+def refuse_missing(package: str, refused: tuple[str, ...]) -> Callable[[str], object]:
+    """A package's ``__getattr__``: ``deepspeed.<package>.<name>`` for a refused module name
+    imports it, whose NotProvidedError comes back as an AttributeError with its message (so
+    ``hasattr`` is false); any other missing name is the usual AttributeError."""
+
+    def __getattr__(name: str) -> object:
+        if name in refused:
+            try:
+                import_module(f"{package}.{name}")  # raises NotProvidedError, naming what to use
+            except NotProvidedError as e:
+                raise AttributeError(str(e)) from e
+        raise AttributeError(f"module {package!r} has no attribute {name!r}")
+
+    return __getattr__

@@ -19,7 +19,7 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
-from shardwise.errors import EngineError
+from shardwise.errors import EngineError, NotProvidedError
 from shardwise.parallel.moe.experts import moe_layers
 from shardwise.parallel.moe.groups import expert_groups
 from shardwise.topology import ProcessMesh
@@ -222,3 +222,14 @@ def _get_max_expert_size_name() -> str:
 
 def _get_max_expert_parallel_group() -> Any:
     return _get_expert_parallel_group(_get_max_expert_size_name())
+
+
+def refused_initialize(ep_size: int = 1, mpu: object = None) -> None:
+    """DeepSpeed's deprecated ``groups.initialize``, which raises there too: refused naming where
+    the groups come from."""
+    raise NotProvidedError(
+        "deepspeed.utils.groups.initialize",
+        "the groups come from the layout initialize() builds (tensor_parallel.size, "
+        "pipeline.stages, context_parallel.size in the config; MoE(ep_size=...) for experts, as "
+        "DeepSpeed 0.19 says); read them with the groups accessors after initialize()",
+    )

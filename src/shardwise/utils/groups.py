@@ -1,7 +1,6 @@
 """``deepspeed.utils.groups``: DeepSpeed's process-group accessors, answered from the mesh of the
 engine ``initialize`` built last (the mechanism and its vocabulary: shardwise/mesh_groups.py)."""
 
-from shardwise.errors import NotProvidedError
 from shardwise.mesh_groups import (
     _get_broadcast_src_rank,
     _get_data_parallel_group,
@@ -41,6 +40,7 @@ from shardwise.mesh_groups import (
     get_tensor_model_parallel_src_rank,
     get_tensor_model_parallel_world_size,
 )
+from shardwise.mesh_groups import refused_initialize as initialize
 
 __all__ = [
     "initialize",
@@ -82,14 +82,3 @@ __all__ = [
     "get_tensor_model_parallel_src_rank",
     "get_tensor_model_parallel_world_size",
 ]
-
-
-def initialize(ep_size: int = 1, mpu: object = None) -> None:
-    """DeepSpeed's deprecated ``groups.initialize``, which raises there too: refused naming where
-    the groups come from."""
-    raise NotProvidedError(
-        "deepspeed.utils.groups.initialize",
-        "the groups come from the layout initialize() builds (tensor_parallel.size, "
-        "pipeline.stages, context_parallel.size in the config; MoE(ep_size=...) for experts, as "
-        "DeepSpeed 0.19 says); read them with the groups accessors after initialize()",
-    )
