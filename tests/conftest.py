@@ -25,11 +25,12 @@ def pytest_collection_modifyitems(config, items):
     tiers.mark(items)
 
 
-@pytest.hookimpl(hookwrapper=True)
+@pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item):
     with tiers.watch() as started:
-        yield
+        result = yield  # a failing test raises here, and is reported as it is
     tiers.check(item, started)
+    return result
 
 
 @pytest.fixture(scope="session", autouse=True)
