@@ -43,6 +43,7 @@ from shardwise.parallel.tensor.consolidate import consolidate_tensor_parallel
 from shardwise.precision import LossScaler, compute_dtype
 
 if TYPE_CHECKING:  # annotations only
+    from shardwise.checkpoint.async_save import SaveHandle
     from shardwise.config import BatchSizes, Config
     from shardwise.data import DistributedDataLoader
     from shardwise.parallel.pipeline.train_batch import PipelineRunner
@@ -332,11 +333,18 @@ class Engine(ConfigAccessors, nn.Module):
         client_state: dict | None = None,
         save_latest: bool = True,
         exclude_frozen_parameters: bool = False,
-    ) -> bool:
-        """Write ``save_dir/<tag>`` (default ``global_step<N>``); every rank must call it."""
+        async_save: bool = False,
+    ) -> bool | SaveHandle:
+        """Write ``save_dir/<tag>`` (default ``global_step<N>``); every rank must call it.
+        ``async_save``: copy now, write in the background; returns the save's handle."""
         return engine_state.save_checkpoint(
-            self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters
+            self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters, async_save
         )
+
+    def wait_for_checkpoint(self) -> None:
+        """Wait for the asynchronous save in flight (if any); raise its error if it failed."""
+        if self.autosave.writer is not None:
+            self.autosave.writer.wait()
 
     def load_checkpoint(
         self,
@@ -380,9 +388,10 @@ class Engine(ConfigAccessors, nn.Module):
 
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes this rank holds in parameters, gradients, optimizer states (master weights
-        included) and communication buffers, counted from the live tensors."""
-
-        return breakdown(self.module, self.optimizer, self.strategy)
+        included), communication buffers and checkpoint staging, from the live tensors."""
+        writer = self.autosave.writer
+        staging = writer.staging_bytes() if writer is not None else 0
+        return breakdown(self.module, self.optimizer, self.strategy, staging)
 
 
 def _cast(x: Any, dtype: torch.dtype) -> Any:

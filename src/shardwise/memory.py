@@ -56,13 +56,16 @@ def default_tensors(module: torch.nn.Module, optimizer: Optimizer) -> dict[str, 
 
 
 def breakdown(
-    module: torch.nn.Module, optimizer: Optimizer, strategy: GradientStrategy
+    module: torch.nn.Module, optimizer: Optimizer, strategy: GradientStrategy, staging: int = 0
 ) -> dict[str, int]:
-    """``{"params", "grads", "optimizer", "comm_buffers", "total"}`` in bytes, this rank."""
+    """``{"params", "grads", "optimizer", "comm_buffers", "total"}`` in bytes, this rank, and
+    ``"checkpoint_staging"`` (host buffers of asynchronous saves) when ``staging`` > 0."""
     tensors = default_tensors(module, optimizer)
     tensors.update(strategy.memory_tensors())
     seen: set = set()
     out = {kind: _bytes(tensors.get(kind, []), seen) for kind in KINDS}
+    if staging:
+        out["checkpoint_staging"] = staging
     out["total"] = sum(out.values())
     return out
 

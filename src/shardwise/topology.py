@@ -242,15 +242,15 @@ class ProcessMesh:
     def coord(self) -> Coord:
         return self.topology.coord(self.rank)
 
-    def group_of(self, ranks: Sequence[int], name: str) -> Any:
-        """The process group of ``ranks`` (named ``name`` in errors), made on first use and
-        kept: every rank must ask for the same tuples in the same order, members or not. None
-        for one rank, or when torch.distributed is not initialized."""
-        key = tuple(ranks)
-        if len(key) < 2 or not (dist.is_available() and dist.is_initialized()):
+    def group_of(self, ranks: Sequence[int], name: str, backend: str | None = None) -> Any:
+        """The process group of ``ranks`` (named ``name`` in errors; on ``backend``, else the
+        world's), made on first use and kept: every rank must ask for the same tuples in the
+        same order, members or not. None for one rank, or when not distributed."""
+        key = (*ranks, backend) if backend else tuple(ranks)
+        if len(tuple(ranks)) < 2 or not (dist.is_available() and dist.is_initialized()):
             return None
         if key not in self._made:
-            self._made[key] = new_group(key, name)
+            self._made[key] = new_group(tuple(ranks), name, backend=backend)
         return self._made[key]
 
     def own_group(self) -> Any:
@@ -371,12 +371,15 @@ def world_timeout() -> datetime.timedelta | None:
         return None
 
 
-def new_group(ranks: Sequence[int], name: str, local: bool = False) -> Any:
+def new_group(
+    ranks: Sequence[int], name: str, local: bool = False, backend: str | None = None
+) -> Any:
     """``dist.new_group`` with the world's timeout and a name for errors and traces: without a
     timeout a sub-group keeps torch's 30-minute default, whatever the world was given, so a
     hang on a data or tensor group would wait that long. Every rank must call it, same order
     (with ``local``, only the members: torch's ``use_local_synchronization``)."""
     extra = {"use_local_synchronization": True} if local else {}
+    extra |= {"backend": backend} if backend else {}  # gloo: host-side work off the training
     return dist.new_group(list(ranks), timeout=world_timeout(), group_desc=name, **extra)
 
 

@@ -30,6 +30,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from shardwise.checkpoint import rotation, storage
+from shardwise.checkpoint.async_save import AsyncSaver
 from shardwise.launch.preempt import PREEMPTED_EXIT_CODE, Preempted, SignalFlag, agree, write_report
 
 if TYPE_CHECKING:  # annotations only
@@ -46,6 +47,8 @@ class AutoSave:
         self.save_dir: str | None = options.save_dir
         self.interval: int | None = options.save_interval_steps
         self.auto_resume: bool = options.auto_resume
+        self.async_save: bool = options.async_save
+        self.writer: AsyncSaver | None = None  # made by the first asynchronous save
         self.sigterm = SignalFlag(on_idle=self._idle_exit) if self.save_dir is not None else None
         self.resumed_from: str | None = None  # the checkpoint auto_resume loaded
         self._saved_step: int | None = None
@@ -74,8 +77,8 @@ class AutoSave:
         if self.sigterm is not None:
             self.sigterm.step_ended()
         due = self.interval is not None and step % self.interval == 0
-        if (due or stopping) and self._saved_step != step:
-            engine.save_checkpoint(self.save_dir)
+        if (due or stopping) and self._saved_step != step:  # SIGTERM's save is a blocking one
+            engine.save_checkpoint(self.save_dir, async_save=self.async_save and not stopping)
             self._saved_step = step
         if stopping:
             self._stop(engine, step, stopping)
@@ -92,7 +95,10 @@ class AutoSave:
         raise Preempted(step, path)
 
     def step_started(self) -> None:
-        """The first backward (or train_batch) of a step: its end will read the flag."""
+        """The first backward (or train_batch) of a step: a failed background save raises
+        here, on every rank; the step's end will read the SIGTERM flag."""
+        if self.writer is not None:
+            self.writer.check()
         if self.sigterm is not None:
             self.sigterm.step_started()
 
@@ -112,7 +118,10 @@ class AutoSave:
         return Preempted(self._step, path)
 
     def close(self) -> None:
-        """SIGTERM does again what it did before this engine (``engine.destroy()``)."""
+        """SIGTERM does again what it did before this engine (``engine.destroy()``), after the
+        save in flight is written."""
+        if self.writer is not None:
+            self.writer.wait()
         if self.sigterm is not None:
             self.sigterm.close()
 

@@ -27,6 +27,7 @@ from torch import nn
 
 from shardwise import comm
 from shardwise.checkpoint import storage
+from shardwise.checkpoint.async_save import AsyncSaver, SaveHandle
 from shardwise.checkpoint.engine_load import COUNTERS, LOADED_FROM, load_checkpoint  # noqa: F401
 from shardwise.checkpoint.export import MODEL
 from shardwise.checkpoint.layouts import Layout, layout_of
@@ -69,8 +70,12 @@ def save_checkpoint(
     client_state: dict | None = None,
     save_latest: bool = True,
     exclude_frozen_parameters: bool = False,
-) -> bool:
-    """Write ``save_dir/<tag>`` (default tag ``global_step<N>``); every rank must call it."""
+    async_save: bool = False,
+) -> bool | SaveHandle:
+    """Write ``save_dir/<tag>`` (default tag ``global_step<N>``); every rank must call it.
+    With ``async_save``: the handle of a save written in the background (async_save.py)."""
+    if engine.autosave.writer is not None:
+        engine.autosave.writer.wait()  # at most one save in flight, a blocking one included
     tag = f"global_step{engine.global_steps}" if tag is None else str(tag)
     lay = layout(engine)
     pieces = lay.model + lay.master_pieces()
@@ -89,19 +94,28 @@ def save_checkpoint(
     meta = _meta(engine)
     meta["aliases"] = tied_aliases(engine.module, {p.name for p in lay.model})
     loaded_here = getattr(engine, LOADED_FROM, None) == os.path.abspath(save_dir)
-    storage.save_pieces(
+    plan = storage.begin_save(
         save_dir,
         tag,
-        pieces,
-        rank_state,
-        meta,
-        save_latest=save_latest,
         keep_last=options.keep_last,
         tag_validation=options.tag_validation,
         step=int(engine.global_steps),
         allow_newer=options.overwrite_newer or loaded_here,
     )
+    if async_save:
+        return _writer(engine).submit(plan, pieces, rank_state, meta, save_latest)
+    storage.finish_save(plan, pieces, rank_state, meta, save_latest=save_latest)
     return True
+
+
+def _writer(engine: Engine) -> AsyncSaver:
+    """The engine's background writer, made at its first asynchronous save (every rank saves
+    together, so every rank makes its gloo group together)."""
+    if engine.autosave.writer is None:
+        world = range(comm.get_world_size())
+        group = engine.mesh.group_of(world, "checkpoint-writer", backend="gloo")
+        engine.autosave.writer = AsyncSaver(group)
+    return engine.autosave.writer
 
 
 def tied_aliases(module: nn.Module, saved: set[str]) -> dict[str, str]:

@@ -32,6 +32,7 @@ import os
 import re
 import shutil
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import safetensors
@@ -81,6 +82,32 @@ def save_pieces(
     rank 0, "Ignore" says nothing. ``step`` (the training step, recorded in the manifest)
     orders rotation (``keep_last``, which needs it) and refuses a directory holding later
     steps unless ``allow_newer`` (rotation.py)."""
+    plan = begin_save(save_dir, tag, group, keep_last, tag_validation, step, allow_newer)
+    return finish_save(plan, pieces, rank_state, meta, group, save_latest)
+
+
+@dataclass(frozen=True)
+class SavePlan:
+    """A save that may start writing: its tag agreed, the directory locked and checked, its
+    hidden directory named (steps 0 of the module docstring)."""
+
+    save_dir: str
+    tag: str
+    tmp: str
+    keep_last: int | None
+    step: int | None
+
+
+def begin_save(
+    save_dir: str,
+    tag: str,
+    group: ProcessGroup | None = None,
+    keep_last: int | None = None,
+    tag_validation: str = "Warn",
+    step: int | None = None,
+    allow_newer: bool = False,
+) -> SavePlan:
+    """Step 0, collective over ``group``: every rank returns the same plan or raises."""
     tag = _agreed_tag(tag, tag_validation, group, save_dir)
     check_tag(tag)
     if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
@@ -89,12 +116,25 @@ def save_pieces(
         raise CheckpointError(
             "keep_last needs the step of the checkpoint (step=...): rotation keeps the highest"
         )
-    rank = comm.get_rank(group)
-    status = _prepare(save_dir, tag, step, allow_newer) if rank == 0 else ""
+    status = _prepare(save_dir, tag, step, allow_newer) if comm.get_rank(group) == 0 else ""
     status = broadcast_json(status, group)
     if status:
         raise CheckpointError(f"checkpoint {tag!r} in {save_dir} not saved: {status}")
     tmp = os.path.join(save_dir, f".{tag}.tmp-{shared_nonce(group)}")
+    return SavePlan(save_dir, tag, tmp, keep_last, step)
+
+
+def finish_save(
+    plan: SavePlan,
+    pieces: list[Piece],
+    rank_state: dict,
+    meta: dict,
+    group: ProcessGroup | None = None,
+    save_latest: bool = True,
+) -> str:
+    """Steps 1-4, collective over ``group`` (any group of the same ranks, in the same order:
+    an asynchronous save runs them on its own): write, gather, publish, agree."""
+    rank, save_dir, tag, tmp = comm.get_rank(group), plan.save_dir, plan.tag, plan.tmp
     try:
         os.makedirs(tmp, exist_ok=True)
         info = _write_rank_file(tmp, rank, pieces, rank_state)
@@ -107,7 +147,9 @@ def save_pieces(
     status = ""
     if rank == 0:
         try:
-            status = _publish(save_dir, tag, tmp, infos, meta, save_latest, keep_last, step)
+            status = _publish(
+                save_dir, tag, tmp, infos, meta, save_latest, plan.keep_last, plan.step
+            )
         except Exception as e:  # noqa: BLE001 - reported to every rank just below
             status = f"{type(e).__name__}: {e}"
     status = broadcast_json(status, group)

@@ -57,6 +57,8 @@ class CheckpointConfig:
     ``save_dir``: where the engine saves by itself: every ``save_interval_steps`` optimizer
     steps, and after the step a SIGTERM interrupts (then the process exits with code 75, see
     launch/preempt.py). ``auto_resume``: ``initialize`` loads the newest checkpoint there.
+    ``async``: those saves copy the state to host buffers at the step's end and write it on a
+    background thread (checkpoint/async_save.py); SIGTERM's save waits for one in flight.
     """
 
     EXAMPLE: ClassVar[str] = '{"keep_last": 3}'
@@ -76,6 +78,8 @@ class CheckpointConfig:
     use_node_local_storage: bool = False
     parallel_write: ParallelWriteConfig = field(default_factory=ParallelWriteConfig)
     writer: dict[str, Any] | None = None
+    # the JSON key is "async" (a Python keyword): the periodic saves write in the background
+    async_save: bool = field(default=False, metadata={"key": "async"})
 
 
 def parse_checkpoint(raw: object, notes: Notes) -> CheckpointConfig:

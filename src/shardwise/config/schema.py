@@ -200,9 +200,15 @@ def is_key(f: dataclasses.Field) -> bool:
     return f.init and not f.metadata.get("internal", False)
 
 
+def key_of(f: dataclasses.Field) -> str:
+    """The JSON key of a field: its name, or ``metadata["key"]`` where the key is no Python
+    name (``"async"``)."""
+    return f.metadata.get("key", f.name)
+
+
 def schema_keys(cls: type) -> set[str]:
     """Every key a block accepts: its fields plus its ignored and renamed keys."""
-    names = {f.name for f in dataclasses.fields(cls) if is_key(f)}
+    names = {key_of(f) for f in dataclasses.fields(cls) if is_key(f)}
     return names | set(getattr(cls, "IGNORED_KEYS", {})) | set(getattr(cls, "RENAMED_KEYS", {}))
 
 
@@ -214,11 +220,11 @@ def build(cls: type, raw: Mapping[str, Any], path: str, notes: Notes) -> Any:
     notes.ignored.extend(join(path, k) for k in raw if k in ignored)
     values: dict[str, Any] = {}
     for f in dataclasses.fields(cls):
-        if not is_key(f) or f.name not in raw:
+        if not is_key(f) or key_of(f) not in raw:
             if is_key(f) and f.default is _MISSING and f.default_factory is _MISSING:
-                raise fail(join(path, f.name), "this key is required")
+                raise fail(join(path, key_of(f)), "this key is required")
             continue
-        key_path, value = join(path, f.name), raw[f.name]
+        key_path, value = join(path, key_of(f)), raw[key_of(f)]
         if isinstance(value, str) and value == AUTO and not allows_auto(hints[f.name]):
             if f.default is _MISSING and f.default_factory is _MISSING:
                 raise fail(key_path, '"auto" needs a value here: shardwise has no default for it')
