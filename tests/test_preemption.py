@@ -81,11 +81,12 @@ def killed(tmp_path_factory):
     out = tmp_path_factory.mktemp("killed")
     phases = [f"{name}:kill:{rank}:{step}" for name, (rank, step) in draws.items()]
     cmd = _cmd(str(out), *phases, restarts=len(LAYOUTS))
+    limit = scaled(150)
     try:
-        run = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=scaled(150))
+        run = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=limit)
     except subprocess.TimeoutExpired as e:  # reported by each row, with the seed that replays it
         err = e.stderr.decode() if isinstance(e.stderr, bytes) else e.stderr or ""
-        run = subprocess.CompletedProcess(cmd, -1, "", err + "\n[timed out after 150 s]")
+        run = subprocess.CompletedProcess(cmd, -1, "", err + f"\n[timed out after {limit:.0f} s]")
     return out, run, draws, seed
 
 
@@ -102,13 +103,18 @@ def test_a_killed_rank_resumes_bit_exact(killed, layout):
 
 
 def _wait_for_step(progress: Path, step: int, launcher: subprocess.Popen, seconds: float) -> int:
-    deadline = time.monotonic() + scaled(seconds)
+    limit = scaled(seconds)
+    deadline = time.monotonic() + limit
     while time.monotonic() < deadline and launcher.poll() is None:
         text = progress.read_text() if progress.exists() else ""
         if text and int(text) >= step:
             return int(text)
         time.sleep(0.05)
-    raise AssertionError(f"the job never reached step {step} (exit {launcher.poll()})")
+    load = os.getloadavg()[0]
+    raise AssertionError(
+        f"the job never reached step {step} in {limit:.0f} s (exit {launcher.poll()}, load "
+        f"average {load:.1f} on {os.cpu_count()} cores)"
+    )
 
 
 def test_sigterm_to_the_launcher_saves_the_step_and_exits_75(tmp_path):
