@@ -36,6 +36,7 @@ from shardwise.launch.preempt import PREEMPTED_EXIT_CODE, Preempted, SignalFlag,
 if TYPE_CHECKING:  # annotations only
     from shardwise.config.checkpoint import CheckpointConfig
     from shardwise.engine import Engine
+    from shardwise.topology import ProcessMesh
 
 logger = logging.getLogger("shardwise")
 
@@ -116,6 +117,14 @@ class AutoSave:
             )
         write_report(self._rank, {"step": self._step, "checkpoint": path})
         return Preempted(self._step, path)
+
+    def writer_for(self, mesh: ProcessMesh) -> AsyncSaver:
+        """The background writer of asynchronous saves, made at the first one (every rank
+        saves together, so every rank makes its gloo group together)."""
+        if self.writer is None:
+            world = range(mesh.topology.world_size)
+            self.writer = AsyncSaver(mesh.group_of(world, "checkpoint-writer", backend="gloo"))
+        return self.writer
 
     def close(self) -> None:
         """SIGTERM does again what it did before this engine (``engine.destroy()``), after the

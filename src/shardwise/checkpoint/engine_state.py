@@ -27,7 +27,7 @@ from torch import nn
 
 from shardwise import comm
 from shardwise.checkpoint import storage
-from shardwise.checkpoint.async_save import AsyncSaver, SaveHandle
+from shardwise.checkpoint.async_save import SaveHandle
 from shardwise.checkpoint.engine_load import COUNTERS, LOADED_FROM, load_checkpoint  # noqa: F401
 from shardwise.checkpoint.export import MODEL
 from shardwise.checkpoint.layouts import Layout, layout_of
@@ -103,19 +103,10 @@ def save_checkpoint(
         allow_newer=options.overwrite_newer or loaded_here,
     )
     if async_save:
-        return _writer(engine).submit(plan, pieces, rank_state, meta, save_latest)
+        writer = engine.autosave.writer_for(engine.mesh)
+        return writer.submit(plan, pieces, rank_state, meta, save_latest)
     storage.finish_save(plan, pieces, rank_state, meta, save_latest=save_latest)
     return True
-
-
-def _writer(engine: Engine) -> AsyncSaver:
-    """The engine's background writer, made at its first asynchronous save (every rank saves
-    together, so every rank makes its gloo group together)."""
-    if engine.autosave.writer is None:
-        world = range(comm.get_world_size())
-        group = engine.mesh.group_of(world, "checkpoint-writer", backend="gloo")
-        engine.autosave.writer = AsyncSaver(group)
-    return engine.autosave.writer
 
 
 def tied_aliases(module: nn.Module, saved: set[str]) -> dict[str, str]:
