@@ -206,7 +206,8 @@ def test_the_committed_support_matrix_is_the_generated_one():
 # (gpipe) and context ranks (ring, Ulysses); ZeRO 1 and 3 with optimizer offload; fp32 and
 # fp16; and a refusal made by initialize on the workers (MoE with context parallelism); the
 # refusal made in this process is checked above. Measured on the shared 2-core machine: the
-# whole file 2 min 12 s wall (93 s CPU) under a load average of 10-15, the budget 4 min.
+# whole file 2 min 12 s wall (93 s CPU) under a load average of 10-15, the budget 4 min; the
+# seven draws alone 114 s beside a fuzz campaign (the MoE dp4 draw added).
 # (38, 5) is MoE over 4 data ranks (top-1, capacity 1.0, tokens dropped, ZeRO-2 with offload):
 # a finding until the reference for MoE ran each rank's rows as its own micro-batch and the
 # gates' random parts (random token selection among them) were off (docs/verify.md, "MoE").
