@@ -56,7 +56,7 @@ sys.path.insert(0, str(HERE))  # run as a script: find common.py
 from common import format_table, single_thread  # noqa: E402
 from tp_vs_torch import load_example_gpt  # noqa: E402
 
-from shardwise.memory import saved_storages  # noqa: E402
+from shardwise.monitor.memory import saved_storages  # noqa: E402
 
 LR = 0.1
 LOSS_TOLERANCE = 1e-4  # same weights and data; only the order of reductions differs

@@ -93,7 +93,7 @@ def count_bytes(by_kind: dict[str, Iterable[torch.Tensor | None]]) -> dict[str, 
     """Bytes by kind, each storage counted once under the first kind that holds it (a grad or
     master that views a flat buffer is free). Storages, not views: the whole allocation is
     what the process holds. 0-dim tensors (Adam's step counters) are bookkeeping, left out,
-    as shardwise.memory does."""
+    as shardwise.monitor.memory does."""
     seen: set[int] = set()
     out = {}
     for kind in KINDS:

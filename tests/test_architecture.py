@@ -3,8 +3,13 @@
 * Every process group is made in ``topology.py`` (``ProcessMesh`` and ``new_subgroup``): group
   creation is a collective every rank must call in the same order, so it lives in one place,
   with the world's timeout and a name for errors.
-* No import cycle between shardwise modules (module-level imports): a cycle makes import order
-  matter and pushes imports into functions.
+* No import cycle between shardwise modules, counting every import (module-level, inside a
+  function, under ``TYPE_CHECKING``): a cycle makes import order matter and pushes imports into
+  functions, and a cycle hidden in a function or in annotations is still two modules that
+  cannot be read apart.
+* The engine hands parts down (issue 24): no module outside ``shardwise.training`` imports the
+  ``Engine`` class (pure re-export modules of DeepSpeed's names excepted) or assigns into an
+  ``engine.`` attribute; docs/architecture.md names only modules that exist.
 * The mechanism lives in ``parallel/`` (one folder per capability); the DeepSpeed-named modules at
   the root (``zero``, ``checkpointing``, ``pipe``, ``utils``, ``runtime``) only give it DeepSpeed's
   names, so ``parallel/`` never imports them (else the surface and the mechanism would tangle).
@@ -13,6 +18,7 @@
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -90,11 +96,51 @@ def test_no_import_cycle_between_shardwise_modules():
     mods = _modules()
     known = set(mods)
     edges = {
-        mod: {d for node in tree.body for d in _imported(mod, path, node, known)}
+        mod: {d for node in ast.walk(tree) for d in _imported(mod, path, node, known)}
         for mod, (path, tree) in mods.items()
     }
     cycles = _cycles(edges)
-    assert not cycles, f"import cycles (module-level imports): {cycles}"
+    assert not cycles, f"import cycles (every import, function-local and TYPE_CHECKING): {cycles}"
+
+
+def _reexport_only(tree: ast.Module) -> bool:
+    allowed = (ast.Import, ast.ImportFrom, ast.Assign, ast.AnnAssign)
+    return all(
+        isinstance(n, allowed) or (isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant))
+        for n in tree.body
+    )
+
+
+def test_only_training_imports_the_engine_or_writes_into_it():
+    importers, writes = [], []
+    for mod, (_path, tree) in _modules().items():
+        if mod.startswith("shardwise.training"):
+            continue
+        for node in ast.walk(tree):
+            names = node.names if isinstance(node, ast.ImportFrom) else []
+            if any(a.name == "Engine" for a in names) and not _reexport_only(tree):
+                importers.append(mod)
+            targets = getattr(node, "targets", None) or [getattr(node, "target", None)]
+            for t in targets if isinstance(node, (ast.Assign, ast.AugAssign)) else []:
+                root = t
+                while isinstance(root, (ast.Attribute, ast.Subscript)):
+                    root = root.value
+                if isinstance(root, ast.Name) and root.id == "engine" and root is not t:
+                    writes.append(f"{mod}:{node.lineno}")
+    assert not importers, f"modules outside shardwise.training importing Engine: {importers}"
+    assert not writes, f"assignments into an engine outside shardwise.training: {writes}"
+
+
+def test_the_architecture_page_names_modules_that_exist():
+    doc = (SRC.parent / "docs" / "architecture.md").read_text()
+    named = set(re.findall(r"`((?:[a-z_]+/)*[a-z_]+\.py)`", doc))
+    root = SRC.parent
+    files = {str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py")}
+    files |= {str(p.relative_to(root)) for p in (root / "tests").glob("*.py")}
+    files |= {p.name for p in (root / "tests").glob("*.py")} | {"src/" + f for f in files}
+    files |= {f"src/shardwise/{p.relative_to(PACKAGE)}" for p in PACKAGE.rglob("*.py")}
+    missing = sorted(n for n in named if not any(f == n or f.endswith("/" + n) for f in files))
+    assert not missing, f"docs/architecture.md names modules that do not exist: {missing}"
 
 
 def test_cycle_finder_finds_a_cycle():
@@ -164,7 +210,15 @@ def test_parallel_is_one_folder_per_capability():
     folders = [f for f in folders if f != "__pycache__"]
     assert folders == sorted(CAPABILITIES), f"parallel/ holds {folders}"
     loose = sorted(p.name for p in (PACKAGE / "parallel").glob("*.py"))
-    shared = ["__init__.py", "exchange.py", "flat.py", "remap.py", "strategies.py", "strategy.py"]
+    shared = [
+        "__init__.py",
+        "clip.py",
+        "exchange.py",
+        "flat.py",
+        "remap.py",
+        "strategies.py",
+        "strategy.py",
+    ]
     assert loose == shared, (
         f"parallel/ files outside a capability folder: {loose} (only what several capabilities share stays)"
     )

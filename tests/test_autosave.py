@@ -1,5 +1,5 @@
 """``checkpoint.save_dir`` / ``save_interval_steps`` / ``auto_resume`` and the SIGTERM flag, in
-one process (checkpoint/autosave.py, launch/preempt.py). The multi-process behaviour (kills,
+one process (training/checkpoints/autosave.py, launch/preempt.py). The multi-process behaviour (kills,
 restarts, signals to the launcher, bit-exact resumes) is in test_preemption.py; the keys'
 validation in test_config.py."""
 
@@ -13,8 +13,8 @@ import pytest
 from checkpointing import config, engine_for
 from waits import scaled
 
-from shardwise.checkpoint.autosave import newest_tag
 from shardwise.launch.preempt import PREEMPTED_EXIT_CODE, Preempted, SignalFlag
+from shardwise.training.checkpoints.autosave import newest_tag
 
 
 def _engine(path, **block):

@@ -17,10 +17,10 @@ import torch.nn.functional as F
 from checkpointing import MLP_PLAN, config, dataset, engine_for, save
 from harness import run_distributed
 
-from shardwise.checkpoint import replicas
 from shardwise.checkpoint.manifest import CheckpointError
 from shardwise.checkpoint.replicas import ReplicaMismatchError
 from shardwise.checkpoint.storage import CheckpointReader
+from shardwise.training.checkpoints import replica_watch
 
 
 def constant_lr(**extra) -> dict:
@@ -79,8 +79,8 @@ def _periodic(interval: int, skip: int | None, extra: dict, model: str = "mlp") 
     hand-made cycles of which rank 1 leaves out the step of cycle ``skip``."""
     cfg = constant_lr(checkpoint={"replica_check_interval": interval}, **extra)
     engine = engine_for(cfg, 0.0, seed=0, model=model)
-    calls, real = [], replicas.check_engine
-    replicas.check_engine = lambda *a: calls.append(a[1]) or real(*a)
+    calls, real = [], replica_watch.check_replicas
+    replica_watch.check_replicas = lambda *a: calls.append(a[1]) or real(*a)
     done = 0
     try:
         for _ in range(4):
@@ -92,7 +92,7 @@ def _periodic(interval: int, skip: int | None, extra: dict, model: str = "mlp") 
     except ReplicaMismatchError as e:
         return {"error": str(e), "done": done, "checks": len(calls)}
     finally:
-        replicas.check_engine = real
+        replica_watch.check_replicas = real
     return {"error": None, "done": done, "checks": len(calls)}
 
 

@@ -23,7 +23,7 @@ import torch
 from context_runs import B, D, H, attention_run, reference
 from harness import run_distributed
 
-from shardwise.memory import saved_storages
+from shardwise.monitor.memory import saved_storages
 from shardwise.parallel.context import (
     check_sequence,
     chunk_ids,

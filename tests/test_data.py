@@ -1,4 +1,4 @@
-"""shardwise.data: disjoint shards, same global batches on every layout, exact resumption.
+"""shardwise.training.data_loader: disjoint shards, same global batches on every layout, exact resumption.
 
 All pure: a rank's sampler needs no process, so every rank of a layout is instantiated here.
 """
@@ -8,7 +8,7 @@ import torch
 from torch.utils.data import DistributedSampler as TorchDistributedSampler
 from torch.utils.data import TensorDataset
 
-from shardwise.data import (
+from shardwise.training.data_loader import (
     DistributedBatchSampler,
     DistributedSampler,
     RepeatingLoader,

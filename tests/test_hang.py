@@ -267,7 +267,9 @@ def test_initialize_sets_up_the_world_with_the_config_timeout(monkeypatch):
         seen.update(kwargs)
         raise _Stop
 
-    module = importlib.import_module("shardwise.initialize")  # the attribute is the function
+    module = importlib.import_module(
+        "shardwise.training.initialize"
+    )  # the attribute is the function
     monkeypatch.setattr(module, "init_distributed", init_distributed)
     config = {"train_batch_size": 1, "comms": {"timeout_s": 42}}
     with pytest.raises(_Stop):

@@ -107,12 +107,12 @@ def _engine_without_labels():
 def test_dict_batch_without_labels_says_what_a_batch_must_hold():
     engine = _engine_without_labels()
     batch = {"input_ids": make_hf_batches("llama", MB)["input_ids"]}
-    with pytest.raises(shardwise.engine.EngineError, match="labels"):
+    with pytest.raises(shardwise.training.engine.EngineError, match="labels"):
         engine.train_batch(iter([batch]))
 
 
 def test_dict_batch_with_a_loss_fn_says_batches_are_pairs():
     engine = _engine_without_labels()
     engine.loss_fn = lambda out, labels: out.logits.mean()
-    with pytest.raises(shardwise.engine.EngineError, match=r"\(inputs, labels\)"):
+    with pytest.raises(shardwise.training.engine.EngineError, match=r"\(inputs, labels\)"):
         engine.train_batch(iter([make_hf_batches("llama", MB)]))

@@ -20,7 +20,7 @@ from models import example_module
 
 import shardwise
 from shardwise import comm
-from shardwise.memory import saved_storages
+from shardwise.monitor.memory import saved_storages
 from shardwise.parallel.activation.selective import apply_activation_checkpointing
 from shardwise.parallel.tensor import random as tp_random
 from shardwise.parallel.tensor.parallelize import parallelize

@@ -21,9 +21,9 @@ from harness import run_distributed
 from models import make_data, make_model, rank_slice
 
 import shardwise
-from shardwise import clip, comm
+from shardwise import comm
 from shardwise.checkpoint.layouts import Layout, replicated_layout
-from shardwise.parallel import strategies
+from shardwise.parallel import clip, strategies
 from shardwise.parallel.strategy import GradientStrategy, StrategyContext
 
 MB, LR, STEPS = 4, 0.1, 3

@@ -32,9 +32,9 @@ from model import GPT, GPTConfig, LMLoss, gpt_name, pipeline_layers, pipeline_tp
 from tqdm import tqdm  # noqa: E402
 
 import shardwise  # noqa: E402
-from shardwise.data import RepeatingLoader  # noqa: E402
 from shardwise.metrics import MeanMetric, all_reduce_mean  # noqa: E402
 from shardwise.pipe import PipelineModule  # noqa: E402
+from shardwise.utils import RepeatingLoader  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -10,13 +10,13 @@ the deeper paths scripts import (``accelerator``, ``runtime.*``, ``ops.adam``, `
 from shardwise import accelerator, checkpointing, comm, moe, ops, pipe, runtime, utils, zero
 from shardwise.config import ConfigError
 from shardwise.config.deepspeed_view import DeepSpeedConfig
-from shardwise.engine import Engine, EngineError
-from shardwise.initialize import add_config_arguments, initialize
 from shardwise.launch.env import init_distributed
 from shardwise.parallel.context.scope import attention, context_positions
 from shardwise.pipe import PipelineModule
 from shardwise.spawn import spawn
 from shardwise.topology import ProcessMesh, Topology, new_subgroup
+from shardwise.training.engine import Engine, EngineError
+from shardwise.training.initialize import add_config_arguments, initialize
 from shardwise.version import __version__  # noqa: E402 - from the package metadata
 
 # DeepSpeed's spellings, for scripts ported by changing the import only.

@@ -16,15 +16,12 @@ in the epoch, which is layout-independent; every rank saves it, and every rank l
 from __future__ import annotations
 
 import random
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
 from shardwise.parallel.tensor.random import get_rng_tracker
-
-if TYPE_CHECKING:  # annotations only
-    from shardwise.engine import Engine
 
 
 def rng_state() -> dict[str, Any]:
@@ -62,17 +59,15 @@ def set_rng_state(state: dict[str, Any]) -> None:
         tracker.set_states(streams)
 
 
-def data_state(engine: Engine) -> dict[str, Any] | None:
+def data_state(loader: Any) -> dict[str, Any] | None:
     """The training loader's position (None without a resumable loader)."""
-    loader = engine.training_dataloader
     if loader is None or not hasattr(loader, "state_dict"):
         return None
     return loader.state_dict()
 
 
-def set_data_state(engine: Engine, state: dict[str, Any] | None) -> None:
+def set_data_state(loader: Any, state: dict[str, Any] | None) -> None:
     """Resume the training loader (its running iterator restarts at the resumed position)."""
-    loader = engine.training_dataloader
     if state is None or loader is None or not hasattr(loader, "load_state_dict"):
         return
     loader.load_state_dict(state)

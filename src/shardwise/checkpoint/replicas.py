@@ -10,7 +10,8 @@ changed in place on one rank) would give a checkpoint equal to no rank's model. 
   them with the written copy's before publishing. A mismatch fails the save on every rank,
   naming the tensor and which ranks hold which value; nothing is written (the previous
   checkpoints and ``latest`` stay as they were).
-- **Every N steps of training**, optionally (``"checkpoint": {"replica_check_interval": N}``):
+- **Every N steps of training**, optionally (``"checkpoint": {"replica_check_interval": N}``;
+  training/checkpoints/replica_watch.py):
   every rank sends the CRC-32s of every piece it holds; a mismatch raises
   ``ReplicaMismatchError`` on every rank. It runs at the start of the backward that reduces the
   gradients of the step after each N-th (with a pipeline: after the train_batch of each N-th
@@ -23,16 +24,11 @@ design (each rank's BatchNorm running statistics, without SyncBatchNorm).
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from shardwise import comm
 from shardwise.checkpoint import manifest as mf
-from shardwise.checkpoint.gather import all_gather_json
 from shardwise.checkpoint.pieces import Piece
 from shardwise.checkpoint.safetensors_file import tensor_crcs
-
-if TYPE_CHECKING:  # annotations only
-    from shardwise.engine import Engine
 
 logger = logging.getLogger("shardwise")
 
@@ -99,42 +95,3 @@ def disagreements_in_save(infos: list[dict]) -> str:
         written = [[_key(e["name"], e["box"], e["flat"]), e["crc32"]] for e in info["pieces"]]
         per_rank.append(info["replicas"] + written)
     return disagreements(per_rank)
-
-
-def check_engine(engine: Engine, when: str) -> None:
-    """Compare every replicated piece of ``engine``'s model, masters and optimizer states
-    across all ranks; raise ``ReplicaMismatchError`` (on every rank) if copies differ."""
-    from shardwise.checkpoint.engine_state import engine_pieces  # noqa: PLC0415 - engine_state -> storage imports this module
-
-    mine = records(engine_pieces(engine), only_unsaved=False)
-    gathered = all_gather_json({"step": engine.global_steps, "records": mine})
-    problem = disagreements([g["records"] for g in gathered])
-    if problem:
-        steps = ", ".join(f"rank {r} {g['step']}" for r, g in enumerate(gathered))
-        raise ReplicaMismatchError(f"{when} (optimizer steps taken: {steps}): {problem}")
-
-
-class ReplicaWatch:
-    """The periodic check (``replica_check_interval``); the engine calls the two hooks."""
-
-    def __init__(self, interval: int | None) -> None:
-        self.interval = interval
-        self.reductions = 0  # backward passes that reduced gradients (equal on every rank)
-
-    def before_backward(self, engine: Engine, sync: bool) -> None:
-        if not sync or not self.interval:
-            return
-        done, self.reductions = self.reductions, self.reductions + 1
-        if done and done % self.interval == 0 and _world() > 1:
-            check_engine(engine, f"replica check after {done} gradient reductions")
-
-    def after_batch(self, engine: Engine) -> None:
-        """With a pipeline: every rank runs each train_batch together."""
-        steps = engine.global_steps
-        if self.interval and steps % self.interval == 0 and _world() > 1:
-            check_engine(engine, f"replica check after step {steps}")
-
-
-def _world() -> int:
-
-    return comm.get_world_size() if comm.is_initialized() else 1

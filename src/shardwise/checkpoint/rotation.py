@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from shardwise.checkpoint import manifest as mf
 from shardwise.checkpoint.manifest import CheckpointError
+from shardwise.checkpoint.tags import latest_tag
 
 
 @dataclass(frozen=True)
@@ -77,8 +78,6 @@ def refuse_newer(save_dir: str, tag: str, step: int) -> None:
 def rotate(save_dir: str, keep_last: int, step: int, keep: str | None = None) -> list[str]:
     """Delete all but the ``keep_last`` highest-step checkpoints at or below ``step`` (module
     doc); never ``keep`` nor the one ``latest`` names. Return the deleted tags."""
-    from shardwise.checkpoint.storage import latest_tag  # noqa: PLC0415 - storage imports this module
-
     protected = {keep, latest_tag(save_dir)}
     older = [c for c in checkpoints(save_dir) if c.step is not None and c.step <= step]
     older.sort(key=lambda c: (c.step, c.created))

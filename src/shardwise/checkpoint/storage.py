@@ -48,15 +48,14 @@ from shardwise.checkpoint.reader import CheckpointReader  # noqa: F401 - part of
 from shardwise.checkpoint.rotation import rotate  # noqa: F401 - part of this API
 from shardwise.checkpoint.safetensors_file import FormatError, write_tensors
 from shardwise.checkpoint.state_codec import StateError, encode
+from shardwise.checkpoint.tags import LATEST, check_tag, latest_tag  # noqa: F401 - part of this API
 from shardwise.version import __version__
 
 if TYPE_CHECKING:  # annotations only
     from torch.distributed import ProcessGroup
 
-LATEST = "latest"
 RANK_STATE_KEY = "shardwise.rank_state"
 logger = logging.getLogger("shardwise")
-_TAG_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+=-]*")
 _OLD_RE = re.compile(r"\.(.+)\.old-\d+")  # a replaced <tag>, kept until its successor is in
 
 
@@ -199,14 +198,6 @@ def _agreed_tag(tag: str, mode: str, group: ProcessGroup | None, save_dir: str =
     return tags[0]
 
 
-def check_tag(tag: str) -> None:
-    if not isinstance(tag, str) or not _TAG_RE.fullmatch(tag) or tag == LATEST:
-        raise CheckpointError(
-            f"tag {tag!r}: use letters, digits and _ . + = - (not starting with '.' or '-', "
-            f"not {LATEST!r}), e.g. 'global_step100'"
-        )
-
-
 def _write_rank_file(tmp: str, rank: int, pieces: list[Piece], rank_state: dict) -> dict:
     """Write this rank's file; return its record for the manifest."""
     items, entries, used = [], [], set()
@@ -331,20 +322,6 @@ def recover(save_dir: str, tag: str) -> bool:
                 pass
             break
     return os.path.exists(final)
-
-
-def latest_tag(load_dir: str) -> str | None:
-    """The tag ``<load_dir>/latest`` names, or None when there is no such file."""
-    path = os.path.join(load_dir, LATEST)
-    if not os.path.isfile(path):
-        return None
-    with open(path, encoding="utf-8", errors="replace") as f:
-        tag = f.read().strip()
-    try:
-        check_tag(tag)
-    except CheckpointError as e:
-        raise CheckpointError(f"{path}: {e}") from None
-    return tag
 
 
 def resolve(path: str, tag: str | None = None) -> str:

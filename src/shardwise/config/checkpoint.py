@@ -1,7 +1,7 @@
 """The ``checkpoint`` block: DeepSpeed's checkpoint keys, plus shardwise's own: ``keep_last``,
 ``verify``, ``overwrite_newer``, ``replica_check_interval``, and ``save_dir``,
 ``save_interval_steps``, ``auto_resume`` (saving, resuming and preemption without user code:
-checkpoint/autosave.py, launch/preempt.py; docs/reliability.md).
+training/checkpoints/autosave.py, launch/preempt.py; docs/reliability.md).
 
 DeepSpeed's keys and what they mean here:
 

@@ -1,5 +1,5 @@
 """Preemption: a SIGTERM stops every rank after the same step, that step is saved, and the job
-exits with ``PREEMPTED_EXIT_CODE`` (checkpoint/autosave.py does the saving).
+exits with ``PREEMPTED_EXIT_CODE`` (training/checkpoints/autosave.py does the saving).
 
 Worker side:
 

@@ -1,8 +1,9 @@
 """DeepSpeed's monitors, timers and profilers, as the engine sees them: one ``Monitor``.
 
-The engine calls four things: ``section(name)`` around its forward (``"fwd"``), backward
-(``"bwd"``, ``"bwd_inner"``, ``"bwd_allreduce"``) and update (``"step"``); ``add_loss`` after
-each backward; ``after_step(engine)`` after each optimizer step; ``write_step`` for a pipeline's
+The engine builds it from its parts (``Monitor.build(parts, memory)``: training/parts.py) and
+calls four things: ``section(name)`` around its forward (``"fwd"``), backward (``"bwd"``,
+``"bwd_inner"``, ``"bwd_allreduce"``) and update (``"step"``); ``add_loss`` after each backward;
+``after_step(parts, grad_norm, ...)`` after each optimizer step; ``write_step`` for a pipeline's
 loss. Everything off costs one attribute test per call (``section`` hands back a shared no-op
 context). What is on depends on the config:
 
@@ -27,8 +28,7 @@ import contextlib
 import logging
 import os
 import sys
-import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -41,9 +41,9 @@ from shardwise.monitor.timers import WallClock
 from shardwise.monitor.writers import Event, enabled_writers
 
 if TYPE_CHECKING:  # annotations only
-    from shardwise.engine import Engine
     from shardwise.monitor.flops import FlopsProfiler
     from shardwise.monitor.timers import WallClock
+    from shardwise.training.parts import TrainParts
 
 logger = logging.getLogger("shardwise")
 _OFF = contextlib.nullcontext()
@@ -65,14 +65,14 @@ def progress_line(steps: int, loss: float, seconds: float, batch: int) -> str:
     )
 
 
-def step_line(engine: Engine) -> str:
+def step_line(parts: TrainParts, norm: float | None) -> str:
     """The engine's own line every ``steps_per_print`` steps: step, skips, LR, norm, scale."""
-    lrs = ", ".join(f"{lr:.3g}" for lr in engine.get_lr())
-    norm = engine.get_global_grad_norm()
+    lrs = ", ".join(f"{lr:.3g}" for lr in parts.lrs())
+    counters = parts.counters
     return (
-        f"step={engine.global_steps} skipped={engine.skipped_steps} lr=[{lrs}] "
+        f"step={counters.global_steps} skipped={counters.skipped_steps} lr=[{lrs}] "
         f"grad_norm={norm if norm is None else f'{norm:.4g}'} "
-        f"loss_scale={engine.scaler.scale:g}"
+        f"loss_scale={parts.scaler.scale:g}"
     )
 
 
@@ -83,7 +83,7 @@ def memory_line(breakdown: dict[str, int]) -> str:
 
 
 class Monitor:
-    """What the config turned on (module doc); built by the engine with ``for_engine``."""
+    """What the config turned on (module doc); built by the engine with ``build``."""
 
     def __init__(
         self,
@@ -95,25 +95,28 @@ class Monitor:
         self.clock = clock  # timers.WallClock with wall_clock_breakdown
         self.profiler = profiler  # flops.FlopsProfiler with flops_profiler, rank 0
         self.step_loss = 0.0  # the mean loss of this step's micro-batches so far
-        self._engine: Any = None  # weakref.ref to the engine (profile_step is read off it)
+        self.parts: TrainParts | None = None  # the run's (profile_step is read off its counters)
+        self.memory: Callable[[], dict[str, int]] = dict  # the engine's memory_breakdown
 
     @classmethod
-    def for_engine(cls, engine: Engine) -> Monitor:
+    def build(cls, parts: TrainParts, memory: Callable[[], dict[str, int]]) -> Monitor:
         """Writers and profiler on rank 0; the clock on every rank (each times its own work,
-        rank 0 reports); the comms logger configured; a pipeline's schedule timed."""
-
-        config, rank0 = engine.config, engine.mesh.rank == 0
+        rank 0 reports); the comms logger configured. ``memory``: the breakdown the
+        ``memory_breakdown`` key logs."""
+        config, rank0 = parts.config, parts.mesh.rank == 0
         comm.configure(config)  # on, or off again, whatever an earlier engine set
         clock = profiler = None
         if config.wall_clock_breakdown:
             clock = WallClock()
         if config.flops_profiler.enabled and rank0:
-            profiler = FlopsProfiler(engine.module, config.flops_profiler)
+            profiler = FlopsProfiler(parts.module, config.flops_profiler)
         monitor = cls(enabled_writers(config) if rank0 else [], clock, profiler)
-        monitor._engine = weakref.ref(engine)
-        if engine.pipeline is not None and (clock or profiler):
-            engine.pipeline.executor.section = monitor.section
+        monitor.parts, monitor.memory = parts, memory
         return monitor
+
+    def times_sections(self) -> bool:
+        """Whether ``section`` does anything (a pipeline's schedule then calls it too)."""
+        return self.clock is not None or self.profiler is not None
 
     # ------------------------------------------------------------------ sections
     def section(self, name: str) -> Any:
@@ -123,8 +126,8 @@ class Monitor:
         return self.clock.section(name) if self.clock is not None else _OFF
 
     def _profiling(self) -> bool:
-        engine = self._engine() if self._engine is not None else None
-        return engine is not None and engine.global_steps == self.profiler.cfg.profile_step
+        steps = self.parts.counters.global_steps if self.parts is not None else None
+        return steps == self.profiler.cfg.profile_step
 
     @contextlib.contextmanager
     def _profiled_forward(self) -> Iterator[None]:
@@ -155,34 +158,34 @@ class Monitor:
             writer.write_events(events)
 
     # ------------------------------------------------------------------ after a step
-    def after_step(self, engine: Engine) -> None:
-        """Events (a pipeline writes its own after the schedule: its loss is known then), and
-        on rank 0 every ``steps_per_print`` steps: the step line, the timers, the memory; and
-        the flops profile after ``profile_step``."""
+    def after_step(self, parts: TrainParts, grad_norm: float | None, events: bool) -> None:
+        """Events (``events`` False with a pipeline, which writes its own after the schedule:
+        its loss is known then), and on rank 0 every ``steps_per_print`` steps: the step line,
+        the timers, the memory; and the flops profile after ``profile_step``."""
+        samples, steps = parts.counters.global_samples, parts.counters.global_steps
         if self.clock is not None:
             self.clock.end_step()
-            self.write_events(self.clock.events(engine.global_samples))
-        if engine.pipeline is None:
-            scale = engine.scaler.scale if engine.config.fp16.enabled else None
-            self.write_step(None, engine.get_lr()[0], engine.global_samples, scale)
-        if self.profiler is not None and engine.global_steps == self.profiler.cfg.profile_step + 1:
-            self.print_profile(engine)
-        every = engine.steps_per_print()
-        if not every or engine.global_steps % every:
+            self.write_events(self.clock.events(samples))
+        if events:
+            scale = parts.scaler.scale if parts.config.fp16.enabled else None
+            self.write_step(None, parts.lrs()[0], samples, scale)
+        if self.profiler is not None and steps == self.profiler.cfg.profile_step + 1:
+            self.print_profile(parts)
+        every = parts.config.steps_per_print
+        if not every or steps % every:
             return
         line = self.clock.line() if self.clock is not None else None  # resets every rank's
-        if engine.mesh.rank != 0:
+        if parts.mesh.rank != 0:
             return
-        logger.info(step_line(engine))
+        logger.info(step_line(parts, grad_norm))
         if line is not None:
             logger.info(line)
-        if engine.config.memory_breakdown:
-            logger.info(memory_line(engine.memory_breakdown()))
+        if parts.config.memory_breakdown:
+            logger.info(memory_line(self.memory()))
 
-    def print_profile(self, engine: Engine) -> None:
+    def print_profile(self, parts: TrainParts) -> None:
         """The flops profile to stdout, or to ``flops_profiler.output_file``."""
-
-        text = profile_report(self.profiler, engine, self.clock)
+        text = profile_report(self.profiler, parts, self.clock)
         path = self.profiler.cfg.output_file
         if path:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

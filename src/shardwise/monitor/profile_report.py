@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING
 from shardwise.monitor.flops import FlopsProfiler, number
 
 if TYPE_CHECKING:  # annotations only
-    from shardwise.engine import Engine
     from shardwise.monitor.timers import WallClock
+    from shardwise.training.parts import TrainParts
 
 _RULE = "-" * 78
 _NOTATIONS = (
@@ -31,7 +31,9 @@ def _row(label: str, value: object) -> str:
     return f"{label:<70}  {value!s:<8}"
 
 
-def _timings(prof: FlopsProfiler, engine: Engine, clock: WallClock | None, fwd: float) -> list[str]:
+def _timings(
+    prof: FlopsProfiler, parts: TrainParts, clock: WallClock | None, fwd: float
+) -> list[str]:
     """DeepSpeed's backward / step / iteration lines (with wall_clock_breakdown only)."""
     if clock is None or not clock.last.get("bwd"):
         return []
@@ -39,7 +41,7 @@ def _timings(prof: FlopsProfiler, engine: Engine, clock: WallClock | None, fwd: 
     factor = 2 + prof.cfg.recompute_fwd_factor
     bwd, step = clock.last["bwd"], clock.last.get("step", 0.0)
     it = fwd + bwd + step
-    samples = engine.train_micro_batch_size_per_gpu() * engine.world_size
+    samples = parts.batch.micro_batch_size * parts.mesh.topology.world_size
     return [
         _row("bwd latency: ", number(bwd, "s")),
         _row(
@@ -60,9 +62,9 @@ def _timings(prof: FlopsProfiler, engine: Engine, clock: WallClock | None, fwd: 
     ]
 
 
-def profile_report(prof: FlopsProfiler, engine: Engine, clock: WallClock | None = None) -> str:
+def profile_report(prof: FlopsProfiler, parts: TrainParts, clock: WallClock | None = None) -> str:
     """The whole report: summary, aggregated profile, and the module tree when detailed."""
-    mp = engine.mesh.model_parallel_size
+    mp, topology = parts.mesh.model_parallel_size, parts.mesh.topology
     flops, params = prof.get_total_flops(), prof.get_total_params()
     fwd = prof.get_total_duration()
     lines = [
@@ -70,10 +72,10 @@ def profile_report(prof: FlopsProfiler, engine: Engine, clock: WallClock | None 
         "-------------------------- DeepSpeed Flops Profiler --------------------------",
         f"Profile Summary at step {prof.cfg.profile_step}:",
         _NOTATIONS,
-        _row("world size: ", engine.world_size),
-        _row("data parallel size: ", engine.dp_world_size),
+        _row("world size: ", topology.world_size),
+        _row("data parallel size: ", topology.dp),
         _row("model parallel size: ", mp),
-        _row("batch size per GPU: ", engine.train_micro_batch_size_per_gpu()),
+        _row("batch size per GPU: ", parts.batch.micro_batch_size),
         _row("params per GPU: ", number(params).strip()),
         _row("params of model = params per GPU * mp_size: ", number(params * mp).strip()),
         _row("fwd MACs per GPU: ", number(prof.get_total_macs(), "MACs")),
@@ -84,7 +86,7 @@ def profile_report(prof: FlopsProfiler, engine: Engine, clock: WallClock | None 
             "fwd FLOPS per GPU = fwd flops per GPU / fwd latency: ",
             number(flops / fwd if fwd else 0, "FLOPS"),
         ),
-        *_timings(prof, engine, clock, fwd),
+        *_timings(prof, parts, clock, fwd),
         "",
         "----------------------------- Aggregated Profile per GPU -----------------------------",
         *prof.aggregated(),

@@ -1,5 +1,5 @@
 """``deepspeed.runtime.dataloader``."""
 
-from shardwise.data import RepeatingLoader
+from shardwise.training.data_loader import RepeatingLoader
 
 __all__ = ["RepeatingLoader"]

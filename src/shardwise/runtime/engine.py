@@ -1,6 +1,6 @@
 """``deepspeed.runtime.engine``."""
 
-from shardwise.engine import Engine
+from shardwise.training.engine import Engine
 
 DeepSpeedEngine = Engine
 

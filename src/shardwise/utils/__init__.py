@@ -3,8 +3,8 @@ rank_log.py, seeding.py, repeating.py), and ``groups`` (mesh_groups.py)."""
 
 from shardwise.errors import refuse_missing
 from shardwise.rank_log import log_dist, logger
-from shardwise.repeating import RepeatingLoader
 from shardwise.seeding import set_random_seed
+from shardwise.training.repeating import RepeatingLoader
 from shardwise.utils import groups
 
 __all__ = ["RepeatingLoader", "groups", "log_dist", "logger", "set_random_seed"]

@@ -29,8 +29,8 @@ import torch
 import torch.distributed as dist
 
 from shardwise.config import parse_config
-from shardwise.initialize import _refuse_unimplemented
 from shardwise.topology import Topology
+from shardwise.training.refusals import refuse_unimplemented
 from shardwise.verify.compare import compare, tolerance_for
 from shardwise.verify.fuzz_setup import case_layout, case_setup, default_script
 from shardwise.verify.fuzz_space import (
@@ -155,7 +155,7 @@ def precheck(case: Case, setup: VerifySetup) -> dict:
     process, no tensor): raises the ConfigError / TopologyError of a refused case."""
     config = layout_config(setup.config, case_layout(case), case.rows)
     cfg = parse_config(config)
-    _refuse_unimplemented(cfg, None)
+    refuse_unimplemented(cfg, None)
     Topology.build(case.world, pp=case.pp, tp=case.tp, cp=case.cp)
     cfg.resolve_batch(case.dp)
     return config

@@ -26,8 +26,8 @@ import torch
 from torch import nn
 
 from shardwise import comm
-from shardwise.batch_loop import loss_of
 from shardwise.parallel.moe.gating import TopKGate
+from shardwise.training.batch_loop import loss_of
 
 
 def silence_dropout(model: nn.Module) -> dict[str, tuple[nn.Module, float]]:

@@ -15,8 +15,8 @@ import itertools
 import json
 
 from shardwise.config import parse_config
-from shardwise.initialize import _refuse_unimplemented
 from shardwise.topology import Topology
+from shardwise.training.refusals import refuse_unimplemented
 
 # name -> config fragment (the layout's sizes are read back from the merged config).
 FEATURES: dict[str, dict] = {
@@ -59,7 +59,7 @@ def verdict(*names: str) -> str:
         _merge(config, FEATURES[name])
     try:
         cfg = parse_config(config)
-        _refuse_unimplemented(cfg, None)
+        refuse_unimplemented(cfg, None)
         stages = cfg.pipeline.stages if isinstance(cfg.pipeline.stages, int) else 1
         sizes = {"pp": stages, "tp": cfg.tensor_parallel.size, "cp": cfg.context_parallel.size}
         Topology.build(2 * sizes["pp"] * sizes["tp"] * sizes["cp"], **sizes)

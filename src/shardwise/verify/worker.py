@@ -20,11 +20,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from shardwise.initialize import initialize
 from shardwise.parallel.moe.experts import every_expert_name, moe_layers
 from shardwise.parallel.moe.groups import expert_rank_groups
 from shardwise.parallel.pipeline.module import PipelineModule
 from shardwise.topology import Topology
+from shardwise.training.initialize import initialize
 from shardwise.verify.gradients import GradNorms, zero_gradient
 from shardwise.verify.layouts import REFERENCE, Layout, layout_config, parse_layout
 from shardwise.verify.results import RunResult, load_weights, save_result, save_weights

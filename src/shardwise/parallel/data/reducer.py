@@ -29,9 +29,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from shardwise import clip, comm
+from shardwise import comm
 from shardwise.checkpoint.layouts import Layout, replicated_layout
 from shardwise.comm import Group
+from shardwise.parallel import clip
 from shardwise.parallel.data.replicas import get_replicas, has_replicas, partition_by_replicas
 from shardwise.parallel.flat import FlatLayout, plan_buckets
 from shardwise.parallel.strategy import StrategyContext, bucket_elements, plain_precision

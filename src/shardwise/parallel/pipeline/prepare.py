@@ -1,5 +1,6 @@
 """What ``initialize`` does for a pipeline, in its order: the model and the number of stages
-before the mesh exists, then the stage and the runner once it does.
+before the mesh exists; the stage once it does (the first rewrite of phase one); the runner
+after every rewrite (phase two).
 
 Precedence (as DeepSpeed): ``PipelineModule(num_stages=...)`` wins over ``pipeline.stages``;
 a PipelineModule built with ``num_stages=None`` takes the config's. ``partition_method``,
@@ -124,21 +125,16 @@ def engine_loss(model: nn.Module, loss_fn: Callable[..., Any] | None) -> Any:
     return loss_fn
 
 
-def bind_pipeline(
-    cfg: Config,
-    model: nn.Module,
-    mesh: ProcessMesh,
-    dtype: torch.dtype,
-    loss_fn: Callable[..., Any] | None,
-) -> PipelineRunner | None:
-    """Build the module's stage if it waited for the mesh; the runner when stages > 1."""
+def build_stage(cfg: Config, model: nn.Module, mesh: ProcessMesh) -> None:
+    """A PipelineModule's stage for this rank, cut now if it waited for the mesh (``initialize``'s
+    first rewrite); the config's pipeline keys filled in; the module's own topology checked."""
     if not isinstance(model, PipelineModule):
-        return None
+        return
     built_before = model.built
     _fill_from_config(cfg, model, built_before)
     t = mesh.topology
     check_layout(model._topo, {"pp": t.pp, "dp": t.dp, "tp": t.tp, "cp": t.cp})
-    pp, stage = mesh.topology.pp, mesh.pp_rank
+    pp, stage = t.pp, mesh.pp_rank
     if not built_before:
         model.build_stage(pp, stage, cfg.pipeline.partition, cfg.pipeline.chunks)
     elif (model.num_stages, model.stage_id) != (pp, stage):
@@ -147,7 +143,19 @@ def bind_pipeline(
             f"rank is stage {stage} of {pp} in the mesh: build it after init_distributed() in "
             "the same world"
         )
-    if pp == 1:
+
+
+def build_runner(
+    cfg: Config,
+    model: nn.Module,
+    mesh: ProcessMesh,
+    dtype: torch.dtype,
+    loss_fn: Callable[..., Any] | None,
+) -> PipelineRunner | None:
+    """The runner of the stage's schedule when there are 2 or more stages, built over the
+    rewritten stage (after tensor parallelism, activation checkpointing and the cast), so its
+    executor, links and tied-weight groups hold the modules that train."""
+    if not isinstance(model, PipelineModule) or mesh.topology.pp == 1:
         return None
     # Sequence parallelism leaves boundary activations split along the sequence: sent whole.
     sp = cfg.tensor_parallel.sequence_parallel

@@ -1,4 +1,5 @@
-"""The engine's pipeline strategy: ``train_batch`` / ``eval_batch`` run a schedule.
+"""The engine's pipeline strategy: ``train_batch`` / ``eval_batch`` run a schedule over the
+engine's parts (training/parts.py: ``BatchStrategy``).
 
 One ``train_batch`` on stage s of p, with m = gradient_accumulation_steps micro-batches:
 
@@ -26,8 +27,6 @@ import torch
 from torch import nn
 
 from shardwise import comm
-from shardwise.batch_loop import data_or_loader
-from shardwise.parallel.data.reducer import broadcast_parameters
 from shardwise.parallel.pipeline.executor import StageExecutor
 from shardwise.parallel.pipeline.gather import gather_stages
 from shardwise.parallel.pipeline.meter import ActivationMeter
@@ -36,8 +35,8 @@ from shardwise.parallel.pipeline.schedule import Op, inference, make_schedule
 from shardwise.parallel.pipeline.tied import TiedWeights
 
 if TYPE_CHECKING:  # annotations only
-    from shardwise.engine import Engine
     from shardwise.topology import ProcessMesh
+    from shardwise.training.parts import TrainParts
 
 logger = logging.getLogger("shardwise")
 
@@ -87,12 +86,6 @@ class PipelineRunner:
         nxt = self.peers[(w + 1) % self.stages] if w < last else None
         return StageLink(prev, nxt, self.module.dynamic_shape, w, *self.split_groups)
 
-    def broadcast_stage(self) -> None:
-        """Every rank of this stage (its data x tensor ranks) takes the stage's first rank's
-        weights: tensor parallelism must split one model, data ranks must start equal."""
-
-        broadcast_parameters(self.module, src=self.stage_root, group=self.stage_group)
-
     def refusal(self, call: str) -> str:
         """Why ``engine.<call>`` does not exist with a pipeline, and what to call instead."""
         return (
@@ -125,48 +118,49 @@ class PipelineRunner:
         return self.executor.peak_live
 
     # ------------------------------------------------------------------ batches
-    def train_batch(self, engine: Engine, data_iter: Iterator | None) -> torch.Tensor:
+    def train_batch(
+        self, parts: TrainParts, data_iter: Iterator | None, update: Callable[[], None]
+    ) -> torch.Tensor:
+        """One step: the schedule's micro-batches; ``update`` (the engine's) at its
+        OPTIMIZER_STEP. The micro-step counter moves by the m micro-batches run."""
         if not torch.is_grad_enabled():
             raise RuntimeError(
                 "train_batch() requires gradients enabled. Use eval_batch() instead."
             )
         if self.is_first_stage() or self.is_last_stage():  # only they read batches
-            data_iter = data_or_loader(engine, data_iter)
-        m = engine.gradient_accumulation_steps()
+            data_iter = parts.data(data_iter)
+        m = parts.batch.gradient_accumulation_steps
         program = make_schedule(self.schedule, self.stages, self.stage_id, m, self.chunks)
-        engine.train()
 
         def step() -> None:
             self.executor.wait_sends()  # nothing this stage sent may change under the update
-            engine.apply_update()
+            update()
 
         record = self.executor.run(
             program,
             data_iter,
             train=True,
             micro_batches=m,
-            strategy=engine.strategy,
-            scale=engine.scaler.scale,
+            strategy=parts.strategy,
+            scale=parts.scaler.scale,
             actions={
-                Op.REDUCE_TIED: lambda: self.tied.reduce(engine.strategy),
+                Op.REDUCE_TIED: lambda: self.tied.reduce(parts.strategy),
                 Op.OPTIMIZER_STEP: step,
             },
         )
-        engine.counters.micro_steps += m  # the schedule ran m micro-batches
+        parts.counters.micro_steps += m  # the schedule ran m micro-batches
         return self._mean_loss(record.losses)
 
     def eval_batch(
         self,
-        engine: Engine,
+        parts: TrainParts,
         data_iter: Iterator | None,
         return_logits: bool = False,
         num_micro_batches: int | None = None,
     ) -> Any:
         """The mean loss over the micro-batches (every rank); with ``return_logits``, also the
         last stage's outputs concatenated over micro-batches (None on the other stages)."""
-        m = num_micro_batches or engine.gradient_accumulation_steps()
-        was_training = engine.training
-        engine.eval()
+        m = num_micro_batches or parts.batch.gradient_accumulation_steps
         with torch.no_grad():
             record = self.executor.run(
                 inference(self.stages, self.stage_id, m, self.chunks),
@@ -176,7 +170,6 @@ class PipelineRunner:
                 keep_logits=return_logits,
             )
         self.executor.wait_sends()
-        engine.train(was_training)
         loss = self._mean_loss(record.losses)
         if not return_logits:
             return loss

@@ -35,9 +35,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from shardwise import clip, comm
+from shardwise import comm
 from shardwise.checkpoint.layouts import FlatShard, Layout, flat_layout
 from shardwise.comm import Group
+from shardwise.parallel import clip
 from shardwise.parallel.data.reducer import Finished
 from shardwise.parallel.data.replicas import partition_by_replicas
 from shardwise.parallel.flat import FlatLayout, plan_buckets

@@ -51,8 +51,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from shardwise import clip, comm
+from shardwise import comm
 from shardwise.checkpoint.layouts import FlatShard, Layout, flat_layout
+from shardwise.parallel import clip
 from shardwise.parallel.flat import FlatLayout
 from shardwise.parallel.strategy import StrategyContext, offload_device, require_optimizer
 from shardwise.parallel.zero.gathering import GatherScheduler, LiveCount, Unit

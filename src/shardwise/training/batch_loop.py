@@ -1,16 +1,17 @@
 """Whole batches: what ``engine.train_batch`` / ``eval_batch`` run when there is no pipeline.
 
-``MicroBatchLoop`` is the engine's batch strategy without a pipeline: GAS micro-batches, each
-``loss_fn(module(inputs), labels)`` (or the module's own loss), through the engine's
-``backward`` and ``step``, so every rule of those calls holds. With a pipeline the engine holds
-a ``PipelineRunner`` instead (parallel/pipeline/train_batch.py), which answers the same two calls
-by running a schedule.
+``MicroBatchLoop`` is the engine's batch strategy (parts.BatchStrategy) without a pipeline: GAS
+micro-batches, each ``loss_fn(module(inputs), labels)`` (or the module's own loss), through the
+engine's ``backward`` and ``step``, so every rule of those calls holds; it is the one batch
+strategy that drives the engine itself. With a pipeline the engine holds a ``PipelineRunner``
+instead (parallel/pipeline/train_batch.py), which answers the same two calls by running a
+schedule over the parts.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -18,20 +19,25 @@ from shardwise import comm
 from shardwise.errors import EngineError
 
 if TYPE_CHECKING:  # annotations only
-    from shardwise.engine import Engine
+    from shardwise.parallel.context.scope import ContextParallel
+    from shardwise.training.parts import TrainParts
 
 
-def data_or_loader(engine: Engine, data_iter: Iterator | None) -> Iterator:
-    """``data_iter``, else the endless iterator of the loader given to ``initialize`` (the
-    loader owns it and its position, so that a checkpoint resumes it)."""
-    if data_iter is not None:
-        return data_iter
-    if engine.training_dataloader is None:
-        raise EngineError("train_batch() needs data_iter, or training_data given to initialize()")
-    return engine.training_dataloader.repeating()
+class Steps(Protocol):
+    """What the loop uses of the engine: its forward, backward and step calls, its
+    context-parallel scope and the ``loss_fn`` given to ``initialize``."""
+
+    context: ContextParallel
+    loss_fn: Any
+
+    def __call__(self, *inputs: Any, **kwargs: Any) -> Any: ...
+
+    def backward(self, loss: torch.Tensor) -> torch.Tensor: ...
+
+    def step(self) -> None: ...
 
 
-def loss_of(engine: Engine, batch: Any) -> torch.Tensor:
+def loss_of(engine: Steps, batch: Any) -> torch.Tensor:
     """The loss of one micro-batch.
 
     With a ``loss_fn`` given to ``initialize``: batch = (inputs, labels) and the loss is
@@ -53,7 +59,7 @@ def loss_of(engine: Engine, batch: Any) -> torch.Tensor:
     return _loss_from(_call(engine, batch), batch)
 
 
-def _call(engine: Engine, inputs: Any) -> Any:
+def _call(engine: Steps, inputs: Any) -> Any:
     if isinstance(inputs, Mapping):
         return engine(**inputs)
     if isinstance(inputs, (tuple, list)):
@@ -91,34 +97,36 @@ def _batch_error(batch: Any, why: str) -> Exception:
     return EngineError(f"train_batch/eval_batch: {why} (got {_describe(batch)})")
 
 
-def _dp_mean(engine: Engine, total: torch.Tensor) -> torch.Tensor:
-    total /= engine.gradient_accumulation_steps()
-    comm.all_reduce(total, group=engine.mesh.dp_cp_group)  # context ranks: other tokens
-    return total / engine.mesh.topology.dp_cp
+def _dp_mean(parts: TrainParts, total: torch.Tensor) -> torch.Tensor:
+    total /= parts.batch.gradient_accumulation_steps
+    comm.all_reduce(total, group=parts.mesh.dp_cp_group)  # context ranks: other tokens
+    return total / parts.mesh.topology.dp_cp
 
 
 class MicroBatchLoop:
-    """GAS micro-batches through forward / backward / step (see the module docstring)."""
+    """GAS micro-batches through the engine's forward / backward / step (the module doc)."""
 
-    def train_batch(self, engine: Engine, data_iter: Iterator | None) -> torch.Tensor:
-        data_iter = data_or_loader(engine, data_iter)
-        engine.train()
+    def __init__(self, engine: Steps) -> None:
+        self.engine = engine
+
+    def train_batch(
+        self, parts: TrainParts, data_iter: Iterator | None, update: Callable[[], None]
+    ) -> torch.Tensor:
+        """``engine.step()`` updates at the last micro-batch: ``update`` is not called here."""
+        data_iter = parts.data(data_iter)
         total = torch.zeros(())
-        for _ in range(engine.gradient_accumulation_steps()):
-            loss = loss_of(engine, next(data_iter))
-            engine.backward(loss)
-            engine.step()
+        for _ in range(parts.batch.gradient_accumulation_steps):
+            loss = loss_of(self.engine, next(data_iter))
+            self.engine.backward(loss)
+            self.engine.step()
             total += loss.detach().float().cpu()
-        return _dp_mean(engine, total)
+        return _dp_mean(parts, total)
 
     @torch.no_grad()
-    def eval_batch(self, engine: Engine, data_iter: Iterator, **kwargs: Any) -> torch.Tensor:
+    def eval_batch(self, parts: TrainParts, data_iter: Iterator, **kwargs: Any) -> torch.Tensor:
         if kwargs:
             raise EngineError(f"eval_batch() got {sorted(kwargs)}: only pipelines take options")
-        was_training = engine.training
-        engine.eval()
         total = torch.zeros(())
-        for _ in range(engine.gradient_accumulation_steps()):
-            total += loss_of(engine, next(data_iter)).float().cpu()
-        engine.train(was_training)
-        return _dp_mean(engine, total)
+        for _ in range(parts.batch.gradient_accumulation_steps):
+            total += loss_of(self.engine, next(data_iter)).float().cpu()
+        return _dp_mean(parts, total)

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Sampler
 
-from shardwise.repeating import RepeatingLoader
+from shardwise.training.repeating import RepeatingLoader
 
 
 def epoch_order(

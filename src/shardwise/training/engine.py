@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -27,35 +28,36 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from shardwise import clip, comm
-from shardwise.batch_loop import MicroBatchLoop
-from shardwise.checkpoint import engine_state
-from shardwise.checkpoint.autosave import AutoSave
-from shardwise.checkpoint.replicas import ReplicaWatch
-from shardwise.counters import CounterField, TrainingCounters
-from shardwise.engine_accessors import ConfigAccessors
 from shardwise.errors import EngineError
-from shardwise.memory import breakdown
 from shardwise.monitor import Monitor, progress_line
+from shardwise.monitor.memory import breakdown
+from shardwise.parallel import clip
 from shardwise.parallel.context.scope import ContextParallel
 from shardwise.parallel.moe.experts import global_state
 from shardwise.parallel.tensor.consolidate import consolidate_tensor_parallel
 from shardwise.precision import LossScaler, compute_dtype
+from shardwise.training.accessors import PART_FIELDS, EngineAccessors
+from shardwise.training.batch_loop import MicroBatchLoop
+from shardwise.training.checkpoints import held, load, save
+from shardwise.training.checkpoints.autosave import AutoSave
+from shardwise.training.checkpoints.replica_watch import ReplicaWatch
+from shardwise.training.counters import CounterField, TrainingCounters
+from shardwise.training.parts import BatchStrategy, TrainParts
 
 if TYPE_CHECKING:  # annotations only
     from shardwise.checkpoint.async_save import SaveHandle
     from shardwise.config import BatchSizes, Config
-    from shardwise.data import DistributedDataLoader
     from shardwise.parallel.pipeline.train_batch import PipelineRunner
     from shardwise.parallel.strategy import GradientStrategy
-    from shardwise.precision import LossScaler
     from shardwise.topology import ProcessMesh
+    from shardwise.training.data_loader import DistributedDataLoader
 
 logger = logging.getLogger("shardwise")
 
 
-class Engine(ConfigAccessors, nn.Module):
-    """Wraps a model; ``engine(*inputs)`` runs it, ``backward``/``step`` train it."""
+class Engine(EngineAccessors, nn.Module):
+    """Wraps a model; ``engine(*inputs)`` runs it, ``backward``/``step`` train it. Its parts
+    (``engine.parts``: parts.py) are what it hands to the modules that work for it."""
 
     # DeepSpeed's counter names, views of ``self.counters`` (counters.py)
     micro_steps, global_steps = CounterField(), CounterField()
@@ -76,71 +78,48 @@ class Engine(ConfigAccessors, nn.Module):
         pipeline: PipelineRunner | None = None,
     ) -> None:
         super().__init__()
-
-        self.pipeline = pipeline  # parallel/pipeline/train_batch.py when pipeline stages > 1
-        self.batch_strategy = pipeline if pipeline is not None else MicroBatchLoop()
+        self.parts = TrainParts(
+            module,
+            optimizer,
+            lr_scheduler,
+            strategy,
+            mesh,
+            config,
+            batch,
+            scaler if scaler is not None else LossScaler(),
+            TrainingCounters(),  # saved and loaded whole by checkpoints
+            ContextParallel.from_mesh(config, mesh),  # shardwise.attention's ranks
+            training_dataloader,
+            loss_fn,
+        )
         self.module = module
-        self.optimizer = optimizer
-        self.lr_scheduler = lr_scheduler
-        self.strategy = strategy
-        self.scaler = scaler if scaler is not None else LossScaler()
-        self.mesh = mesh
-        self.config = config
-        self.batch = batch
-        self.training_dataloader = training_dataloader
-        self.loss_fn = loss_fn
-        self.counters = TrainingCounters()  # saved and loaded whole by checkpoints
+        self.pipeline = pipeline  # parallel/pipeline/train_batch.py when pipeline stages > 1
+        self.batch_strategy: BatchStrategy = pipeline or MicroBatchLoop(self)
         self._boundary_override: bool | None = None
         self._in_no_sync = False
         self._global_grad_norm: float | None = None
         self._step_applied = True
         self._backwards = 0  # engine.backward calls since the last step()
-        self.monitor = Monitor.for_engine(self)  # DeepSpeed's monitors, timers, profilers
+        # DeepSpeed's monitors, timers, profilers; a pipeline's schedule timed too
+        self.monitor = Monitor.build(self.parts, self.memory_breakdown)
+        if pipeline is not None and self.monitor.times_sections():
+            pipeline.executor.section = self.monitor.section
         self.replicas = ReplicaWatch(config.checkpoint.replica_check_interval)
         self.autosave = AutoSave(config.checkpoint)  # save_dir: interval saves, SIGTERM
-        self.context = ContextParallel.from_mesh(config, mesh)  # shardwise.attention's ranks
 
-    # ------------------------------------------------------------------ accessors (DeepSpeed's)
-    def get_lr(self) -> list[float]:
-        return [g["lr"] for g in self.optimizer.param_groups] if self.optimizer else []
+    def __setattr__(self, name: str, value: Any) -> None:
+        # a part goes to ``self.parts`` whatever its type (nn.Module's own __setattr__ would
+        # register an nn.Module loss_fn as a submodule, past the PartField)
+        if name in PART_FIELDS and "parts" in self.__dict__:
+            setattr(self.parts, name, value)
+        else:
+            super().__setattr__(name, value)
 
     def get_global_grad_norm(self) -> float | None:
         return self._global_grad_norm
 
     def was_step_applied(self) -> bool:
         return self._step_applied
-
-    @property
-    def device(self) -> torch.device:
-        p = next(self.module.parameters(), None)
-        return p.device if p is not None else torch.device("cpu")
-
-    @property
-    def global_rank(self) -> int:
-        return self.mesh.rank
-
-    @property
-    def world_size(self) -> int:
-        return self.mesh.topology.world_size
-
-    @property
-    def local_rank(self) -> int:
-
-        return comm.get_local_rank()
-
-    @property
-    def dp_world_size(self) -> int:
-        return self.mesh.topology.dp
-
-    @property
-    def dp_rank(self) -> int:
-        return self.mesh.dp_rank
-
-    def is_first_stage(self) -> bool:
-        return self.pipeline is None or self.pipeline.is_first_stage()
-
-    def is_last_stage(self) -> bool:
-        return self.pipeline is None or self.pipeline.is_last_stage()
 
     # ------------------------------------------------------------------ training
     def _refuse_in_pipeline(self, call: str) -> None:
@@ -193,7 +172,7 @@ class Engine(ConfigAccessors, nn.Module):
         scaled = loss / self.gradient_accumulation_steps() if scale_wrt_gas else loss
         if self.scaler.scale != 1.0:
             scaled = scaled * self.scaler.scale
-        self.replicas.before_backward(self, sync)  # replicas agree (replica_check_interval)
+        self.replicas.before_backward(self.parts, sync)  # replicas agree (replica_check_interval)
         with self.monitor.section("bwd"):
             self.strategy.before_backward(sync)
             with self.monitor.section("bwd_inner"), self.context.active():  # recompute too
@@ -233,7 +212,8 @@ class Engine(ConfigAccessors, nn.Module):
         """The update at an accumulation boundary (engine.step's, and the pipeline's)."""
         with self.monitor.section("step"):
             self._update(lr_kwargs)
-        self.monitor.after_step(self)  # events, the steps_per_print lines, the flops profile
+        # events, the steps_per_print lines, the flops profile
+        self.monitor.after_step(self.parts, self._global_grad_norm, self.pipeline is None)
 
     def _update(self, lr_kwargs: dict | None) -> None:
         scale = self.scaler.scale
@@ -294,10 +274,11 @@ class Engine(ConfigAccessors, nn.Module):
         ``steps_per_print`` steps rank 0 logs DeepSpeed's line: steps, loss, time, samples/s."""
         start = time.perf_counter()
         self.autosave.step_started()
-        loss = self.batch_strategy.train_batch(self, data_iter)
+        self.train()
+        loss = self.batch_strategy.train_batch(self.parts, data_iter, self.apply_update)
         if self.pipeline is not None:
             self._write_events(loss.item())
-            self.replicas.after_batch(self)
+            self.replicas.after_batch(self.parts)
             self.autosave.after_step(self)
         if self.mesh.rank == 0 and self.global_steps % self.steps_per_print() == 0:
             took = time.perf_counter() - start
@@ -309,7 +290,12 @@ class Engine(ConfigAccessors, nn.Module):
     def eval_batch(self, data_iter: Iterator | None, **kwargs: Any) -> Any:
         """The mean loss of GAS micro-batches without training, averaged over data ranks.
         With a pipeline: ``return_logits`` and ``num_micro_batches`` as DeepSpeed's."""
-        return self.batch_strategy.eval_batch(self, data_iter, **kwargs)
+        was_training = self.training
+        self.eval()
+        try:
+            return self.batch_strategy.eval_batch(self.parts, data_iter, **kwargs)
+        finally:
+            self.train(was_training)
 
     # ------------------------------------------------------------------ state
     def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
@@ -325,7 +311,7 @@ class Engine(ConfigAccessors, nn.Module):
         return self.consolidated_state_dict()
 
     # ------------------------------------------------------------------ checkpoints
-    # DeepSpeed's calls; the work is in checkpoint/engine_state.py (any layout loads any other).
+    # DeepSpeed's calls; the work is in checkpoints/save.py, load.py (any layout loads any other).
     def save_checkpoint(
         self,
         save_dir: str,
@@ -337,8 +323,15 @@ class Engine(ConfigAccessors, nn.Module):
     ) -> bool | SaveHandle:
         """Write ``save_dir/<tag>`` (default ``global_step<N>``); every rank must call it.
         ``async_save``: copy now, write in the background; returns the save's handle."""
-        return engine_state.save_checkpoint(
-            self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters, async_save
+        return save.save_checkpoint(
+            self.parts,
+            self.autosave,
+            save_dir,
+            tag,
+            client_state,
+            save_latest,
+            exclude_frozen_parameters,
+            async_save,
         )
 
     def wait_for_checkpoint(self) -> None:
@@ -356,15 +349,11 @@ class Engine(ConfigAccessors, nn.Module):
         load_module_only: bool = False,
     ) -> tuple[str | None, dict | None]:
         """``(load_path, client_state)``, or ``(None, None)`` without ``latest`` nor tag."""
-        return engine_state.load_checkpoint(
-            self,
-            load_dir,
-            tag,
-            load_module_strict,
-            load_optimizer_states,
-            load_lr_scheduler_states,
-            load_module_only,
-        )
+        options = (load_module_strict, load_optimizer_states, load_lr_scheduler_states)
+        path, client = load.load_checkpoint(self.parts, load_dir, tag, *options, load_module_only)
+        if path is not None:  # a later save there may replace newer checkpoints (rotation.py)
+            self.autosave.loaded_from = os.path.abspath(load_dir)
+        return path, client
 
     def save_16bit_model(
         self,
@@ -373,13 +362,14 @@ class Engine(ConfigAccessors, nn.Module):
         exclude_frozen_parameters: bool = False,
     ) -> bool:
         """The consolidated model as one file; safetensors content whatever the name."""
-        return engine_state.save_16bit_model(
-            self, save_dir, save_filename, exclude_frozen_parameters
+        state = self.consolidated_state_dict()  # every rank: ZeRO-3 and pipelines gather
+        return save.save_16bit_model(
+            self.parts, state, save_dir, save_filename, exclude_frozen_parameters
         )
 
     def load_module_state_dict(self, checkpoint: dict, strict: bool = True) -> None:
         """Load a whole-model state dict (the user's keys) into this layout."""
-        engine_state.load_module_state_dict(self, checkpoint, strict)
+        held.load_module_state_dict(self.parts, checkpoint, strict)
 
     def destroy(self) -> None:
         """DeepSpeed's: take the engine's hooks off the model, so another engine can train it."""

@@ -6,7 +6,7 @@ survive restarts and preemption.
 
 * **Resume** (``initialize``, once the engine is built): ``load_checkpoint(save_dir)``, the tag
   ``latest`` names or, without ``latest``, the complete checkpoint of the highest step. That
-  restores everything an exact resume needs (engine_load.py): weights, masters, optimizer,
+  restores everything an exact resume needs (load.py): weights, masters, optimizer,
   scheduler, loss scale, counters, every rank's random generators and the training loader's
   position. Train ``for step in range(engine.global_steps, total)``.
 * **Interval saves**: at the end of every optimizer step whose number is a multiple of
@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 from shardwise.checkpoint import rotation, storage
 from shardwise.checkpoint.async_save import AsyncSaver
@@ -35,10 +35,25 @@ from shardwise.launch.preempt import PREEMPTED_EXIT_CODE, Preempted, SignalFlag,
 
 if TYPE_CHECKING:  # annotations only
     from shardwise.config.checkpoint import CheckpointConfig
-    from shardwise.engine import Engine
     from shardwise.topology import ProcessMesh
 
 logger = logging.getLogger("shardwise")
+
+
+class Checkpointed(Protocol):
+    """What ``AutoSave`` uses of the engine: its step, rank and size, its checkpoint calls."""
+
+    global_steps: int
+
+    @property
+    def global_rank(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    def save_checkpoint(self, save_dir: str, *, async_save: bool = False) -> Any: ...
+
+    def load_checkpoint(self, load_dir: str, tag: str | int | None = None) -> tuple: ...
 
 
 class AutoSave:
@@ -52,10 +67,11 @@ class AutoSave:
         self.writer: AsyncSaver | None = None  # made by the first asynchronous save
         self.sigterm = SignalFlag(on_idle=self._idle_exit) if self.save_dir is not None else None
         self.resumed_from: str | None = None  # the checkpoint auto_resume loaded
+        self.loaded_from: str | None = None  # the save directory the engine last loaded from
         self._saved_step: int | None = None
         self._step, self._rank = 0, 0  # as of the last step end, for a SIGTERM outside a step
 
-    def resume(self, engine: Engine) -> str | None:
+    def resume(self, engine: Checkpointed) -> str | None:
         """With ``auto_resume``: load the newest checkpoint of ``save_dir`` (module doc); its
         path, or None when there is none yet (a first start)."""
         if not self.auto_resume or self.save_dir is None:
@@ -68,7 +84,7 @@ class AutoSave:
         _say(engine, f"auto_resume: resumed from {self.resumed_from} (step {engine.global_steps})")
         return self.resumed_from
 
-    def after_step(self, engine: Engine) -> None:
+    def after_step(self, engine: Checkpointed) -> None:
         """At the end of an optimizer step: the interval save, then the preemption check."""
         if self.save_dir is None:
             return
@@ -84,7 +100,7 @@ class AutoSave:
         if stopping:
             self._stop(engine, step, stopping)
 
-    def _stop(self, engine: Engine, step: int, ranks: int) -> None:
+    def _stop(self, engine: Checkpointed, step: int, ranks: int) -> None:
         path = os.path.join(self.save_dir, f"global_step{step}")
         _say(
             engine,
@@ -148,6 +164,6 @@ def newest_tag(save_dir: str) -> str | None:
     return newest.tag
 
 
-def _say(engine: Engine, line: str) -> None:
+def _say(engine: Checkpointed, line: str) -> None:
     if engine.global_rank == 0:
         print(f"[shardwise] {line}", file=sys.stderr, flush=True)

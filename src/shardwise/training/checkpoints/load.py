@@ -44,20 +44,20 @@ from shardwise.checkpoint.rank_state import (
     source_rank,
 )
 from shardwise.checkpoint.reshard import CheckpointError, apply, check, plan
-from shardwise.counters import TrainingCounters
+from shardwise.training.checkpoints.held import check_unexpected, frozen_names, layout
+from shardwise.training.counters import TrainingCounters
 
 if TYPE_CHECKING:  # annotations only
     from shardwise.checkpoint.reader import CheckpointReader
-    from shardwise.engine import Engine
+    from shardwise.training.parts import TrainParts
 
 logger = logging.getLogger("shardwise")
 
 COUNTERS = TrainingCounters.names()
-LOADED_FROM = "_checkpoint_loaded_from"  # engine attribute: the save directory last loaded
 
 
 def load_checkpoint(
-    engine: Engine,
+    parts: TrainParts,
     load_dir: str,
     tag: str | int | None = None,
     load_module_strict: bool = True,
@@ -79,8 +79,8 @@ def load_checkpoint(
     options = (load_module_strict, load_optimizer_states, load_lr_scheduler_states)
     reader, failure = None, None
     try:
-        reader = storage.CheckpointReader(path, verify=engine.config.checkpoint.verify)
-        steps, client_state = _check(engine, reader, load_module_only, *options)
+        reader = storage.CheckpointReader(path, verify=parts.config.checkpoint.verify)
+        steps, client_state = _check(parts, reader, load_module_only, *options)
     except Exception as e:  # noqa: BLE001 - every rank must reach _agree, or the others hang
         failure = e
         if reader is not None:
@@ -89,8 +89,7 @@ def load_checkpoint(
     with reader:
         for step in steps:
             step()
-    setattr(engine, LOADED_FROM, os.path.abspath(load_dir))
-    if engine.global_rank == 0:
+    if parts.mesh.rank == 0:
         lock.warn_if_held(load_dir)  # at the start of a job, not at its first save
     return path, client_state
 
@@ -126,7 +125,7 @@ def _warn_nothing_to_load(load_dir: str) -> None:
 
 
 def _check(
-    engine: Engine,
+    parts: TrainParts,
     reader: CheckpointReader,
     module_only: bool,
     strict: bool,
@@ -135,14 +134,12 @@ def _check(
 ) -> tuple[list[Callable[[], None]], dict]:
     """Phase one (module docstring): raise on anything wrong; return the steps that apply the
     checkpoint, in order, and the client state."""
-    from shardwise.checkpoint.engine_state import check_unexpected, frozen_names, layout  # noqa: PLC0415 - engine_state imports this module
-
-    lay = layout(engine)
-    frozen = frozen_names(engine)
+    lay = layout(parts)
+    frozen = frozen_names(parts)
     model_targets = lay.model + lay.master_pieces()
     copies, _ = plan(reader, model_targets, strict, optional=lambda name: name in frozen)
     if strict:
-        check_unexpected(engine, reader)
+        check_unexpected(parts, reader)
     shared = reader.rank_state(0)
     client = shared.get("client_state") or {}
     if not isinstance(client, dict):
@@ -152,44 +149,48 @@ def _check(
         return [lambda: apply(reader, copies)], dict(client)
     meta, later = reader.meta, []
     counters = _counters(reader, meta)
-    if load_optimizer and engine.optimizer is not None:
-        later += _optimizer_steps(engine, reader, lay, copies)
+    if load_optimizer and parts.optimizer is not None:
+        later += _optimizer_steps(parts, reader, lay, copies)
     sched = shared.get("lr_scheduler")
-    if load_scheduler and engine.lr_scheduler is not None and sched:
+    if load_scheduler and parts.lr_scheduler is not None and sched:
         if not isinstance(sched, dict):
             raise _bad(reader, "lr_scheduler", sched, "a scheduler state dict")
-        later.append(lambda: _load_scheduler(engine, sched))
+        later.append(lambda: _load_scheduler(parts, sched))
 
-    later.append(lambda: engine.counters.load_state_dict(counters))
+    later.append(lambda: parts.counters.load_state_dict(counters))
     data = shared.get("data")
     if data is not None and not isinstance(data, dict):
         raise _bad(reader, "data", data, "a data loader state dict")
-    rng = reader.rank_state(source_rank(engine.global_rank, reader.world_size)).get("rng")
+    rng = reader.rank_state(source_rank(parts.mesh.rank, reader.world_size)).get("rng")
     _check_rng(reader, rng)
     check(reader, copies)  # the checksums of every byte to be read
     # The data position is global (samples consumed), so rank 0's serves every rank: it
     # always reads data (a middle pipeline stage never iterates its loader).
-    steps = [lambda: set_data_state(engine, data), lambda: apply(reader, copies), *later]
+    steps = [
+        lambda: set_data_state(parts.training_dataloader, data),
+        lambda: apply(reader, copies),
+        *later,
+    ]
     return [*steps, lambda: set_rng_state(rng)], dict(client)
 
 
-def _optimizer_steps(engine: Engine, reader: CheckpointReader, lay: Any, copies: list) -> list:
+def _optimizer_steps(parts: TrainParts, reader: CheckpointReader, lay: Any, copies: list) -> list:
     """Check the optimizer's part (adding its copies to ``copies``); the steps that apply it
     once ``copies`` are made."""
-    meta, optimizer = reader.meta, engine.optimizer
+    meta, optimizer = reader.meta, parts.optimizer
     targets, commit = optim_targets(lay, optimizer, reader)
     copies += plan(reader, targets)[0]
     groups = meta.get("param_groups")
     if groups is not None:
         check_groups(optimizer, groups)
     scaler = meta.get("loss_scaler")
-    want = set(engine.scaler.state_dict())
+    want = set(parts.scaler.state_dict())
     if not isinstance(scaler, dict) or set(scaler) != want:
         raise _bad(reader, "meta.loss_scaler", scaler, f"a dict of {sorted(want)}")
     steps = [commit]
     if groups is not None:
         steps.append(lambda: groups_from_json(optimizer, groups))
-    return [*steps, lambda: engine.scaler.load_state_dict(scaler)]
+    return [*steps, lambda: parts.scaler.load_state_dict(scaler)]
 
 
 def _counters(reader: CheckpointReader, meta: dict) -> dict[str, int]:
@@ -222,13 +223,13 @@ def _bad(reader: CheckpointReader, what: str, value: object, expected: str) -> C
     )
 
 
-def _load_scheduler(engine: Engine, state: dict) -> None:
+def _load_scheduler(parts: TrainParts, state: dict) -> None:
     """The schedule's position, and its current lr in the optimizer (a scheduler's
     load_state_dict does not set it; the optimizer's groups may not have been loaded)."""
-    sched = engine.lr_scheduler
+    sched = parts.lr_scheduler
     sched.load_state_dict(state)
-    if engine.optimizer is not None and hasattr(sched, "get_last_lr"):
-        for group, lr in zip(engine.optimizer.param_groups, sched.get_last_lr(), strict=False):
+    if parts.optimizer is not None and hasattr(sched, "get_last_lr"):
+        for group, lr in zip(parts.optimizer.param_groups, sched.get_last_lr(), strict=False):
             if hasattr(group["lr"], "fill_"):
                 group["lr"].fill_(lr)
             else:

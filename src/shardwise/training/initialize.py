@@ -1,9 +1,12 @@
 """``shardwise.initialize``: from a model and a config to a ready engine, in a fixed order.
 
-    config (parsed and validated before any work) -> torch.distributed -> Topology and groups
-    -> batch sizes for the data-parallel size -> unsupported features refused
-    -> same weights on every rank -> optimizer -> LR scheduler -> gradient reducer
-    -> data loader -> Engine -> with checkpoint.auto_resume, the newest checkpoint loaded
+    config (parsed and validated before any work; unsupported features refused: refusals.py)
+    -> torch.distributed -> the model as a pipeline if asked -> mesh and groups -> batch sizes
+    -> phase one, every rewrite of the model (rewrite.py: stage cut, experts bound, the same
+       weights on every rank, tensor-parallel split, activation checkpointing, cast)
+    -> phase two, what references the rewritten model (``_assemble``: the pipeline's runner
+       and tied-weight groups, optimizer, gradient strategy, scheduler, loss scaler, Engine)
+    -> data loader -> with checkpoint.auto_resume, the newest checkpoint loaded
 
 Everything a user can get wrong in the config fails in the first step, before a process
 group or a tensor is touched.
@@ -22,29 +25,22 @@ from torch import nn
 from torch.optim import Optimizer
 
 from shardwise import comm, mesh_groups
-from shardwise.config import Config, ConfigError, parse_config
-from shardwise.data import build_dataloader
-from shardwise.engine import Engine
+from shardwise.config import BatchSizes, Config, ConfigError, parse_config
 from shardwise.integrations import hf_context
 from shardwise.launch.env import init_distributed
 from shardwise.lr_schedules import build_scheduler
 from shardwise.optim import build_optimizer
 from shardwise.parallel import remap
-from shardwise.parallel.activation.recompute import refused_options
-from shardwise.parallel.activation.selective import apply_activation_checkpointing
-from shardwise.parallel.context.ulysses import check_model_heads
-from shardwise.parallel.data.reducer import broadcast_parameters
-from shardwise.parallel.moe.experts import bind_experts
 from shardwise.parallel.pipeline import prepare as pipe
-from shardwise.parallel.pipeline.prepare import stage_plan
 from shardwise.parallel.strategies import build_strategy
 from shardwise.parallel.strategy import StrategyContext
-from shardwise.parallel.tensor.hf_styles import decoder_sequence_parallel
-from shardwise.parallel.tensor.parallelize import parallelize, resolve_plan
 from shardwise.parallel.tensor.placement import get_placement
-from shardwise.parallel.zero.materialize import materialize_model
-from shardwise.precision import LossScaler, cast_module, compute_dtype, fp16_master
+from shardwise.precision import LossScaler, compute_dtype, fp16_master
 from shardwise.topology import ProcessMesh, Topology, world_timeout
+from shardwise.training.data_loader import build_dataloader
+from shardwise.training.engine import Engine
+from shardwise.training.refusals import refuse_unimplemented
+from shardwise.training.rewrite import rewrite_model
 
 if TYPE_CHECKING:  # annotations only
     from torch.optim import Optimizer
@@ -83,7 +79,7 @@ def initialize(
     if model is None:
         raise ValueError("shardwise.initialize requires a model: initialize(model=..., config=...)")
     cfg = parse_config(_config_source(args, config, config_params))
-    _refuse_unimplemented(cfg, mpu, model)
+    refuse_unimplemented(cfg, mpu, model)
     params = remap.materialize(model_parameters)  # a generator is read once
     port, timeout = distributed_port, cfg.comms.timeout_s
     init_distributed(distributed_port=port, dist_init_required=dist_init_required, timeout=timeout)
@@ -92,31 +88,40 @@ def initialize(
     mesh = _build_mesh(cfg, pipe.pipeline_stages(cfg, model))
     batch = cfg.resolve_batch(mesh.topology.dp)
     _log_start(cfg, mesh, batch)
-    runner = pipe.bind_pipeline(cfg, model, mesh, compute_dtype(cfg), loss_fn)
-    bind_experts(model, mesh)  # MoE (of the built stage): before any broadcast or reduction
-    loss_fn = pipe.engine_loss(model, loss_fn)
-    if mesh.topology.tp > 1:
-        params = _apply_tensor_parallel(cfg, model, mesh, optimizer, runner, params)
-    else:
-        broadcast_parameters(model, src=mesh.dp_cp_ranks()[0], group=mesh.dp_cp_group)
-    if cfg.zero_optimization.stage != 3:  # ZeRO-3 materializes a meta model shard by shard
-        materialize_model(model)  # a meta model, once cut: each rank only what it keeps
+    # phase one: every rewrite of the model (rewrite.py); phase two: what references it
+    params = rewrite_model(cfg, model, mesh, optimizer, params)
+    loader = _build_loader(cfg, training_data, batch, mesh, collate_fn)
+    engine = _assemble(cfg, model, mesh, batch, optimizer, params, lr_scheduler, loader, loss_fn)
+    _bind_engine(engine, model)
+    engine.autosave.resume(engine)  # checkpoint.auto_resume: the newest checkpoint of save_dir
+    return engine, engine.optimizer, loader, engine.lr_scheduler
+
+
+def _assemble(
+    cfg: Config,
+    model: nn.Module,
+    mesh: ProcessMesh,
+    batch: BatchSizes,
+    optimizer: Any,
+    params: list | None,
+    lr_scheduler: Any,
+    loader: Any,
+    loss_fn: Callable | None,
+) -> Engine:
+    """Phase two, over the rewritten model: the pipeline's runner and tied-weight groups,
+    the optimizer, the gradient strategy, the scheduler and loss scaler, the engine."""
+    runner = pipe.build_runner(cfg, model, mesh, compute_dtype(cfg), loss_fn)
     if runner is not None:
-        runner.tied.broadcast()
-    _apply_activation_checkpointing(cfg, model, mesh)  # after TP and PP, before the cast
-    cast_module(model, compute_dtype(cfg))
+        runner.tied.broadcast()  # every copy of a tied weight starts from its first stage's
+    loss_fn = pipe.engine_loss(model, loss_fn)
     opt = _build_optimizer(cfg, model, optimizer, params)
     isolate, skip = _isolated_and_skipped(model, mesh, runner)
     strategy = build_strategy(StrategyContext(cfg, model, opt, mesh, isolate, skip))
     if opt is not None and strategy.optimizer is not None:
         opt = strategy.optimizer  # rebuilt over the master shards
     sched = _build_scheduler(cfg, opt, lr_scheduler)
-    loader = _build_loader(cfg, training_data, batch, mesh, collate_fn)
     scaler = LossScaler.from_config(cfg)
-    engine = Engine(model, opt, sched, strategy, mesh, cfg, batch, loader, loss_fn, scaler, runner)
-    _bind_engine(engine, model)
-    engine.autosave.resume(engine)  # checkpoint.auto_resume: the newest checkpoint of save_dir
-    return engine, opt, loader, sched
+    return Engine(model, opt, sched, strategy, mesh, cfg, batch, loader, loss_fn, scaler, runner)
 
 
 def _bind_engine(engine: Engine, model: nn.Module) -> None:
@@ -128,6 +133,15 @@ def _bind_engine(engine: Engine, model: nn.Module) -> None:
         hf_context.use_context_attention(model)
         engine.context.prepare = functools.partial(hf_context.prepare_batch, model)
         engine.context.loss = hf_context.token_loss
+
+
+def _counted_elsewhere(model: nn.Module, mesh: ProcessMesh) -> frozenset[int]:
+    """Parameters replicated across tensor-parallel ranks count in the gradient norm on
+    tensor-parallel rank 0 only (each element of the model's gradient counts once)."""
+    if mesh.topology.tp == 1 or mesh.tp_rank == 0:
+        return frozenset()
+
+    return frozenset(id(p) for p in model.parameters() if get_placement(p).tp_replicated)
 
 
 def _isolated_and_skipped(
@@ -167,68 +181,6 @@ def _build_mesh(cfg: Config, stages: int) -> ProcessMesh:
     return ProcessMesh.create(Topology.build(world, pp=stages, tp=cfg.tensor_parallel.size, cp=cp))
 
 
-def _apply_tensor_parallel(
-    cfg: Config,
-    model: nn.Module,
-    mesh: ProcessMesh,
-    optimizer: Optimizer,
-    runner: Any = None,
-    model_parameters: list | None = None,
-) -> list | None:
-    """Split the model's layers across the tensor-parallel group, from identical weights.
-
-    Every rank first takes rank 0's whole weights (the user may not have seeded), so that the
-    slices of all ranks come from one model; then the plan rewrites the layers in place.
-    With a pipeline, the same within each stage, with the plan's patterns of this stage.
-    The split layers get new parameters: an optimizer built beforehand would step the old,
-    unused ones and leave the split layers untrained, so it is refused; a ``model_parameters``
-    list (or groups) collected before the split is mapped onto the shards (parallel/remap.py),
-    and returned."""
-
-    if runner is None:
-        broadcast_parameters(model, src=0, group=None)
-    else:
-        runner.broadcast_stage()
-    before = list(model.parameters())  # alive until the check: their ids stay unique
-    names = remap.snapshot(model)
-    plan = resolve_plan(model, cfg.tensor_parallel.plan)
-    if cfg.tensor_parallel.sequence_parallel:
-        plan = decoder_sequence_parallel(model, plan)
-    if runner is not None:
-        plan = stage_plan(model, plan, mesh)
-        if not plan:  # this stage has no split layer: every TP rank runs it whole
-            return model_parameters
-    # With sequence parallelism, stages after the first receive the sequence already split.
-    first = runner is None or runner.stage_id == 0
-    sp = cfg.tensor_parallel.sequence_parallel
-    parallelize(model, plan, mesh, sequence_parallel=sp, split_entry=first)
-    if model_parameters is not None:
-        model_parameters = remap.remap_parameters(model_parameters, names, model)
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        return model_parameters
-    now = {id(p) for p in model.parameters()}
-    replaced = {id(p) for p in before if id(p) not in now}
-    stale = sum(id(p) in replaced for g in optimizer.param_groups for p in g["params"])
-    if stale:
-        raise ConfigError(
-            f"the optimizer holds {stale} parameters that tensor parallelism replaced by their "
-            "shards, so the split layers would never be updated: pass the optimizer as a "
-            "callable (optimizer=lambda params: torch.optim.AdamW(params, lr=...)) or give an "
-            '"optimizer" config block, so that it is built on the split model',
-            key="optimizer",
-        )
-    return model_parameters
-
-
-def _counted_elsewhere(model: nn.Module, mesh: ProcessMesh) -> frozenset[int]:
-    """Parameters replicated across tensor-parallel ranks count in the gradient norm on
-    tensor-parallel rank 0 only (each element of the model's gradient counts once)."""
-    if mesh.topology.tp == 1 or mesh.tp_rank == 0:
-        return frozenset()
-
-    return frozenset(id(p) for p in model.parameters() if get_placement(p).tp_replicated)
-
-
 def _configure_comms(cfg: Config) -> None:
     """The flight recorder, watchdog and fingerprint check from the ``comms`` block; a
     ``timeout_s`` that came too late (the world was set up before ``initialize``) is said."""
@@ -250,47 +202,6 @@ def _configure_comms(cfg: Config) -> None:
         )
 
 
-def _refuse_unimplemented(cfg: Config, mpu: Any, model: nn.Module | None = None) -> None:
-    """Features the config validates but this version cannot run: say so, never ignore.
-    Without ``model`` (verify --fuzz's check before launching), the config's rules only."""
-    if cfg.context_parallel.size > 1 and model is not None:
-        hf_context.refuse_built_in_attention(model)  # a model no registered attention reaches
-        check_model_heads(
-            model, cfg.context_parallel.size, cfg.tensor_parallel.size, cfg.context_parallel.method
-        )
-    todo = []
-    if cfg.tensor_parallel.size > 1 and cfg.zero_optimization.stage == 3:
-        todo.append("zero_optimization.stage=3 with tensor_parallel.size > 1 (use stage 1 or 2)")
-    todo += _unbuilt_options(cfg)
-    _refuse_conflicts(cfg)
-    if mpu is not None:
-        todo.append("mpu (pass tensor_parallel/pipeline sizes in the config instead)")
-    if todo:
-        raise ConfigError(
-            f"not implemented yet in shardwise: {', '.join(todo)}. Remove or disable these "
-            "keys; see docs/config.md for the status of each feature",
-            key=todo[0].split("=")[0],
-        )
-
-
-def _refuse_conflicts(cfg: Config) -> None:
-    if cfg.context_parallel.size > 1 and cfg.tensor_parallel.sequence_parallel:
-        raise ConfigError(
-            "tensor_parallel.sequence_parallel with context_parallel.size > 1: both split the "
-            "sequence; keep context_parallel (it splits attention too) and set "
-            "tensor_parallel.sequence_parallel to false",
-            key="tensor_parallel.sequence_parallel",
-        )
-    if cfg.activation_checkpointing.partition_activations and cfg.tensor_parallel.sequence_parallel:
-        raise ConfigError(
-            "activation_checkpointing.partition_activations splits a block input that every "
-            "tensor-parallel rank holds whole; with tensor_parallel.sequence_parallel each rank "
-            "already holds only its 1/N of the sequence, so there is nothing to split. Set "
-            "partition_activations to false (sequence parallelism saves that memory already)",
-            key="activation_checkpointing.partition_activations",
-        )
-
-
 def _ensure_logging() -> None:
     """Show shardwise's INFO lines (rank 0 only logs them) unless the user configured logging."""
     if not logger.handlers and not logging.getLogger().handlers:
@@ -298,29 +209,6 @@ def _ensure_logging() -> None:
         handler.setFormatter(logging.Formatter("[shardwise] %(message)s"))
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)
-
-
-def _unbuilt_options(cfg: Config) -> list[str]:
-    """Options whose non-default values would change results if ignored."""
-    todo = []
-    comm_dtype = cfg.communication_data_type
-    names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-    if comm_dtype is not None and comm_dtype != names[compute_dtype(cfg)]:
-        todo.append(f"communication_data_type={comm_dtype} (reductions use the compute dtype)")
-
-    todo += [f"activation_checkpointing.{k}" for k in refused_options(cfg.activation_checkpointing)]
-    return todo
-
-
-def _apply_activation_checkpointing(cfg: Config, model: nn.Module, mesh: ProcessMesh) -> None:
-
-    block = cfg.activation_checkpointing
-    # partition_activations with one TP rank: nothing to split over (DeepSpeed: the same).
-    group = mesh.tp_group if block.partition_activations and mesh.topology.tp > 1 else None
-    key = "activation_checkpointing.checkpoint_layers"
-    apply_activation_checkpointing(model, block.checkpoint_layers, key=key, partition_group=group)
-    if hasattr(model, "activation_partition"):  # a PipelineModule's activation_checkpoint_interval
-        model.activation_partition.group = group
 
 
 def _log_start(cfg: Config, mesh: ProcessMesh, batch: Any) -> None:
