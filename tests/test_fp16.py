@@ -22,7 +22,7 @@ from models import make_data, make_model, rank_slice
 
 import shardwise
 from shardwise import comm
-from shardwise.lr_schedules import WarmupLR
+from shardwise.lr_formulas import WarmupLR
 from shardwise.precision import LossScaler
 
 STEPS = 8

@@ -8,14 +8,8 @@ import torch
 from torch.optim.lr_scheduler import LRScheduler, StepLR
 
 from shardwise.config import ConfigError, SchedulerConfig, parse_config
-from shardwise.lr_schedules import (
-    LRRangeTest,
-    OneCycle,
-    WarmupCosineLR,
-    WarmupDecayLR,
-    WarmupLR,
-    build_scheduler,
-)
+from shardwise.lr_formulas import LRRangeTest, OneCycle, WarmupCosineLR, WarmupDecayLR, WarmupLR
+from shardwise.lr_schedules import build_scheduler
 
 pytestmark = pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)`")
 

@@ -5,6 +5,12 @@ module can raise them without an import cycle. Each message says what to do.
     EngineError      a call the engine cannot honour in its current state
     CheckpointError  a checkpoint is damaged, incomplete or from another model  checkpoint/manifest.py
     TopologyError    sizes that do not fit the world                            topology.py
+
+and the config warnings (``shardwise.config`` exports them; here so that the LR schedules, which
+the config checks its scheduler block against, warn without importing the config):
+
+    ConfigWarning               a key accepted but ignored, deprecated, or an "auto" defaulted
+    DeepSpeedDifferenceWarning  a setting run differently from DeepSpeed 0.19, on purpose
 """
 
 from __future__ import annotations
@@ -15,6 +21,14 @@ from importlib import import_module
 
 class EngineError(RuntimeError):
     """A call the engine cannot honour in its current state; the message says what to do."""
+
+
+class ConfigWarning(UserWarning):
+    """A config key that is accepted but ignored, deprecated, or an ``"auto"`` that fell back to a default."""
+
+
+class DeepSpeedDifferenceWarning(ConfigWarning):
+    """A setting shardwise runs differently from DeepSpeed 0.19, on purpose (docs/config.md says why)."""
 
 
 class NotProvidedError(ImportError):

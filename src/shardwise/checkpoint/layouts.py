@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import nn
@@ -45,7 +45,6 @@ from shardwise.parallel.zero.masters import shares_storage  # noqa: F401 (re-exp
 if TYPE_CHECKING:  # annotations only
     from torch.optim import Optimizer
 
-    from shardwise.parallel.strategy import GradientStrategy
     from shardwise.topology import ProcessMesh
 
 Box = tuple[tuple[int, int], ...]
@@ -261,8 +260,18 @@ def _flat_slots(
     return out
 
 
+class LayoutSource(Protocol):
+    """What ``layout_of`` asks of a gradient strategy: every strategy has it (the contract in
+    parallel/strategy.py, whose strategies build their layouts from this module)."""
+
+    def checkpoint_layout(
+        self, module: nn.Module, optimizer: Optimizer | None, mesh: ProcessMesh
+    ) -> Layout:
+        """What this rank holds, as checkpoint pieces and optimizer slots."""
+
+
 def layout_of(
-    module: nn.Module, optimizer: Optimizer, strategy: GradientStrategy, mesh: ProcessMesh
+    module: nn.Module, optimizer: Optimizer, strategy: LayoutSource, mesh: ProcessMesh
 ) -> Layout:
     """The pieces this rank holds under ``strategy``: its ``checkpoint_layout`` (strategy.py)."""
     return strategy.checkpoint_layout(module, optimizer, mesh)

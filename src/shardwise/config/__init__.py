@@ -13,7 +13,7 @@ from shardwise.config.batch import BatchSizes
 from shardwise.config.checkpoint import CheckpointConfig, ParallelWriteConfig
 from shardwise.config.comms import CommsConfig
 from shardwise.config.core import Config, parse_config
-from shardwise.config.errors import ConfigError, ConfigWarning, DeepSpeedDifferenceWarning
+from shardwise.config.errors import ConfigError
 from shardwise.config.optim_blocks import OptimizerConfig, SchedulerConfig
 from shardwise.config.parallel import (
     ActivationCheckpointingConfig,
@@ -28,6 +28,7 @@ from shardwise.config.zero import (
     OffloadParamConfig,
     ZeroConfig,
 )
+from shardwise.errors import ConfigWarning, DeepSpeedDifferenceWarning
 
 __all__ = [
     "ActivationCheckpointingConfig",

@@ -34,12 +34,7 @@ from shardwise.config.monitor import (
     MonitorConfig,
     WandbConfig,
 )
-from shardwise.config.optim_blocks import (
-    OptimizerConfig,
-    SchedulerConfig,
-    parse_optimizer,
-    parse_scheduler,
-)
+from shardwise.config.optim_blocks import OptimizerConfig, SchedulerConfig, parse_optimizer
 from shardwise.config.parallel import (
     ActivationCheckpointingConfig,
     ContextParallelConfig,
@@ -50,6 +45,7 @@ from shardwise.config.parallel import (
     parse_tensor_parallel,
 )
 from shardwise.config.precision import BF16Config, FP16Config
+from shardwise.config.scheduler_params import parse_scheduler
 from shardwise.config.schema import AUTO, build, check_keys, schema_keys, spec
 from shardwise.config.zero import ZeroConfig, parse_zero
 

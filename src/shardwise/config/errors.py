@@ -14,6 +14,8 @@ import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from shardwise.errors import ConfigWarning, DeepSpeedDifferenceWarning
+
 
 class ConfigError(ValueError):
     """A config value shardwise refuses. ``key`` is the dotted path, e.g. ``"zero_optimization.stage"``."""
@@ -21,14 +23,6 @@ class ConfigError(ValueError):
     def __init__(self, message: str, key: str = "") -> None:
         super().__init__(message)
         self.key = key
-
-
-class ConfigWarning(UserWarning):
-    """A config key that is accepted but ignored, deprecated, or an ``"auto"`` that fell back to a default."""
-
-
-class DeepSpeedDifferenceWarning(ConfigWarning):
-    """A setting shardwise runs differently from DeepSpeed 0.19, on purpose (docs/config.md says why)."""
 
 
 def join(path: str, key: str) -> str:

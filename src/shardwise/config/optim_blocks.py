@@ -1,10 +1,11 @@
 """The ``optimizer`` and ``scheduler`` blocks: checked at parse time, built by optim / lr_schedules.
 
-What is checked here (before any model exists): the block shape, ``optimizer.params.lr > 0``,
-no ``max_grad_norm`` (clipping is the top-level ``gradient_clipping``), the types and ranges of the
-common optimizer parameters, and, for schedulers, the parameter names and types (delegated to
-:mod:`shardwise.lr_schedules`). ``"auto"`` values stay in ``params`` untouched: they are resolved
-(or refused) when the optimizer and scheduler are built, see docs/config.md.
+What is checked here (before any model exists): the optimizer block's shape,
+``optimizer.params.lr > 0``, no ``max_grad_norm`` (clipping is the top-level
+``gradient_clipping``), the types and ranges of the common optimizer parameters. The scheduler
+block is parsed and checked in scheduler_params.py, against the schedules themselves.
+``"auto"`` values stay in ``params`` untouched: they are resolved (or refused) when the optimizer
+and scheduler are built, see docs/config.md.
 """
 
 from __future__ import annotations
@@ -83,16 +84,3 @@ def check_optimizer_params(params: dict[str, Any], path: str) -> None:
         if name == "betas" and not all(0 <= b < 1 for b in value):
             raise fail(key, f"each beta must be in [0, 1), got {list(value)!r}")
         check_bounds(value, bounds, key)
-
-
-def parse_scheduler(raw: object, notes: Notes) -> SchedulerConfig:
-    """Build the scheduler block; its type must exist and its params must fit that scheduler."""
-    if not isinstance(raw, dict):
-        raise fail(
-            "scheduler", f"expected an object like {SchedulerConfig.EXAMPLE}, got {show(raw)}"
-        )
-    sched = build(SchedulerConfig, raw, "scheduler", notes)
-    from shardwise.config.scheduler_params import check_scheduler_config  # lazy: imports torch  # noqa: PLC0415 - scheduler_params imports this module
-
-    check_scheduler_config(sched, allow_auto=True)
-    return sched

@@ -1,6 +1,6 @@
-"""Parse-time and build-time checks of ``scheduler.params`` for every scheduler shardwise knows.
+"""The ``scheduler`` block: parsed, and its ``params`` checked at parse time and build time.
 
-DeepSpeed's schedulers (:mod:`shardwise.lr_schedules`) get their parameter names, required keys,
+DeepSpeed's schedulers (:mod:`shardwise.lr_formulas`) get their parameter names, required keys,
 types (from the constructor annotations) and bounds checked; torch's get names and required keys.
 "auto" is resolved only where it has a meaningful source (``_AUTO_SOURCES``).
 """
@@ -15,9 +15,10 @@ import torch
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
-from shardwise.config.errors import ConfigError, did_you_mean, fail, join
+from shardwise.config.errors import ConfigError, Notes, did_you_mean, fail, join, show
 from shardwise.config.optim_blocks import SchedulerConfig
-from shardwise.config.schema import AUTO, check_bounds, convert
+from shardwise.config.schema import AUTO, build, check_bounds, convert
+from shardwise.lr_formulas import DEEPSPEED_SCHEDULERS
 
 # Bounds of the DeepSpeed schedulers' parameters (each element, for per-group lists).
 _BOUNDS: dict[str, dict[str, float]] = {
@@ -51,10 +52,6 @@ _AUTO_SOURCES = {
 
 def scheduler_class(name: str) -> type[LRScheduler]:
     """DeepSpeed's scheduler of that name (any case), else ``torch.optim.lr_scheduler.<name>``."""
-    from shardwise.lr_schedules import (  # noqa: PLC0415 - lr_schedules imports this module
-        DEEPSPEED_SCHEDULERS,
-    )  # lazy: lr_schedules imports this module
-
     lowered = {key.lower(): cls for key, cls in DEEPSPEED_SCHEDULERS.items()}
     if name.lower() in lowered:
         return lowered[name.lower()]
@@ -75,6 +72,17 @@ def scheduler_class(name: str) -> type[LRScheduler]:
         f"unknown scheduler {name!r}{hint or '.'} Valid: {', '.join(DEEPSPEED_SCHEDULERS)} "
         f"(DeepSpeed's) or a torch.optim.lr_scheduler class ({', '.join(torch_names)})",
     )
+
+
+def parse_scheduler(raw: object, notes: Notes) -> SchedulerConfig:
+    """Build the scheduler block; its type must exist and its params must fit that scheduler."""
+    if not isinstance(raw, dict):
+        raise fail(
+            "scheduler", f"expected an object like {SchedulerConfig.EXAMPLE}, got {show(raw)}"
+        )
+    sched = build(SchedulerConfig, raw, "scheduler", notes)
+    check_scheduler_config(sched, allow_auto=True)
+    return sched
 
 
 def check_scheduler_config(cfg: SchedulerConfig, allow_auto: bool = False) -> dict[str, Any]:

@@ -20,12 +20,11 @@ import time
 import traceback
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-if TYPE_CHECKING:  # annotations only
-    from shardwise.diagnose.recorder import FlightRecorder
+from shardwise.diagnose.calls import CallLog
 
 RUN_DIR_VAR = "SHARDWISE_RUN_DIR"
 DEFAULT_DIR = "shardwise-diagnose"
@@ -72,9 +71,7 @@ def stacks(skip: int | None = None) -> dict[int, tuple[str, list[list[Any]]]]:
     }
 
 
-def record(
-    recorder: FlightRecorder, rank: int, world_size: int, reason: str, skip: int | None
-) -> dict:
+def record(recorder: CallLog, rank: int, world_size: int, reason: str, skip: int | None) -> dict:
     """This rank's record (the module docstring lists what it holds)."""
     in_flight = sorted(recorder.in_flight(), key=lambda c: c.start)
     threads = stacks(skip)

@@ -19,15 +19,13 @@ a latency-bound round trip (docs/reliability.md).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from shardwise.diagnose.calls import Call
 from shardwise.wire_dtypes import WIRE_DTYPES
-
-if TYPE_CHECKING:  # annotations only
-    from shardwise.diagnose.recorder import Call
 
 OPS = (
     "all_reduce",

@@ -22,7 +22,6 @@ training step). ``configure(size=0)`` turns it off, and the watchdog with it.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import os
 import sys
 import threading
@@ -34,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from shardwise.diagnose import fingerprint
+from shardwise.diagnose.calls import Call, GroupInfo
 from shardwise.diagnose.watchdog import Watchdog
 from shardwise.topology import world_timeout
 
@@ -51,61 +51,6 @@ _HANG_WORDS = (
     "broken pipe",
     "monitoredbarrier",
 )
-
-
-@dataclasses.dataclass(eq=False, slots=True)
-class GroupInfo:
-    """A group as errors and reports name it; ``entered`` / ``completed`` count this rank's
-    calls on it (the last sequence number entered, and the highest completed)."""
-
-    name: str
-    ranks: tuple[int, ...]
-    timeout: float
-    entered: int = 0
-    completed: int = 0
-
-    def describe(self) -> str:
-        return f"group '{self.name}' (ranks {list(self.ranks)})"
-
-    def as_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-
-@dataclasses.dataclass(eq=False, slots=True)
-class Call:
-    """One recorded call; ``end`` is None while it is in flight."""
-
-    seq: int
-    op: str
-    group: GroupInfo
-    nbytes: int
-    shapes: tuple[tuple[int, ...], ...]
-    dtypes: tuple[torch.dtype, ...]
-    site: tuple[str, int, str]
-    thread: int
-    start: float
-    end: float | None = None
-    work: Any = None  # an async call's handle, until it completes
-    error: str | None = None
-
-    def describe(self) -> str:
-        return f"{self.op} #{self.seq} on {self.group.describe()}"
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "seq": self.seq,
-            "op": self.op,
-            "group": self.group.name,
-            "ranks": list(self.group.ranks),
-            "shapes": [list(s) for s in self.shapes],
-            "dtypes": [str(d).removeprefix("torch.") for d in self.dtypes],
-            "bytes": self.nbytes,
-            "start": self.start,
-            "end": self.end,
-            "site": list(self.site),
-            "thread": self.thread,
-            "error": self.error,
-        }
 
 
 def _skipped(path: str) -> bool:

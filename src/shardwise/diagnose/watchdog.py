@@ -31,15 +31,13 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch.distributed as dist
 
 from shardwise.diagnose import dump, report
+from shardwise.diagnose.calls import CallLog
 from shardwise.topology import world_timeout
-
-if TYPE_CHECKING:  # annotations only
-    from shardwise.diagnose.recorder import FlightRecorder
 
 _HERE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 WINDOW = 3.0  # seconds the reporter waits for the records that are missing
@@ -76,7 +74,7 @@ def _call(store: dist.Store, method: str, *args: Any) -> Any:
 class Watchdog:
     """The thread of one rank (the module docstring tells what it does)."""
 
-    def __init__(self, recorder: FlightRecorder, rank: int, world_size: int) -> None:
+    def __init__(self, recorder: CallLog, rank: int, world_size: int) -> None:
         self.recorder, self.rank, self.world_size = recorder, rank, world_size
         self.run_dir: str | None = None
         timeout = world_timeout()

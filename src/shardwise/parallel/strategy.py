@@ -37,7 +37,7 @@ from torch import nn
 from shardwise.config.errors import ConfigError
 from shardwise.precision import compute_dtype
 
-if TYPE_CHECKING:  # annotations only: the checkpoint package builds on this contract
+if TYPE_CHECKING:  # annotations only
     from shardwise.checkpoint.layouts import Layout
     from shardwise.config import Config
     from shardwise.topology import ProcessMesh
