@@ -239,8 +239,8 @@ def test_parallel_is_one_folder_per_capability():
         "exchange.py",
         "flat.py",
         "remap.py",
-        "strategies.py",
-        "strategy.py",
+        "strategy_contract.py",
+        "strategy_table.py",
     ]
     assert loose == shared, (
         f"parallel/ files outside a capability folder: {loose} (only what several capabilities share stays)"
