@@ -35,7 +35,7 @@ import torch  # noqa: E402
 from common import format_table  # noqa: E402
 
 from shardwise.plan import Cluster, Layout, Planner, calibrate, candidates, read_model  # noqa: E402
-from shardwise.plan.layout import to_config  # noqa: E402
+from shardwise.plan.candidates import to_config  # noqa: E402
 
 SHAPE = dict(vocab_size=96, block_size=128, n_layer=4, n_head=4, n_embd=128)
 GLOBAL_BATCH = 8  # sequences per step

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from models import example_module
 
-from shardwise.plan.layout import Layout, to_config
+from shardwise.plan.candidates import Layout, to_config
 
 SMALL = dict(vocab_size=61, block_size=16, n_layer=4, n_head=2, n_embd=32)
 EXTRA = {

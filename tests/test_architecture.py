@@ -10,9 +10,11 @@
 * The engine hands parts down (issue 24): no module outside ``shardwise.training`` imports the
   ``Engine`` class (pure re-export modules of DeepSpeed's names excepted) or assigns into an
   ``engine.`` attribute; docs/architecture.md names only modules that exist.
-* The mechanism lives in ``parallel/`` (one folder per capability); the DeepSpeed-named modules at
-  the root (``zero``, ``checkpointing``, ``pipe``, ``utils``, ``runtime``) only give it DeepSpeed's
-  names, so ``parallel/`` never imports them (else the surface and the mechanism would tangle).
+* The mechanism lives in the capability folders (``parallel/`` one folder per parallelism,
+  ``devices/``, ``optim/``, ...); the DeepSpeed-named paths (``DEEPSPEED_SURFACE``) only give it
+  DeepSpeed's names: each of their modules is imports, assignments and a docstring (or refuses a
+  DeepSpeed module by raising ``NotProvidedError``), and no module outside them imports them
+  (else the surface and the mechanism would tangle).
 """
 
 from __future__ import annotations
@@ -161,13 +163,16 @@ def test_every_process_group_is_made_in_topology():
     )
 
 
+# Every path that exists to give DeepSpeed's import paths (a package stands for its modules).
 DEEPSPEED_SURFACE = (
-    "shardwise.zero",
+    "shardwise.accelerator",
     "shardwise.checkpointing",
-    "shardwise.pipe",
-    "shardwise.utils",
-    "shardwise.runtime",
     "shardwise.moe",
+    "shardwise.ops",
+    "shardwise.pipe",
+    "shardwise.runtime",
+    "shardwise.utils",
+    "shardwise.zero",
 )
 CAPABILITIES = ("data", "zero", "tensor", "pipeline", "activation", "moe", "context")
 
@@ -182,27 +187,45 @@ def _deps_of(prefix: str) -> dict[str, set[str]]:
     }
 
 
-def test_parallel_never_imports_the_deepspeed_named_surface():
+def _on_surface(mod: str) -> bool:
+    return any(mod == s or mod.startswith(s + ".") for s in DEEPSPEED_SURFACE)
+
+
+def test_the_mechanism_never_imports_the_deepspeed_named_surface():
+    """Only the package's ``__init__`` (the public surface) and the surface itself import it."""
     bad = {
-        mod: sorted(d for d in deps if d.startswith(DEEPSPEED_SURFACE))
-        for mod, deps in _deps_of("shardwise.parallel").items()
+        mod: sorted(d for d in deps if _on_surface(d))
+        for mod, deps in _deps_of("shardwise").items()
+        if mod != "shardwise" and not _on_surface(mod)
     }
     bad = {mod: deps for mod, deps in bad.items() if deps}
-    assert not bad, f"parallel/ imports the DeepSpeed-named surface (import the mechanism): {bad}"
+    assert not bad, (
+        f"the mechanism imports the DeepSpeed-named surface (import the mechanism): {bad}"
+    )
+
+
+def _refusal(node: ast.stmt) -> bool:
+    """``raise NotProvidedError(...)``: a DeepSpeed module refused, naming what to use."""
+    return (
+        isinstance(node, ast.Raise)
+        and isinstance(node.exc, ast.Call)
+        and ast.unparse(node.exc.func) == "NotProvidedError"
+    )
 
 
 def test_surface_modules_only_re_export():
-    """The DeepSpeed-named root modules define no function or class of their own."""
-    files = [PACKAGE / "zero.py", PACKAGE / "checkpointing.py", *(PACKAGE / "utils").glob("*.py")]
-    for path in files:
-        name = path.relative_to(PACKAGE)
+    """The DeepSpeed-named paths define nothing of their own: imports, assignments (``__all__``,
+    DeepSpeed's spellings, a refusing ``__getattr__``) and a docstring, or a refusal."""
+    surface = {mod: path for mod, (path, _) in _modules().items() if _on_surface(mod)}
+    assert len(surface) >= len(DEEPSPEED_SURFACE), f"surface modules not found: {surface}"
+    for mod, path in sorted(surface.items()):
         tree = ast.parse(path.read_text())
-        defined = [
-            node.name
+        own = [
+            f"{type(node).__name__} at line {node.lineno}"
             for node in tree.body
-            if isinstance(node, (ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef))
+            if not (_reexport_only(ast.Module(body=[node], type_ignores=[])) or _refusal(node))
         ]
-        assert not defined, f"shardwise/{name} defines {defined}: move them into the mechanism"
+        assert not own, f"{mod} holds {own}: move it into the mechanism and re-export it"
 
 
 def test_parallel_is_one_folder_per_capability():
@@ -216,8 +239,8 @@ def test_parallel_is_one_folder_per_capability():
         "exchange.py",
         "flat.py",
         "remap.py",
-        "strategies.py",
-        "strategy.py",
+        "strategy_contract.py",
+        "strategy_table.py",
     ]
     assert loose == shared, (
         f"parallel/ files outside a capability folder: {loose} (only what several capabilities share stays)"

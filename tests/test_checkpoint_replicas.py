@@ -18,7 +18,7 @@ from checkpointing import MLP_PLAN, config, dataset, engine_for, save
 from harness import run_distributed
 
 from shardwise.checkpoint.manifest import CheckpointError
-from shardwise.checkpoint.replicas import ReplicaMismatchError
+from shardwise.checkpoint.replica_checksums import ReplicaMismatchError
 from shardwise.checkpoint.storage import CheckpointReader
 from shardwise.training.checkpoints import replica_watch
 

@@ -27,9 +27,9 @@ from checkpointing import MLP_PLAN, PIPE_PLAN, config, train
 from equivalence import assert_params_match
 from test_checkpoint_resume import on_world
 
-from shardwise.checkpoint.layouts import layout_of
 from shardwise.checkpoint.optim_state import optim_pieces, optim_targets
 from shardwise.checkpoint.pieces import Piece
+from shardwise.checkpoint.rank_pieces import layout_of
 from shardwise.checkpoint.reshard import PieceReader, fill
 from shardwise.parallel.data.reducer import LocalGradients
 from shardwise.parallel.tensor.placement import set_placement

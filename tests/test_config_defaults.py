@@ -27,7 +27,7 @@ from shardwise.config import (
     parse_config,
 )
 from shardwise.config.schema import is_key
-from shardwise.parallel.strategy import bucket_elements
+from shardwise.parallel.strategy_contract import bucket_elements
 from shardwise.precision import LossScaler
 
 SAME = object()  # shardwise's value is DeepSpeed's

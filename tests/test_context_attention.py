@@ -1,7 +1,7 @@
 """Context-parallel attention (issue 18): ring and Ulysses against attention on the full sequence.
 
 Each case runs on a gloo world (context_runs.py): every rank holds its balanced shard
-(layout.py: chunks r and 2*cp-1-r of 2*cp) of the same seeded q, k, v and upstream gradient;
+(token_order.py: chunks r and 2*cp-1-r of 2*cp) of the same seeded q, k, v and upstream gradient;
 the unsharded output and q, k, v gradients must match ``scaled_dot_product_attention`` on the
 full sequence in this process. cp 2 runs as the strided groups {0, 2} and {1, 3} of a world of
 4, so that context ranks are never mistaken for global ranks; cp 4 uses the default group.

@@ -222,7 +222,7 @@ def test_each_alias_is_the_object_it_stands_for(alias):
 
 
 def test_cpu_accelerator_answers_as_deepspeeds():
-    from shardwise.accelerator.devices import CpuAccelerator
+    from shardwise.devices.accelerators import CpuAccelerator
 
     acc = CpuAccelerator()
     assert (acc.device_name(), acc.device_name(1), acc.current_device_name()) == ("cpu",) * 3

@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 import shardwise as deepspeed  # the import a ported script changes, and nothing else
 from shardwise.accelerator import real_accelerator
-from shardwise.accelerator.devices import CpuAccelerator
+from shardwise.devices.accelerators import CpuAccelerator
 from shardwise.runtime.dataloader import RepeatingLoader as RuntimeRepeatingLoader
 from shardwise.runtime.engine import DeepSpeedEngine as RuntimeDeepSpeedEngine
 

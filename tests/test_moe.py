@@ -252,7 +252,7 @@ def _broadcast_with_a_lone_copy() -> dict:
     """Rank r holds its own copy of ``lone`` (an expert whose data-parallel group is one rank,
     recorded as None, which torch reads as the world) and shares ``shared`` with the world."""
     from shardwise.parallel.data.reducer import broadcast_parameters
-    from shardwise.parallel.data.replicas import set_replicas
+    from shardwise.parallel.data.replica_groups import set_replicas
 
     rank = torch.distributed.get_rank()
     module = torch.nn.ParameterDict(

@@ -1,8 +1,8 @@
-"""The gradient-strategy contract (parallel/strategy.py) is the whole seam (issue 12 item 1).
+"""The gradient-strategy contract (parallel/strategy_contract.py) is the whole seam (issue 12 item 1).
 
 * Every strategy of the table implements every member of ``GradientStrategy``.
 * A new strategy needs nothing else: ``AllReduceAtStep`` below, written only against the
-  contract and checkpoint/layouts.py's public helper, is put first in the table and trains
+  contract and checkpoint/rank_pieces.py's public helper, is put first in the table and trains
   two data ranks like one process, saves a checkpoint, and that checkpoint resumes under the
   built-in strategy. (It keeps gradients local during backward and sums them in one
   all-reduce per parameter at the boundary: slower than the buckets, the same numbers.)
@@ -22,9 +22,10 @@ from models import make_data, make_model, rank_slice
 
 import shardwise
 from shardwise import comm
-from shardwise.checkpoint.layouts import Layout, replicated_layout
-from shardwise.parallel import clip, strategies
-from shardwise.parallel.strategy import GradientStrategy, StrategyContext
+from shardwise.checkpoint.rank_pieces import Layout, replicated_layout
+from shardwise.parallel import clip
+from shardwise.parallel import strategy_table as strategies
+from shardwise.parallel.strategy_contract import GradientStrategy, StrategyContext
 
 MB, LR, STEPS = 4, 0.1, 3
 

@@ -15,7 +15,7 @@ from waits import scaled
 from shardwise.launch.cli import main
 from shardwise.verify import cli as verify_cli
 from shardwise.verify.compare import FP32, Verdict, compare
-from shardwise.verify.layouts import NO_CLIP_NORM, Layout, layout_config, parse_layouts
+from shardwise.verify.layout_names import NO_CLIP_NORM, Layout, layout_config, parse_layouts
 from shardwise.verify.report import render
 from shardwise.verify.results import RunResult
 from shardwise.verify.setup import micro_batches
@@ -104,7 +104,7 @@ def test_data_ranks_together_hold_each_micro_batch_of_one_process():
 def test_a_moe_reference_runs_each_ranks_rows_as_its_own_micro_batch(dp, gas):
     """MoE gates compute per rank: the reference for dpN runs dp x gas micro-batches, the
     (j dp + r)-th being rank r's j-th, so each gate sees the rows a rank's gate sees."""
-    from shardwise.verify.layouts import REFERENCE, layout_config, parse_layout, reference_for
+    from shardwise.verify.layout_names import REFERENCE, layout_config, parse_layout, reference_for
 
     layout = parse_layout(f"dp{dp}")
     ref = reference_for(layout, per_rank=True)

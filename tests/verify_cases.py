@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from shardwise.parallel.zero import stage3
-from shardwise.verify.layouts import parse_layout
+from shardwise.verify.layout_names import parse_layout
 from shardwise.verify.setup import VerifySetup
 from shardwise.verify.worker import run_layout
 

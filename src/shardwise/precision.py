@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from shardwise.config import ConfigError
-from shardwise.ops.adam import DeepSpeedCPUAdam
+from shardwise.optim.adam import DeepSpeedCPUAdam
 
 if TYPE_CHECKING:  # annotations only
     from torch.optim import Optimizer

@@ -74,7 +74,7 @@ class AsyncSaver:
     def stage(self, pieces: list[Piece]) -> list[Piece]:
         """Copies of ``pieces`` whose tensors live in this saver's host buffers: the pieces this
         rank writes, and the replicas it does not write but whose checksums the save compares
-        across ranks (replicas.py), which must be those of this step too."""
+        across ranks (replica_checksums.py), which must be those of this step too."""
         out = []
         for p in pieces:
             if not (p.save or p.verify_replicas):

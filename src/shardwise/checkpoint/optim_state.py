@@ -1,4 +1,4 @@
-"""Optimizer state <-> checkpoint pieces, for any layout's slots (layouts.py).
+"""Optimizer state <-> checkpoint pieces, for any layout's slots (rank_pieces.py).
 
 Saved: every state tensor of an owner (the tensor the optimizer keys its state by) cut to each
 slot's part, "optim/<key>/<param>"; a 0-dim state once per parameter. Hyper-parameters of the
@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from shardwise.checkpoint.layouts import Layout, Slot
 from shardwise.checkpoint.pieces import Piece
+from shardwise.checkpoint.rank_pieces import Layout, Slot
 from shardwise.checkpoint.reshard import CheckpointError
 
 if TYPE_CHECKING:  # annotations only

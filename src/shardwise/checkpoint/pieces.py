@@ -23,7 +23,7 @@ tensor a local tensor holds, so that any other layout can find the parts it need
 
 Replicated copies (data-parallel ranks, TP-replicated norms) are offered by one rank only:
 the layout decides which (``save=True``). The others' copies are compared with it at every save
-(replicas.py), unless ``verify_replicas=False`` (buffers: BatchNorm's running statistics are
+(replica_checksums.py), unless ``verify_replicas=False`` (buffers: BatchNorm's running statistics are
 each rank's own).
 """
 

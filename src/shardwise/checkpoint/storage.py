@@ -13,7 +13,7 @@ A save, collective over ``group``:
   2. the file records (size, CRC-32s, pieces, and the CRC-32s of the replicated copies the
      rank did not write) are all-gathered as JSON bytes: this is also the barrier after which
      every file is on disk (a rank that failed sends its error instead);
-  3. rank 0 checks that replicated copies agree (replicas.py), writes manifest.json, fsyncs it
+  3. rank 0 checks that replicated copies agree (replica_checksums.py), writes manifest.json, fsyncs it
      and the directory, renames the directory to ``<tag>`` (an existing ``<tag>`` is renamed
      away first, then deleted), then replaces ``latest`` through a temporary file; then
      rotation (``keep_last``, by step: rotation.py);
@@ -39,7 +39,7 @@ import safetensors
 import torch
 
 from shardwise import comm
-from shardwise.checkpoint import lock, replicas, rotation
+from shardwise.checkpoint import lock, replica_checksums, rotation
 from shardwise.checkpoint import manifest as mf
 from shardwise.checkpoint.gather import all_gather_json, broadcast_json, shared_nonce
 from shardwise.checkpoint.manifest import CheckpointError, rank_file
@@ -233,7 +233,7 @@ def _write_rank_file(tmp: str, rank: int, pieces: list[Piece], rank_state: dict)
         "header_crc32": record.header_crc32,
         "state_crc32": {key: record.crc32[key] for key in tensors},
         "pieces": [mf.piece_entry(p, box, key, record.crc32[key]) for p, box, key in entries],
-        "replicas": replicas.records(pieces, only_unsaved=True),
+        "replicas": replica_checksums.records(pieces, only_unsaved=True),
     }
 
 
@@ -251,7 +251,7 @@ def _publish(
     success, else why (nothing published then)."""
     errors = [i["error"] for i in infos if "error" in i]
     if not errors:
-        errors = [e for e in [replicas.disagreements_in_save(infos)] if e]
+        errors = [e for e in [replica_checksums.disagreements_in_save(infos)] if e]
     if errors:
         shutil.rmtree(tmp, ignore_errors=True)
         return "; ".join(errors) + " (nothing was written: the previous checkpoints are intact)"

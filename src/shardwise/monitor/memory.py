@@ -19,7 +19,7 @@ import torch
 if TYPE_CHECKING:  # annotations only
     from torch.optim import Optimizer
 
-    from shardwise.parallel.strategy import GradientStrategy
+    from shardwise.parallel.strategy_contract import GradientStrategy
 
 KINDS = ("params", "grads", "optimizer", "comm_buffers")
 

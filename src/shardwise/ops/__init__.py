@@ -1,4 +1,5 @@
-"""DeepSpeed's ``deepspeed.ops`` optimizers, written for any device (``shardwise.ops.adam``)."""
+"""DeepSpeed's ``deepspeed.ops`` optimizers: ``adam`` (written for any device in
+``shardwise.optim.adam``); ``lamb`` refused (ops/lamb.py says why)."""
 
 from shardwise.errors import refuse_missing
 from shardwise.ops import adam

@@ -17,9 +17,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardwise.plan.candidates import Layout, candidates, to_config
 from shardwise.plan.cluster import PRESETS, Cluster, load
 from shardwise.plan.evaluate import Planner
-from shardwise.plan.layout import Layout, candidates, to_config
 from shardwise.plan.memory import Options
 from shardwise.plan.models import Dims, build
 from shardwise.plan.shape import ModelShape, read_model

@@ -22,9 +22,9 @@ from typing import Any
 import torch
 
 from shardwise.plan import calibrate, simulate
+from shardwise.plan.candidates import PRECISIONS, Layout, candidates, to_config
 from shardwise.plan.cluster import PRESETS, Cluster, load, parse_bytes, with_overrides
 from shardwise.plan.evaluate import Planner
-from shardwise.plan.layout import PRECISIONS, Layout, candidates, to_config
 from shardwise.plan.models import Dims, build
 from shardwise.plan.report import rank_text, table
 from shardwise.plan.shape import ModelShape, read_model

@@ -23,8 +23,8 @@ import torch
 from shardwise.parallel.pipeline.partition import PartitionError
 from shardwise.plan import traffic
 from shardwise.plan.activations import Trace, trace_layers
+from shardwise.plan.candidates import Layout
 from shardwise.plan.cluster import Cluster, fmt_bytes
-from shardwise.plan.layout import Layout
 from shardwise.plan.memory import (
     ModelStates,
     Options,

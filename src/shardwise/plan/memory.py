@@ -2,7 +2,7 @@
 
 The parameters a rank holds are those of its pipeline stage (``partition.partition``, the
 PipelineModule's cut), at their tensor-parallel local shapes, in ``parameters()`` order. The
-gradient strategy is the one ``parallel/strategies.py`` picks, and its buffers are laid out by
+gradient strategy is the one ``parallel/strategy_table.py`` picks, and its buffers are laid out by
 the same code: ``plan_buckets`` / ``FlatLayout`` (run on meta tensors: no memory) for data
 parallelism and ZeRO-1/2 buckets, the ZeRO-3 unit rule (one unit per module, parameters below
 ``stage3_param_persistence_threshold`` kept whole) for stage 3. With c bytes per element in
@@ -30,8 +30,8 @@ from torch import nn
 
 from shardwise.parallel.flat import FlatLayout, plan_buckets
 from shardwise.parallel.pipeline.partition import partition
-from shardwise.parallel.strategy import DEFAULT_BUCKET_ELEMENTS
-from shardwise.plan.layout import Layout
+from shardwise.parallel.strategy_contract import DEFAULT_BUCKET_ELEMENTS
+from shardwise.plan.candidates import Layout
 from shardwise.plan.shape import ModelShape, ParamInfo
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}

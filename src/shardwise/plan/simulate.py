@@ -26,8 +26,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from shardwise.parallel.pipeline.module import PipelineModule
+from shardwise.plan.candidates import Layout, to_config
 from shardwise.plan.evaluate import Planner
-from shardwise.plan.layout import Layout, to_config
 from shardwise.plan.shape import ModelShape
 from shardwise.plan.traffic import by_op
 from shardwise.training.initialize import initialize

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shardwise.plan.candidates import Layout
 from shardwise.plan.cluster import Cluster
-from shardwise.plan.layout import Layout
 from shardwise.plan.memory import ModelStates
 from shardwise.plan.traffic import Call
 

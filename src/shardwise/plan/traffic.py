@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardwise.plan.layout import Layout
+from shardwise.plan.candidates import Layout
 from shardwise.plan.memory import DTYPE_BYTES, Options, buckets, zero3_units
 from shardwise.plan.shape import ParamInfo
 

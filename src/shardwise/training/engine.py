@@ -2,8 +2,8 @@
 
 The engine itself holds no parallelism logic. It owns the step bookkeeping (micro steps,
 accumulation boundary, global steps, skipped steps) and delegates to a gradient strategy
-``self.strategy`` (parallel/strategy.py: ``GradientStrategy``, the whole contract, and
-parallel/strategies.py: the table that picks one from the config), ``self.batch_strategy``
+``self.strategy`` (parallel/strategy_contract.py: ``GradientStrategy``, the whole contract, and
+parallel/strategy_table.py: the table that picks one from the config), ``self.batch_strategy``
 for whole batches (``train_batch`` / ``eval_batch``: batch_loop.MicroBatchLoop,
 or the pipeline's runner, which also makes ``forward/backward/step`` refuse), and to
 ``self.scaler`` (precision.LossScaler) for fp16's loss scale. The update:
@@ -48,7 +48,7 @@ if TYPE_CHECKING:  # annotations only
     from shardwise.checkpoint.async_save import SaveHandle
     from shardwise.config import BatchSizes, Config
     from shardwise.parallel.pipeline.train_batch import PipelineRunner
-    from shardwise.parallel.strategy import GradientStrategy
+    from shardwise.parallel.strategy_contract import GradientStrategy
     from shardwise.topology import ProcessMesh
     from shardwise.training.data_loader import DistributedDataLoader
 

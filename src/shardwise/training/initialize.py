@@ -32,8 +32,8 @@ from shardwise.lr_schedules import build_scheduler
 from shardwise.optim import build_optimizer
 from shardwise.parallel import remap
 from shardwise.parallel.pipeline import prepare as pipe
-from shardwise.parallel.strategies import build_strategy
-from shardwise.parallel.strategy import StrategyContext
+from shardwise.parallel.strategy_contract import StrategyContext
+from shardwise.parallel.strategy_table import build_strategy
 from shardwise.parallel.tensor.placement import get_placement
 from shardwise.precision import LossScaler, compute_dtype, fp16_master
 from shardwise.topology import ProcessMesh, Topology, world_timeout

@@ -25,7 +25,7 @@ if TYPE_CHECKING:  # annotations only
     from shardwise.config import BatchSizes, Config
     from shardwise.data import DistributedDataLoader
     from shardwise.parallel.context.scope import ContextParallel
-    from shardwise.parallel.strategy import GradientStrategy
+    from shardwise.parallel.strategy_contract import GradientStrategy
     from shardwise.precision import LossScaler
     from shardwise.topology import ProcessMesh
     from shardwise.training.counters import TrainingCounters
@@ -35,7 +35,7 @@ if TYPE_CHECKING:  # annotations only
 class TrainParts:
     """The parts of a training run (the module docstring). ``module`` is the model as
     ``initialize`` prepared it (this rank's stage, tensor-parallel layers, cast); ``strategy``
-    the gradient strategy (parallel/strategy.py); ``batch`` the resolved batch sizes;
+    the gradient strategy (parallel/strategy_contract.py); ``batch`` the resolved batch sizes;
     ``counters`` the step counters checkpoints save whole; ``context`` the context-parallel
     scope (inactive without context parallelism)."""
 

@@ -2,14 +2,14 @@
 the same weights and batches, and report where each layout departs from one process
 (docs/verify.md).
 
-    layouts.py  layout names -> sizes and config blocks
-    setup.py    the script's entry point (VerifySetup) and how a global batch is cut
-    worker.py   one layout's run on every rank (started through ``shardwise run``)
-    streams.py  dropout masks across tensor-parallel ranks
-    results.py  the files a run leaves (JSON + safetensors)
-    compare.py  the tolerance rule and the comparison
-    report.py   the printed table
-    cli.py      the command
+    layout_names.py    layout names (dp2xtp2) -> sizes and config blocks
+    setup.py           the script's entry point (VerifySetup) and how a global batch is cut
+    worker.py          one layout's run on every rank (started through ``shardwise run``)
+    streams.py         dropout masks across tensor-parallel ranks
+    results.py         the files a run leaves (JSON + safetensors)
+    compare.py         the tolerance rule and the comparison
+    report.py          the printed table
+    cli.py             the command
     fuzz_space.py      ``--fuzz``: the space drawn from, a drawn Case, its replay JSON
     fuzz_setup.py      a Case's verify setup (reference or layout side) and Layout
     hf_setups.py       tiny Hugging Face Llama / GPT-2 setups (only with transformers)
@@ -19,7 +19,7 @@ the same weights and batches, and report where each layout departs from one proc
 """
 
 from shardwise.verify.compare import BF16, FP32, Tolerance, Verdict, compare
-from shardwise.verify.layouts import Layout, LayoutError, parse_layout, parse_layouts
+from shardwise.verify.layout_names import Layout, LayoutError, parse_layout, parse_layouts
 from shardwise.verify.setup import VerifySetup, load_setup
 
 __all__ = [

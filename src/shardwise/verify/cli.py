@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from shardwise.verify.compare import TOLERANCES, Verdict, compare, failed, still, tolerance_for
 from shardwise.verify.fuzz_run import fuzz_command
-from shardwise.verify.layouts import (
+from shardwise.verify.layout_names import (
     EXAMPLE,
     REFERENCE,
     Layout,

@@ -41,7 +41,7 @@ from shardwise.verify.fuzz_space import (
     reference_key,
     train_config,
 )
-from shardwise.verify.layouts import Layout, layout_config, reference_for
+from shardwise.verify.layout_names import Layout, layout_config, reference_for
 from shardwise.verify.results import RESULT_JSON, RunResult, load_result
 from shardwise.verify.setup import VerifySetup, batch_rows
 from shardwise.verify.worker import (

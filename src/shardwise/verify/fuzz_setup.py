@@ -20,7 +20,7 @@ import torch
 
 from shardwise.verify.fuzz_space import Case, layout_blocks, train_config
 from shardwise.verify.hf_setups import hf_setup
-from shardwise.verify.layouts import Layout
+from shardwise.verify.layout_names import Layout
 from shardwise.verify.setup import DEFAULT_ENTRY, VerifySetup, batch_rows, load_setup, take_rows
 
 COLLECTIVE_TIMEOUT_S = 90  # well under --fuzz's 240 s per case, far above a tiny step

@@ -26,7 +26,7 @@ from shardwise.parallel.pipeline.module import PipelineModule
 from shardwise.topology import Topology
 from shardwise.training.initialize import initialize
 from shardwise.verify.gradients import GradNorms, zero_gradient
-from shardwise.verify.layouts import REFERENCE, Layout, layout_config, parse_layout
+from shardwise.verify.layout_names import REFERENCE, Layout, layout_config, parse_layout
 from shardwise.verify.results import RunResult, load_weights, save_result, save_weights
 from shardwise.verify.setup import DEFAULT_ENTRY, VerifySetup, batch_rows, load_setup, micro_batches
 from shardwise.verify.streams import check_streams, silence_dropout, silence_gate_noise

@@ -1,7 +1,7 @@
 """Context parallelism: attention over a sequence split across the ``cp`` ranks of a group.
 
 Every method takes and returns (batch, heads, S/cp, head_dim) shards in one load-balanced
-layout (layout.py: 2*cp chunks, rank r holds chunks r and 2*cp-1-r, so causal work is even).
+token order (token_order.py: 2*cp chunks, rank r holds chunks r and 2*cp-1-r, so causal work is even).
 
 * ``ring`` (ring.py): queries stay home; K/V blocks go round the ring (cp-1 hops each way in
   forward, their dK/dV partials travelling with them in backward), softmax combined online
@@ -18,14 +18,14 @@ from collections.abc import Sequence
 import torch
 
 from shardwise import comm
-from shardwise.parallel.context.layout import (
+from shardwise.parallel.context.ring import ring_attention
+from shardwise.parallel.context.token_order import (
     check_sequence,
     chunk_ids,
     sequence_positions,
     shard_sequence,
     unshard_sequence,
 )
-from shardwise.parallel.context.ring import ring_attention
 from shardwise.parallel.context.ulysses import ulysses_attention
 
 METHODS = {"ring": ring_attention, "ulysses": ulysses_attention}

@@ -1,6 +1,6 @@
 """Ring attention: the sequence axis is split, queries stay home, keys and values travel.
 
-Legend: B batch, H heads, s = S/cp local tokens (two chunks of c = s/2, layout.py), D head_dim.
+Legend: B batch, H heads, s = S/cp local tokens (two chunks of c = s/2, token_order.py), D head_dim.
 Each rank keeps its queries q (B, H, s, D) and passes its K/V block (B, H, s, D) round the
 ring of the context group (rank i sends to i+1, receives from i-1): after cp-1 transfers every
 query has met every key. Per block the rank computes, in fp32,
@@ -38,7 +38,7 @@ import torch
 from torch.autograd.function import FunctionCtx
 
 from shardwise import comm
-from shardwise.parallel.context.layout import check_shards, chunk_ids, context_rank
+from shardwise.parallel.context.token_order import check_shards, chunk_ids, context_rank
 
 _Block = tuple[slice, slice, bool]  # (query rows, key rows, causal diagonal)
 _ALL = slice(None)
@@ -66,7 +66,7 @@ def _chunks(cp: int, cp_rank: int, n: int) -> list[tuple[int, slice]]:
 def _blocks(q_chunks: list, k_chunks: list, causal: bool) -> list[_Block]:
     """The (query, key) sub-blocks to compute for one K/V block, by global chunk id.
 
-    Under the balanced layout this is half of the block on every step but the home one: a
+    Under the balanced token order this is half of the block on every step but the home one: a
     block from an earlier rank is needed by both query chunks against its first key chunk, one
     from a later rank by the late query chunk against both of its key chunks. Two full blocks
     that share one side are merged into one matmul."""
@@ -252,7 +252,7 @@ def ring_attention(
 ) -> torch.Tensor:
     """softmax(q K^T * scale [+ causal mask]) V over the whole sequence, for this rank's queries.
 
-    q, k, v: this rank's (B, H, S/cp, D) shard in the balanced layout (layout.py), same heads;
+    q, k, v: this rank's (B, H, S/cp, D) shard in the balanced token order (token_order.py), same heads;
     ``ranks``: the global ranks of ``group`` in context-parallel order. Returns (B, H, S/cp, D)
     in the same layout and dtype as q. ``scale`` defaults to 1/sqrt(D), as
     ``scaled_dot_product_attention``. Differentiable with respect to q, k and v.

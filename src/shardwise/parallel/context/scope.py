@@ -9,7 +9,7 @@ the rank it runs on without a global process group; outside them, or with one co
 both are the plain single-process calls.
 
 The loss of a context rank is the mean over its tokens; every context rank holds the same
-number of tokens (layout.py), so the average over the data x context ranks, which the gradient
+number of tokens (token_order.py), so the average over the data x context ranks, which the gradient
 reduction takes, is the mean over the whole batch, as in one process.
 """
 
@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from shardwise.errors import EngineError
 from shardwise.parallel.context import context_attention
-from shardwise.parallel.context.layout import sequence_positions, shard_sequence
+from shardwise.parallel.context.token_order import sequence_positions, shard_sequence
 
 if TYPE_CHECKING:  # annotations only
     from shardwise.config import Config
@@ -42,7 +42,7 @@ _ACTIVE: contextvars.ContextVar[ContextParallel | None] = contextvars.ContextVar
 class ContextParallel:
     """One rank's part in context parallelism: ``size`` ranks split every sequence (dim 1 of
     inputs and labels, dim 2 of q/k/v), this rank holding chunks ``rank`` and
-    ``2 * size - 1 - rank`` of ``2 * size`` (layout.py)."""
+    ``2 * size - 1 - rank`` of ``2 * size`` (token_order.py)."""
 
     size: int = 1
     rank: int = 0

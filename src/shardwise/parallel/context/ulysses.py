@@ -2,10 +2,10 @@
 
 Legend: B batch, H heads, s = S/cp local tokens, Hc = H/cp heads per rank, D head_dim.
 Attention is independent per head, so one all-to-all per tensor turns each rank's
-(B, H, s, D) sequence shard (balanced layout, layout.py) into (B, Hc, S, D): all S tokens of
+(B, H, s, D) sequence shard (balanced token order, token_order.py) into (B, Hc, S, D): all S tokens of
 its Hc heads, put back in natural sequence order. Then plain
 ``scaled_dot_product_attention`` runs with the usual causal mask, and one all-to-all takes the
-output (B, Hc, S, D) back to (B, H, s, D) in the balanced layout. Exactly four all-to-alls per
+output (B, Hc, S, D) back to (B, H, s, D) in the balanced token order. Exactly four all-to-alls per
 forward (q, k, v, out), each of B*H*s*D elements per rank; backward runs the inverse
 exchanges on the gradients (four more). Needs H divisible by cp.
 """
@@ -21,7 +21,7 @@ from torch import nn
 
 from shardwise import comm
 from shardwise.config import ConfigError
-from shardwise.parallel.context.layout import check_shards, context_rank
+from shardwise.parallel.context.token_order import check_shards, context_rank
 from shardwise.parallel.exchange import all_to_all
 
 # where models keep their query-head count (key/value head counts are not these)
@@ -95,7 +95,7 @@ def ulysses_attention(
 ) -> torch.Tensor:
     """softmax(q K^T * scale [+ causal mask]) V over the whole sequence, for this rank's queries.
 
-    q, k, v: this rank's (B, H, S/cp, D) shard in the balanced layout (layout.py), H divisible
+    q, k, v: this rank's (B, H, S/cp, D) shard in the balanced token order (token_order.py), H divisible
     by cp = len(ranks); returns (B, H, S/cp, D) in the same layout. The checks run before any
     communication, so every rank refuses the same input alike. ``scale`` defaults to
     1/sqrt(D). Differentiable with respect to q, k and v.

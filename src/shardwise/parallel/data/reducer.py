@@ -30,12 +30,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from shardwise import comm
-from shardwise.checkpoint.layouts import Layout, replicated_layout
+from shardwise.checkpoint.rank_pieces import Layout, replicated_layout
 from shardwise.comm import Group
 from shardwise.parallel import clip
-from shardwise.parallel.data.replicas import get_replicas, has_replicas, partition_by_replicas
+from shardwise.parallel.data.replica_groups import get_replicas, has_replicas, partition_by_replicas
 from shardwise.parallel.flat import FlatLayout, plan_buckets
-from shardwise.parallel.strategy import StrategyContext, bucket_elements, plain_precision
+from shardwise.parallel.strategy_contract import StrategyContext, bucket_elements, plain_precision
 
 if TYPE_CHECKING:  # annotations only
     from torch.distributed import ProcessGroup
@@ -48,7 +48,7 @@ if TYPE_CHECKING:  # annotations only
 class _Bucket:
     layout: FlatLayout
     buffer: torch.Tensor
-    group: Group = None  # the data ranks holding copies of these parameters (replicas.py)
+    group: Group = None  # the data ranks holding copies of these parameters (replica_groups.py)
     counted: bool = True  # this rank counts the bucket in the gradient norm
     solo: bool = False  # no other rank holds these parameters: nothing to reduce
     work: Any = None
@@ -224,7 +224,7 @@ def broadcast_parameters(
     module: torch.nn.Module, src: int, group: ProcessGroup | None = None
 ) -> None:
     """Make every rank of ``group`` start from global rank ``src``'s weights and buffers (a
-    parameter held by part of the group, replicas.py: from the first rank of its copies;
+    parameter held by part of the group, replica_groups.py: from the first rank of its copies;
     meta-device tensors have no values yet: they are drawn alike on every rank later)."""
     if comm.get_world_size(group) == 1:
         return
@@ -235,7 +235,7 @@ def broadcast_parameters(
             if not has_replicas(t):  # held by the whole group: from src
                 comm.broadcast(t.data, src=src, group=group)
                 continue
-            # A tensor whose copies live on part of the group (an expert, replicas.py): from
+            # A tensor whose copies live on part of the group (an expert, replica_groups.py): from
             # the first copy, and nothing when this rank holds the only one. (A one-rank
             # group may be recorded as None, which torch reads as the world: broadcasting on
             # it from each rank's own copy deadlocked GPT-MoE at TP2, found by verify --fuzz.)

@@ -2,7 +2,7 @@
 
 ``bind_experts(model, mesh)`` (initialize, after the mesh): every MoE layer gets its
 expert-parallel group (for the all-to-all and the no-drop capacity) and its rank in it, and
-every expert parameter its expert-data group (data/replicas.py): the strategies reduce,
+every expert parameter its expert-data group (data/replica_groups.py): the strategies reduce,
 broadcast and shard it there.
 
 Names: expert ``i`` of expert-parallel rank ``r`` is ``deepspeed_experts.<r * L + i>`` in the
@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from shardwise import comm
-from shardwise.parallel.data.replicas import set_replicas
+from shardwise.parallel.data.replica_groups import set_replicas
 from shardwise.parallel.moe.groups import expert_groups, expert_rank_groups
 from shardwise.parallel.moe.layer import MOELayer
 

@@ -32,7 +32,7 @@ from shardwise.parallel.pipeline.p2p import StageLink, as_tuple
 from shardwise.parallel.pipeline.schedule import Instruction, Op
 
 if TYPE_CHECKING:  # annotations only
-    from shardwise.parallel.strategy import GradientStrategy
+    from shardwise.parallel.strategy_contract import GradientStrategy
 
 _UNTIMED = contextlib.nullcontext()
 

@@ -31,7 +31,7 @@ from torch import nn
 from shardwise import comm
 
 if TYPE_CHECKING:  # annotations only
-    from shardwise.parallel.strategy import GradientStrategy
+    from shardwise.parallel.strategy_contract import GradientStrategy
     from shardwise.topology import ProcessMesh
 
 

@@ -36,13 +36,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from shardwise import comm
-from shardwise.checkpoint.layouts import FlatShard, Layout, flat_layout
+from shardwise.checkpoint.rank_pieces import FlatShard, Layout, flat_layout
 from shardwise.comm import Group
 from shardwise.parallel import clip
 from shardwise.parallel.data.reducer import Finished
-from shardwise.parallel.data.replicas import partition_by_replicas
+from shardwise.parallel.data.replica_groups import partition_by_replicas
 from shardwise.parallel.flat import FlatLayout, plan_buckets
-from shardwise.parallel.strategy import (
+from shardwise.parallel.strategy_contract import (
     StrategyContext,
     bucket_elements,
     offload_device,
@@ -63,7 +63,7 @@ _IN_FLIGHT = 2  # stage 2: reduce-scatters in flight before the oldest is waited
 @dataclass(frozen=True)
 class _Where:
     """The data ranks holding a bucket's parameters (all of them, or an expert-data group:
-    data/replicas.py): their group, its size, this rank's shard index and the shard count."""
+    data/replica_groups.py): their group, its size, this rank's shard index and the shard count."""
 
     group: Group
     size: int

@@ -52,10 +52,10 @@ import torch
 from torch import nn
 
 from shardwise import comm
-from shardwise.checkpoint.layouts import FlatShard, Layout, flat_layout
+from shardwise.checkpoint.rank_pieces import FlatShard, Layout, flat_layout
 from shardwise.parallel import clip
 from shardwise.parallel.flat import FlatLayout
-from shardwise.parallel.strategy import StrategyContext, offload_device, require_optimizer
+from shardwise.parallel.strategy_contract import StrategyContext, offload_device, require_optimizer
 from shardwise.parallel.zero.gathering import GatherScheduler, LiveCount, Unit
 from shardwise.parallel.zero.masters import rebuild_optimizer, shares_storage
 from shardwise.parallel.zero.partition import (

@@ -1,6 +1,6 @@
 """What this rank holds, as checkpoint pieces, and the model loaded from a checkpoint's.
 
-``layout(parts)``: the pieces of this rank's part of the layout (checkpoint/layouts.py:
+``layout(parts)``: the pieces of this rank's part of the layout (checkpoint/rank_pieces.py:
 weights, fp32 masters, optimizer states), as the save writes them, the load fills them and the
 replica check compares them; ``load_model`` fills the weights and masters from any reader (a
 checkpoint, or a whole-model state dict: ``load_module_state_dict``).
@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING
 from torch import nn
 
 from shardwise.checkpoint.export import MODEL
-from shardwise.checkpoint.layouts import Layout, layout_of
 from shardwise.checkpoint.optim_state import optim_pieces
 from shardwise.checkpoint.pieces import Piece
+from shardwise.checkpoint.rank_pieces import Layout, layout_of
 from shardwise.checkpoint.reshard import CheckpointError, PieceReader, fill
 from shardwise.parallel.moe.experts import every_expert_name, global_names
 
@@ -25,7 +25,7 @@ if TYPE_CHECKING:  # annotations only
 
 
 def layout(parts: TrainParts) -> Layout:
-    """What this rank holds, as checkpoint pieces (layouts.py)."""
+    """What this rank holds, as checkpoint pieces (checkpoint/rank_pieces.py)."""
     return layout_of(parts.module, parts.optimizer, parts.strategy, parts.mesh)
 
 

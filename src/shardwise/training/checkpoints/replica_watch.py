@@ -1,7 +1,7 @@
 """The periodic replica check of training (``"checkpoint": {"replica_check_interval": N}``).
 
 Every rank sends the CRC-32s of every piece it holds (weights, fp32 masters, optimizer states;
-checkpoint/replicas.py says why replicas must agree); a mismatch raises
+checkpoint/replica_checksums.py says why replicas must agree); a mismatch raises
 ``ReplicaMismatchError`` on every rank. It runs at the start of the backward that reduces the
 gradients of the step after each N-th (with a pipeline: after the train_batch of each N-th
 step), a point that every rank reaches together even when one of them skipped a step.
@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from shardwise import comm
 from shardwise.checkpoint.gather import all_gather_json
-from shardwise.checkpoint.replicas import ReplicaMismatchError, disagreements, records
+from shardwise.checkpoint.replica_checksums import ReplicaMismatchError, disagreements, records
 from shardwise.training.checkpoints.held import engine_pieces
 
 if TYPE_CHECKING:  # annotations only

@@ -1,6 +1,6 @@
 """The engine's checkpoint calls (DeepSpeed's names and meaning), over any layout.
 
-save_checkpoint: every rank offers the pieces of its layout (layouts.py: model weights, fp32
+save_checkpoint: every rank offers the pieces of its layout (checkpoint/rank_pieces.py: model weights, fp32
 masters, optimizer states), its per-rank state (random generators, data position) and, on
 rank 0, the shared state (LR scheduler, ``client_state``); the counters, loss scaler, optimizer
 hyper-parameters and layout go to the JSON metadata. Storage (files, manifest, atomicity,
@@ -10,7 +10,7 @@ it ``keep_last`` and ``tag_validation`` (config/checkpoint.py).
 Before anything is written the storage takes the save directory's lock and refuses a
 directory holding checkpoints of later steps than this engine's (rotation.py), unless this
 engine loaded a checkpoint of that directory or the config says ``overwrite_newer``; replicated
-tensors are compared across their copies (replicas.py).
+tensors are compared across their copies (checkpoint/replica_checksums.py).
 
 load_checkpoint: load.py (all or nothing); what a rank holds: held.py.
 """

@@ -21,7 +21,7 @@ ZeRO-3) by one data-parallel rank each, spread so that the ranks write as many b
 another (greedy, in model order: every replica computes the same choice, without
 communication; the model weights and the optimizer-side slots are balanced separately); a
 tensor-parallel-replicated parameter (tensor/placement.py) by tensor-parallel rank 0 only; the other
-copies are compared with the saved one (replicas.py), buffers excepted. Names are the user's
+copies are compared with the saved one (replica_checksums.py), buffers excepted. Names are the user's
 ``named_parameters()`` (a tied parameter under its first name).
 """
 
@@ -36,7 +36,7 @@ from torch import nn
 
 from shardwise.checkpoint.pieces import Piece
 from shardwise.checkpoint.reshard import CheckpointError
-from shardwise.parallel.data.replicas import get_replicas, has_replicas
+from shardwise.parallel.data.replica_groups import get_replicas, has_replicas
 from shardwise.parallel.flat import FlatLayout
 from shardwise.parallel.moe.experts import global_names
 from shardwise.parallel.tensor.placement import Placement, get_placement
@@ -127,7 +127,7 @@ class _Namer:
         """This rank offers a piece of this placement (one rank per set of replicas); a DP
         replica goes to the data-parallel rank with the fewest elements of ``kind`` so far
         among those holding it (an expert: each expert-data group, in turn, so that every
-        rank makes the same choices, data/replicas.py)."""
+        rank makes the same choices, data/replica_groups.py)."""
         if not (self.tp0 or not pl.tp_replicated):
             return False
         if not replicated_over_dp:
@@ -262,7 +262,7 @@ def _flat_slots(
 
 class LayoutSource(Protocol):
     """What ``layout_of`` asks of a gradient strategy: every strategy has it (the contract in
-    parallel/strategy.py, whose strategies build their layouts from this module)."""
+    parallel/strategy_contract.py, whose strategies build their layouts from this module)."""
 
     def checkpoint_layout(
         self, module: nn.Module, optimizer: Optimizer | None, mesh: ProcessMesh
@@ -273,5 +273,5 @@ class LayoutSource(Protocol):
 def layout_of(
     module: nn.Module, optimizer: Optimizer, strategy: LayoutSource, mesh: ProcessMesh
 ) -> Layout:
-    """The pieces this rank holds under ``strategy``: its ``checkpoint_layout`` (strategy.py)."""
+    """The pieces this rank holds under ``strategy``: its ``checkpoint_layout`` (parallel/strategy_contract.py)."""
     return strategy.checkpoint_layout(module, optimizer, mesh)

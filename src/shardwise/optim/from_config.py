@@ -5,7 +5,7 @@ Type names match case-insensitively, as in DeepSpeed:
 - ``Adam``: DeepSpeed's FusedAdam: decoupled weight decay (``adam_w_mode`` defaults to true),
   or L2 weight decay added to the gradient when ``adam_w_mode`` is false, with FusedAdam's
   defaults (``weight_decay`` 0, not torch AdamW's 0.01). Built as torch ``AdamW`` / ``Adam`` (the
-  same update) unless ``bias_correction`` is false, then as ``shardwise.ops.adam.FusedAdam``.
+  same update) unless ``bias_correction`` is false, then as ``FusedAdam`` (adam.py).
   ``torch_adam: true`` takes torch's class with torch's own defaults, as DeepSpeed does.
 - ``AdamW``: the same, decoupled whatever ``adam_w_mode`` says (as in DeepSpeed).
 - ``SGD``, ``Adagrad``: the torch classes.
@@ -32,7 +32,7 @@ from torch.optim import Optimizer
 from shardwise.config.errors import ConfigError, did_you_mean, fail, join
 from shardwise.config.optim_blocks import OptimizerConfig, check_optimizer_params
 from shardwise.config.schema import AUTO
-from shardwise.ops.adam import DeepSpeedCPUAdam, FusedAdam
+from shardwise.optim.adam import DeepSpeedCPUAdam, FusedAdam
 
 SUPPORTED = {"adam": "AdamW", "adamw": "AdamW", "sgd": "SGD", "adagrad": "Adagrad"}
 NOT_SUPPORTED = {

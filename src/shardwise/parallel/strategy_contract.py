@@ -22,7 +22,7 @@ Strategies (a table, ``STRATEGIES``, picks one from the config, first that ``acc
     Zero3Strategy         stage 3: parameters sharded too, gathered around each use
 
 A new ZeRO-like strategy is a class with these members, one line in ``STRATEGIES``, and a
-``checkpoint_layout`` built from checkpoint/layouts.py's public helpers.
+``checkpoint_layout`` built from checkpoint/rank_pieces.py's public helpers.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from shardwise.config.errors import ConfigError
 from shardwise.precision import compute_dtype
 
 if TYPE_CHECKING:  # annotations only
-    from shardwise.checkpoint.layouts import Layout
+    from shardwise.checkpoint.rank_pieces import Layout
     from shardwise.config import Config
     from shardwise.topology import ProcessMesh
 
@@ -104,7 +104,7 @@ class GradientStrategy(Protocol):
     def checkpoint_layout(
         self, module: nn.Module, optimizer: torch.optim.Optimizer | None, mesh: ProcessMesh
     ) -> Layout:
-        """What this rank holds, as checkpoint pieces and optimizer slots (layouts.py)."""
+        """What this rank holds, as checkpoint pieces and optimizer slots (checkpoint/rank_pieces.py)."""
 
     def close(self) -> None:
         """Remove every hook this strategy put on the parameters (the engine is done)."""

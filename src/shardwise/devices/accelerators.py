@@ -1,4 +1,6 @@
-"""``CudaAccelerator`` and ``CpuAccelerator``: DeepSpeed's method names and return values.
+"""The devices a process computes on, ``CudaAccelerator`` and ``CpuAccelerator``, with
+DeepSpeed's method names and return values (``shardwise.accelerator`` gives them DeepSpeed's
+import path).
 
 Names and results follow DeepSpeed's ``abstract_accelerator.py`` / ``cuda_accelerator.py`` /
 ``cpu_accelerator.py`` for the calls training scripts make: ``device_name(i)`` is "cuda:i" or

@@ -1,4 +1,4 @@
-"""The table from a configuration to its gradient strategy (strategy.py states the contract).
+"""The table from a configuration to its gradient strategy (strategy_contract.py states the contract).
 
 The first class whose ``accepts(ctx)`` holds is built with ``from_context(ctx)``; the order
 makes the choice: one data rank in plain fp32 needs no reduction at all, several need the
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from shardwise.config.errors import ConfigError
 from shardwise.parallel.data.reducer import DataParallelReducer, LocalGradients
-from shardwise.parallel.data.replicas import has_replicas
-from shardwise.parallel.strategy import GradientStrategy, StrategyContext
+from shardwise.parallel.data.replica_groups import has_replicas
+from shardwise.parallel.strategy_contract import GradientStrategy, StrategyContext
 from shardwise.parallel.zero.stage3 import Zero3Strategy
 from shardwise.parallel.zero.stage12 import ZeroStrategy
 

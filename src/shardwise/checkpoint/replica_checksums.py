@@ -1,7 +1,7 @@
 """Replicas must agree: one tensor held by several ranks (data-parallel copies, tensor-parallel
 replicated norms, ZeRO-3 persistent units) must be bit for bit the same on each of them.
 
-A checkpoint stores each replicated tensor once, from one rank (layouts.py spreads them over
+A checkpoint stores each replicated tensor once, from one rank (rank_pieces.py spreads them over
 the ranks), so replicas that drifted apart (a rank that skipped an ``engine.step()``, a weight
 changed in place on one rank) would give a checkpoint equal to no rank's model. Two checks:
 

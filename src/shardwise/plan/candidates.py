@@ -1,4 +1,5 @@
-"""A layout: how one training step is spread over the world, and the config that runs it.
+"""The layouts the planner weighs: each a way to spread one training step over the world
+(dp x tp x pp), with the config that runs it.
 
     world = dp x tp x pp   (tensor parallelism inside a node: its ranks are neighbours)
     global batch (sequences) = dp x micro_batch x grad_accum

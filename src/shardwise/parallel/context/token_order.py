@@ -1,4 +1,4 @@
-"""The load-balanced sequence layout of context parallelism.
+"""The load-balanced token order of context parallelism: which tokens each rank holds.
 
 The global sequence of length S is cut into 2*cp equal chunks of c = S / (2*cp) tokens;
 context-parallel rank r (0 <= r < cp) holds chunks r and 2*cp-1-r, concatenated in that order:
@@ -8,7 +8,7 @@ context-parallel rank r (0 <= r < cp) holds chunks r and 2*cp-1-r, concatenated 
 Under a causal mask query chunk i attends to i+1 chunks, so a rank holding one early and one
 late chunk does (r+1) + (2*cp-r) = 2*cp+1 chunk pairs of work, the same on every rank; a plain
 contiguous split would leave the last rank with ~2*cp-1 times the first rank's work. Both
-methods (ring.py, ulysses.py) take their inputs and give their outputs in this layout. With
+methods (ring.py, ulysses.py) take their inputs and give their outputs in this order. With
 cp == 1 every function here is the identity and the sequence length is free.
 """
 
@@ -68,7 +68,7 @@ def sequence_positions(
     seq_len: int, cp: int, cp_rank: int, device: torch.device | str | None = None
 ) -> torch.Tensor:
     """Global positions (int64) of this rank's tokens, in its local order (length
-    ``seq_len // cp``): what rotary embeddings and position ids need under this layout."""
+    ``seq_len // cp``): what rotary embeddings and position ids need under this order."""
     check_sequence(seq_len, cp)
     if cp == 1:
         return torch.arange(seq_len, device=device)
