@@ -20,12 +20,19 @@ anything short of everything would not match it.
 OUT/LAYOUT/progress, so a test can signal the job in the middle of its run. ``--linger S``
 sleeps S seconds after the loop with the engine alive (each rank first touches
 OUT/LAYOUT/looped-rankR).
+
+``--async`` makes the interval saves asynchronous (``"checkpoint": {"async": true}``);
+``--slow-write S`` makes the background writer sleep S seconds before each file it writes, so
+that a signal can reach a job while a save is in flight (the marker then records whether one
+was: ``{"in_flight": true}``).
 """
 
 import argparse
+import json
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -34,6 +41,8 @@ from safetensors.torch import save_file
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/: the shared models
 
 from checkpointing import config, engine_for  # noqa: E402
+
+from shardwise.checkpoint import storage  # noqa: E402
 
 Z3 = {"stage": 3, "stage3_param_persistence_threshold": 40}  # biases whole, weights sharded
 LAYOUTS = {  # name: (config keys, checkpointing model) on 2 processes
@@ -53,7 +62,9 @@ def signal_hook(engine, name: str, rank: int, step: int, marker: Path):
 
     def hook(module, args):
         if engine.global_rank == rank and engine.global_steps == step - 1 and not marker.exists():
-            marker.touch()
+            writer = engine.autosave.writer
+            in_flight = writer is not None and not writer.handle.done()
+            marker.write_text(json.dumps({"in_flight": in_flight, "step": step}))
             os.kill(os.getpid(), SIGNALS[name])
 
     for module in engine.module.modules():
@@ -74,6 +85,7 @@ def phase(out: Path, spec: str, args: argparse.Namespace) -> None:
         return
     folder.mkdir(parents=True, exist_ok=True)
     block = {"save_dir": str(folder / "ckpts"), "save_interval_steps": args.interval}
+    block["async"] = args.async_save
     cfg = config(**extra, checkpoint={**block, "auto_resume": True})
     started = folder / f"started-rank{os.environ['RANK']}"
     again = started.exists()
@@ -99,6 +111,18 @@ def phase(out: Path, spec: str, args: argparse.Namespace) -> None:
     save_weights(reference, folder / "reference.safetensors")
 
 
+def slow_writer(seconds: float) -> None:
+    """The background writer sleeps ``seconds`` before writing its file (a slow disk)."""
+    write = storage._write_rank_file
+
+    def slow(*args, **kwargs):
+        if threading.current_thread().name == "shardwise-checkpoint-writer":
+            time.sleep(seconds)
+        return write(*args, **kwargs)
+
+    storage._write_rank_file = slow
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
@@ -107,7 +131,11 @@ def main() -> None:
     parser.add_argument("--interval", type=int, default=3)
     parser.add_argument("--sleep", type=float, default=0.0)
     parser.add_argument("--linger", type=float, default=0.0, help="seconds after the loop")
+    parser.add_argument("--async", dest="async_save", action="store_true")
+    parser.add_argument("--slow-write", type=float, default=0.0, help="seconds per file")
     args = parser.parse_args()
+    if args.slow_write:
+        slow_writer(args.slow_write)
     for spec in args.phases:
         phase(Path(args.out), spec, args)
 
