@@ -65,10 +65,13 @@ def test_sigkills_during_background_writes_resume_bit_exact_from_the_last_comple
 
 
 def test_sigterm_during_a_background_write_exits_75_after_both_saves(tmp_path):
-    """Two workers save every 2 steps asynchronously through a slow writer (2 s per file);
-    rank 1 gets SIGTERM in step 3 while the step-2 save is still writing. The step's end
-    waits for it, saves step 3, and the job exits 75 with both checkpoints complete."""
-    args = [str(tmp_path), "dp2:term:1:3", "--interval", "2", "--async", "--slow-write", "2"]
+    """Two workers save every 2 steps asynchronously through a slow writer (it holds its file
+    until the signal is sent); rank 1 gets SIGTERM in step 3 while the step-2 save is still
+    writing. The step's end waits for it, saves step 3, and the job exits 75 with both
+    checkpoints complete, ``latest`` on the second (a step-3 save that did not wait could be
+    overtaken by the step-2 publish, which would move ``latest`` back)."""
+    hold = f"{scaled(60):.0f}"  # seconds at most: the signal comes within a step of the save
+    args = [str(tmp_path), "dp2:term:1:3", "--interval", "2", "--async", "--slow-write", hold]
     run = subprocess.run(
         _cmd(*args), env=_env(), capture_output=True, text=True, timeout=scaled(180)
     )

@@ -22,9 +22,10 @@ sleeps S seconds after the loop with the engine alive (each rank first touches
 OUT/LAYOUT/looped-rankR).
 
 ``--async`` makes the interval saves asynchronous (``"checkpoint": {"async": true}``);
-``--slow-write S`` makes the background writer sleep S seconds before each file it writes, so
-that a signal can reach a job while a save is in flight (the marker then records whether one
-was: ``{"in_flight": true}``).
+``--slow-write S`` makes the background writer wait before each file it writes until the
+phase's signal was sent (OUT/LAYOUT/signalled exists), at most S seconds: a slow disk whose
+save is surely still in flight when the signal comes (the marker records whether one was:
+``{"in_flight": true}``).
 """
 
 import argparse
@@ -111,13 +112,16 @@ def phase(out: Path, spec: str, args: argparse.Namespace) -> None:
     save_weights(reference, folder / "reference.safetensors")
 
 
-def slow_writer(seconds: float) -> None:
-    """The background writer sleeps ``seconds`` before writing its file (a slow disk)."""
+def slow_writer(out: Path, seconds: float) -> None:
+    """The background writer waits for a phase's signal, at most ``seconds``, before writing
+    its file (a slow disk)."""
     write = storage._write_rank_file
 
     def slow(*args, **kwargs):
+        deadline = time.monotonic() + seconds
         if threading.current_thread().name == "shardwise-checkpoint-writer":
-            time.sleep(seconds)
+            while not list(out.glob("*/signalled")) and time.monotonic() < deadline:
+                time.sleep(0.05)
         return write(*args, **kwargs)
 
     storage._write_rank_file = slow
@@ -135,7 +139,7 @@ def main() -> None:
     parser.add_argument("--slow-write", type=float, default=0.0, help="seconds per file")
     args = parser.parse_args()
     if args.slow_write:
-        slow_writer(args.slow_write)
+        slow_writer(Path(args.out), args.slow_write)
     for spec in args.phases:
         phase(Path(args.out), spec, args)
 
