@@ -4,8 +4,9 @@ against ``torch.distributed.checkpoint.async_save`` (DCP), same engine, same sta
 Not a script: checkpoint_io.py runs it in its launch. Three measurements:
 
 - **blocking**: the time a save keeps the training thread (the call, timed between two
-  barriers: the slowest rank); then, untimed, the wait for the write, whose end-to-end time
-  (call to durable) is reported beside it. Ours: the tag agreed, the directory locked, every
+  barriers: the slowest rank), ``--blocking-samples`` per round, the contenders alternating
+  which goes first; then the wait for the write, whose end-to-end time (call to durable) is
+  reported beside it. Ours: the tag agreed, the directory locked, every
   piece copied to the reused staging buffers, the thread started. DCP: its default stager
   copies the state dict to new CPU tensors, then a thread plans and writes (FileSystemWriter).
   DCP gets a gloo group of its own (``process_group``), as ours has, so its background
@@ -82,13 +83,21 @@ class Trainer:
             self.future = None
 
 
-def blocking_round(t: Trainer, times: dict) -> None:
-    """Each contender saves once: the blocking time, then the time to durable."""
-    for who in ("ours", "dcp"):
-        blocked, _ = barrier_timed(lambda who=who: t.save(who, "blocking"))
-        waited, _ = barrier_timed(lambda who=who: t.wait(who))
-        times.setdefault(f"{who} blocking", []).append(blocked)
-        times.setdefault(f"{who} durable", []).append(blocked + waited)
+def blocking_round(r: int, t: Trainer, samples: int, times: dict) -> None:
+    """Each contender saves ``samples`` times, alternating which goes first: the blocking
+    time, then the time to durable. Round 0 starts with an untimed save of each: ours
+    allocates its staging buffers at its first save (once per run: a cost no later save
+    pays); DCP allocates new ones at every save, which every timed save includes."""
+    if r == 0:
+        for who in ("ours", "dcp"):
+            t.save(who, "warm-up")
+            t.wait(who)
+    for s in range(samples):
+        for who in ("ours", "dcp") if (r + s) % 2 == 0 else ("dcp", "ours"):
+            blocked, _ = barrier_timed(lambda who=who, s=s: t.save(who, f"blocking{s}"))
+            waited, _ = barrier_timed(lambda who=who: t.wait(who))
+            times.setdefault(f"{who} blocking", []).append(blocked)
+            times.setdefault(f"{who} durable", []).append(blocked + waited)
 
 
 def overhead_round(t: Trainer, every: int, intervals: int, times: dict) -> None:
@@ -126,11 +135,11 @@ def one_round(r: int, t: Trainer, args: argparse.Namespace, root: str, times: di
     A directory per round: checkpoint_io's loads take the step counter back, and a save
     refuses a directory holding later steps than its own."""
     t.root = os.path.join(root, "async", f"round{r}")
-    blocking_round(t, times)
+    blocking_round(r, t, args.blocking_samples, times)
     overhead_round(t, args.every, args.intervals, times)
     t.wait("dcp")
     dist.barrier()
-    if dist.get_rank() == 0:  # untimed: 2 + 2 x intervals checkpoints a round
+    if dist.get_rank() == 0:  # untimed: the round's checkpoints
         shutil.rmtree(t.root)
 
 
@@ -163,8 +172,10 @@ def report(results: dict[str, dict], every: int, intervals: int) -> str:
 def rss_report(marks: dict[str, dict[str, float]], warmup: int) -> str:
     rows = []
     for who, m in marks.items():
-        first, warm, end = m["after 1"], m[f"after {warmup}"], list(m.values())[-1]
-        rows.append([who, f"{first:.0f}", f"{warm:.0f}", f"{end:.0f}", f"{end / warm - 1:+.2%}"])
+        (first, warm, end), saves = m.values(), int(list(m)[-1].split()[-1]) - warmup
+        per_save = (end - warm) / saves
+        rows.append([who, f"{first:.0f}", f"{warm:.0f}", f"{end:.0f}", f"{end / warm - 1:+.2%}",
+                     f"{per_save:+.3f}"])  # fmt: skip
     last = list(next(iter(marks.values())))[-1]
-    headers = ["contender", "RSS MiB after 1", f"after {warmup}", last, "drift"]
+    headers = ["contender", "RSS MiB after 1", f"after {warmup}", last, "drift", "MiB per save"]
     return format_table(headers, rows)

@@ -23,7 +23,8 @@ every load the state must equal what was saved, bit for bit.
 Asynchronous saves (checkpoint_async.py, in the same rounds): ``save_checkpoint(...,
 async_save=True)`` against ``dcp.async_save`` on the same engine: the time a save blocks
 training, the step-time overhead of a save every ``--every`` steps, and the resident memory
-of a small model over ``--rss-saves`` saves (after ``--rss-warmup``). ``--small`` shrinks the
+of a small model over ``--rss-saves`` saves (after ``--rss-warmup``), measured first, while
+the processes hold nothing else. ``--small`` shrinks the
 model (d_model 256, 2 layers) for a run of a few minutes; ``--skip-async`` leaves them out.
 """
 
@@ -65,6 +66,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--small", action="store_true", help="d_model 256, 2 layers: a quick run")
     p.add_argument("--skip-async", action="store_true", help="only the blocking rows")
     p.add_argument("--every", type=int, default=5, help="async rows: a save every k steps")
+    p.add_argument("--blocking-samples", type=int, default=2, help="async saves timed a round")
     p.add_argument("--intervals", type=int, default=2, help="async rows: saves per timed block")
     p.add_argument("--rss-saves", type=int, default=100, help="saves whose RSS drift is measured")
     p.add_argument("--rss-warmup", type=int, default=10, help="saves before the RSS baseline")
@@ -225,12 +227,12 @@ def main(argv: list[str] | None = None) -> None:
     # The same directory on every rank (a shared filesystem, as for any sharded checkpoint).
     port = os.environ.get("MASTER_PORT", "0")
     root = args.dir or os.path.join(tempfile.gettempdir(), f"shardwise-ckpt-bench-{port}")
+    marks = None if args.skip_async else rss_marks(args, root)  # first: a process still small
     results = {}
     for layout in args.layouts.split(","):
         results[layout] = run_layout(args, layout, root)
         if dist.get_rank() == 0:
             print(f"{layout}: {results[layout]}", flush=True)
-    marks = None if args.skip_async else rss_marks(args, root)
     if dist.get_rank() == 0:
         print(
             f"\n{dist.get_world_size()} ranks, gloo, {args.rounds} rounds, medians; files in {root}"
