@@ -19,6 +19,13 @@ rounds (ours save, DCP save, ours load, DCP load, ...):
 A save or load is timed between two barriers (the slowest rank's time); figures are medians
 over the rounds. Loads read files the save just wrote, from the page cache, for both. After
 every load the state must equal what was saved, bit for bit.
+
+Asynchronous saves (checkpoint_async.py, in the same rounds): ``save_checkpoint(...,
+async_save=True)`` against ``dcp.async_save`` on the same engine: the time a save blocks
+training, the step-time overhead of a save every ``--every`` steps, and the resident memory
+of a small model over ``--rss-saves`` saves (after ``--rss-warmup``), measured first, while
+the processes hold nothing else. ``--small`` shrinks the
+model (d_model 256, 2 layers) for a run of a few minutes; ``--skip-async`` leaves them out.
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script: find common.py
+import checkpoint_async  # noqa: E402
 from common import format_table, make_batches, make_model, n_params, single_thread  # noqa: E402
 
 import shardwise  # noqa: E402
@@ -55,7 +63,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--layouts", default="dp2,zero3", help="comma-separated: dp2, zero3")
     p.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
-    return p.parse_args(argv)
+    p.add_argument("--small", action="store_true", help="d_model 256, 2 layers: a quick run")
+    p.add_argument("--skip-async", action="store_true", help="only the blocking rows")
+    p.add_argument("--every", type=int, default=5, help="async rows: a save every k steps")
+    p.add_argument("--blocking-samples", type=int, default=2, help="async saves timed a round")
+    p.add_argument("--intervals", type=int, default=2, help="async rows: saves per timed block")
+    p.add_argument("--rss-saves", type=int, default=100, help="saves whose RSS drift is measured")
+    p.add_argument("--rss-warmup", type=int, default=10, help="saves before the RSS baseline")
+    p.add_argument("--rss-d-model", type=int, default=128, help="the RSS run's small model")
+    args = p.parse_args(argv)
+    if args.small:
+        args.d_model, args.layers = 256, 2
+    return args
 
 
 # ----------------------------------------------------------------------------- the states
@@ -154,9 +173,13 @@ def one_round(r: int, layout: str, engine: shardwise.Engine, root: str, times: d
 
 def run_layout(args: argparse.Namespace, layout: str, root: str) -> dict[str, float]:
     engine = build_engine(args, LAYOUTS[layout])
+    collect = dp_state if layout == "dp2" else zero3_state
+    trainer = checkpoint_async.Trainer(engine, args.seq, collect, root)
     times: dict[str, list[float]] = {}
     for r in range(args.rounds):
         paths = one_round(r, layout, engine, root, times)
+        if not args.skip_async:
+            checkpoint_async.one_round(r, trainer, args, os.path.join(root, layout), times)
         sizes = {"ours bytes": dir_bytes(paths[0]), "dcp bytes": dir_bytes(paths[1])}
         dist.barrier()
         if dist.get_rank() == 0 and r + 1 < args.rounds:  # untimed: the next round writes anew
@@ -185,6 +208,16 @@ def report(results: dict[str, dict[str, float]]) -> str:
     return format_table(headers, rows)
 
 
+def rss_marks(args: argparse.Namespace, root: str) -> dict[str, dict[str, float]]:
+    """The resident-memory run: a small DP2 engine, each contender's saves in turn."""
+    small = argparse.Namespace(**{**vars(args), "d_model": args.rss_d_model, "layers": 2})
+    engine = build_engine(small, 0)
+    marks = checkpoint_async.memory(args, engine, dp_state, os.path.join(root, "rss"))
+    if dist.get_rank() == 0:
+        print(f"rss: {marks}", flush=True)
+    return marks
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     warnings.filterwarnings("ignore", category=FutureWarning)
@@ -194,6 +227,7 @@ def main(argv: list[str] | None = None) -> None:
     # The same directory on every rank (a shared filesystem, as for any sharded checkpoint).
     port = os.environ.get("MASTER_PORT", "0")
     root = args.dir or os.path.join(tempfile.gettempdir(), f"shardwise-ckpt-bench-{port}")
+    marks = None if args.skip_async else rss_marks(args, root)  # first: a process still small
     results = {}
     for layout in args.layouts.split(","):
         results[layout] = run_layout(args, layout, root)
@@ -204,6 +238,11 @@ def main(argv: list[str] | None = None) -> None:
             f"\n{dist.get_world_size()} ranks, gloo, {args.rounds} rounds, medians; files in {root}"
         )
         print(report(results))
+        if marks is not None:
+            print(f"\nasynchronous saves, a save every {args.every} steps:")
+            print(checkpoint_async.report(results, args.every, args.intervals))
+            print(f"\nresident memory, d_model {args.rss_d_model}, 2 layers, DP2, MiB:")
+            print(checkpoint_async.rss_report(marks, args.rss_warmup))
         if args.dir is None:
             shutil.rmtree(root, ignore_errors=True)
     dist.barrier()

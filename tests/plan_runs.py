@@ -99,3 +99,17 @@ def measure(layout: Layout, precision: str) -> dict:
         "comm": comm.stats(),
         "activations": peak,
     }
+
+
+def measure_staging(layout: Layout, precision: str, save_dir: str) -> dict:
+    """One step in ``layout``, then an asynchronous save: this rank's stage and the bytes of
+    its checkpoint staging buffers, as ``engine.memory_breakdown()`` counts them."""
+    import shardwise
+
+    engine, *_ = shardwise.initialize(model=build_for(layout), config=config_for(layout, precision))
+    engine.train_batch(iter(_batches(engine.dp_rank, layout)))
+    engine.save_checkpoint(save_dir, async_save=True)
+    engine.wait_for_checkpoint()
+    staging = engine.memory_breakdown()["checkpoint_staging"]
+    engine.destroy()
+    return {"stage": engine.mesh.pp_rank, "staging": staging}

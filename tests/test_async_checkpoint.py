@@ -4,7 +4,7 @@ A save written in the background holds exactly what a blocking save of the same 
 although training goes on and changes every tensor while it writes (compared with
 ``torch.equal``: the same bytes, copied at the step boundary); its staging buffers are reused
 from save to save; a write that fails on one rank surfaces on every rank at the next step,
-naming the rank and the error, and never moves ``latest``; the config's ``"async": true``
+naming the rank, the file and the error, and never moves ``latest``; the config's ``"async": true``
 makes the periodic saves asynchronous.
 """
 
@@ -125,7 +125,8 @@ def test_a_failed_background_write_surfaces_on_every_rank_at_the_next_step(tmp_p
     root = str(tmp_path)
     for rank, message in enumerate(run_distributed(_failing_write, 2, root)):
         assert "asynchronous save failed" in message, f"rank {rank}: {message}"
-        assert "rank 1: OSError" in message and "No space left" in message, f"rank {rank}"
+        assert "rank 1, rank_00001.safetensors: OSError" in message, f"rank {rank}: {message}"
+        assert "No space left" in message and "'global_step2'" in message, f"rank {rank}"
     assert storage.latest_tag(root) == "global_step1", "latest moved to a failed save"
     assert sorted(n for n in os.listdir(root) if not n.startswith(".")) == [
         "global_step1",

@@ -8,11 +8,13 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 from checkpointing import config, engine_for
 from waits import scaled
 
+from shardwise.checkpoint import storage
 from shardwise.launch.preempt import PREEMPTED_EXIT_CODE, Preempted, SignalFlag
 from shardwise.training.checkpoints.autosave import newest_tag
 
@@ -91,6 +93,30 @@ def test_a_sigterm_saves_the_step_and_raises_preempted(interval, tmp_path):
     assert (stop.value.step, stop.value.checkpoint) == (2, str(tmp_path / "global_step2")), case
     assert calls == [2], f"{case}: step 2 saved once, whether or not the interval saved it"
     assert (tmp_path / "latest").read_text().strip() == "global_step2", case
+
+
+def test_an_idle_sigterm_exit_waits_for_the_save_in_flight_and_names_it(tmp_path, monkeypatch):
+    """A SIGTERM outside a step while an asynchronous save writes (its handler calls
+    ``_idle_exit``): the save in flight is written first, and it is the checkpoint the exit
+    names, not the one before it."""
+    engine = _engine(tmp_path, save_interval_steps=1, **{"async": True})
+    write = storage._write_rank_file
+
+    def slow(*args, **kwargs):  # a slow disk: the write is still going when the signal comes
+        time.sleep(1.0)
+        return write(*args, **kwargs)
+
+    monkeypatch.setattr(storage, "_write_rank_file", slow)
+    try:
+        engine.train_batch()
+        engine.wait_for_checkpoint()  # global_step1 is complete
+        engine.train_batch()  # global_step2 is being written
+        stop = engine.autosave._idle_exit()
+    finally:
+        engine.destroy()
+    assert stop.code == PREEMPTED_EXIT_CODE and stop.step == 2
+    assert stop.checkpoint == str(tmp_path / "global_step2"), stop.checkpoint
+    assert newest_tag(str(tmp_path)) == "global_step2"
 
 
 def test_the_handler_sets_a_flag_chains_and_lets_go():

@@ -20,12 +20,20 @@ anything short of everything would not match it.
 OUT/LAYOUT/progress, so a test can signal the job in the middle of its run. ``--linger S``
 sleeps S seconds after the loop with the engine alive (each rank first touches
 OUT/LAYOUT/looped-rankR).
+
+``--async`` makes the interval saves asynchronous (``"checkpoint": {"async": true}``);
+``--slow-write S`` makes the background writer wait before each file it writes until the
+phase's signal was sent (OUT/LAYOUT/signalled exists), at most S seconds: a slow disk whose
+save is surely still in flight when the signal comes (the marker records whether one was:
+``{"in_flight": true}``).
 """
 
 import argparse
+import json
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -34,6 +42,8 @@ from safetensors.torch import save_file
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/: the shared models
 
 from checkpointing import config, engine_for  # noqa: E402
+
+from shardwise.checkpoint import storage  # noqa: E402
 
 Z3 = {"stage": 3, "stage3_param_persistence_threshold": 40}  # biases whole, weights sharded
 LAYOUTS = {  # name: (config keys, checkpointing model) on 2 processes
@@ -53,7 +63,9 @@ def signal_hook(engine, name: str, rank: int, step: int, marker: Path):
 
     def hook(module, args):
         if engine.global_rank == rank and engine.global_steps == step - 1 and not marker.exists():
-            marker.touch()
+            writer = engine.autosave.writer
+            in_flight = writer is not None and not writer.handle.done()
+            marker.write_text(json.dumps({"in_flight": in_flight, "step": step}))
             os.kill(os.getpid(), SIGNALS[name])
 
     for module in engine.module.modules():
@@ -74,6 +86,7 @@ def phase(out: Path, spec: str, args: argparse.Namespace) -> None:
         return
     folder.mkdir(parents=True, exist_ok=True)
     block = {"save_dir": str(folder / "ckpts"), "save_interval_steps": args.interval}
+    block["async"] = args.async_save
     cfg = config(**extra, checkpoint={**block, "auto_resume": True})
     started = folder / f"started-rank{os.environ['RANK']}"
     again = started.exists()
@@ -99,6 +112,21 @@ def phase(out: Path, spec: str, args: argparse.Namespace) -> None:
     save_weights(reference, folder / "reference.safetensors")
 
 
+def slow_writer(out: Path, seconds: float) -> None:
+    """The background writer waits for a phase's signal, at most ``seconds``, before writing
+    its file (a slow disk)."""
+    write = storage._write_rank_file
+
+    def slow(*args, **kwargs):
+        deadline = time.monotonic() + seconds
+        if threading.current_thread().name == "shardwise-checkpoint-writer":
+            while not list(out.glob("*/signalled")) and time.monotonic() < deadline:
+                time.sleep(0.05)
+        return write(*args, **kwargs)
+
+    storage._write_rank_file = slow
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
@@ -107,7 +135,11 @@ def main() -> None:
     parser.add_argument("--interval", type=int, default=3)
     parser.add_argument("--sleep", type=float, default=0.0)
     parser.add_argument("--linger", type=float, default=0.0, help="seconds after the loop")
+    parser.add_argument("--async", dest="async_save", action="store_true")
+    parser.add_argument("--slow-write", type=float, default=0.0, help="seconds per file")
     args = parser.parse_args()
+    if args.slow_write:
+        slow_writer(Path(args.out), args.slow_write)
     for spec in args.phases:
         phase(Path(args.out), spec, args)
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 import threading
 from typing import Any
 
@@ -33,6 +34,8 @@ import torch
 from shardwise.checkpoint.manifest import CheckpointError
 from shardwise.checkpoint.pieces import Piece
 from shardwise.checkpoint.storage import SavePlan, finish_save
+
+logger = logging.getLogger("shardwise")
 
 
 class SaveHandle:
@@ -124,3 +127,12 @@ class AsyncSaver:
             self._thread = None
         if self.handle is not None:
             self.handle.wait()
+
+    def settle(self) -> None:
+        """Wait for the save in flight without raising: an exit outside a step (a SIGTERM
+        after the loop) names the newest checkpoint once it is written; no step comes to
+        report an error, so it is logged."""
+        try:
+            self.wait()
+        except CheckpointError as e:
+            logger.error("%s", e)

@@ -43,13 +43,33 @@ def checkpoints(save_dir: str) -> list[Saved]:
         path = os.path.join(save_dir, name, mf.MANIFEST)
         if name.startswith(".") or not os.path.isfile(path):
             continue
-        try:
-            with open(path, "rb") as f:
-                m = mf.parse(f.read(), path)
-        except (OSError, CheckpointError):
-            continue  # not ours, damaged, or not complete: never delete it
-        found.append(Saved(name, m["step"], float(m["created"])))
+        saved = _read(path, name)
+        if saved is not None:  # else not ours, damaged, or not complete: never delete it
+            found.append(saved)
     return found
+
+
+_seen: dict[str, tuple[tuple, Saved | None]] = {}  # manifest path: (its version, what it says)
+
+
+def _read(path: str, tag: str) -> Saved | None:
+    """The checkpoint a manifest describes, None if it does not parse and check. Remembered
+    per version of the file (inode, mtime, size): a published manifest never changes (saving
+    the tag again writes a new file), and every save checks the whole directory, so without
+    it a save into a directory of N checkpoints parsed N manifests again: 0.15 s per save
+    with 13 small ones, in the part of an asynchronous save that blocks training."""
+    try:
+        st = os.stat(path)
+        version = (st.st_ino, st.st_mtime_ns, st.st_size)
+        if path in _seen and _seen[path][0] == version:
+            return _seen[path][1]
+        with open(path, "rb") as f:
+            m = mf.parse(f.read(), path)
+        saved = Saved(tag, m["step"], float(m["created"]))
+    except (OSError, CheckpointError):
+        return None
+    _seen[path] = (version, saved)
+    return saved
 
 
 def newer_than(save_dir: str, step: int) -> list[Saved]:

@@ -139,7 +139,7 @@ def finish_save(
         info = _write_rank_file(tmp, rank, pieces, rank_state)
     except Exception as e:  # noqa: BLE001 - every rank must reach the gather, or the others hang
         failure: BaseException | None = e
-        info = {"error": f"rank {rank}: {type(e).__name__}: {e}"}
+        info = {"error": f"rank {rank}, {rank_file(rank)}: {type(e).__name__}: {e}"}
     else:
         failure = None
     infos = all_gather_json(info, group)
@@ -224,7 +224,7 @@ def _write_rank_file(tmp: str, rank: int, pieces: list[Piece], rank_state: dict)
     try:
         record = write_tensors(os.path.join(tmp, rank_file(rank)), items, {RANK_STATE_KEY: state})
     except FormatError as e:
-        raise CheckpointError(f"{rank_file(rank)}: {e}") from e
+        raise CheckpointError(str(e)) from e  # finish_save names the rank and the file
     return {
         "file": rank_file(rank),
         "rank": rank,

@@ -25,6 +25,7 @@ from shardwise.plan import calibrate, simulate
 from shardwise.plan.candidates import PRECISIONS, Layout, candidates, to_config
 from shardwise.plan.cluster import PRESETS, Cluster, load, parse_bytes, with_overrides
 from shardwise.plan.evaluate import Planner
+from shardwise.plan.memory import Options
 from shardwise.plan.models import Dims, build
 from shardwise.plan.report import rank_text, table
 from shardwise.plan.shape import ModelShape, read_model
@@ -60,6 +61,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         p.add_argument(flag, **opts)
     p.add_argument("--global-batch", type=int, help="sequences per optimizer step")
     p.add_argument("--precision", default="bf16", choices=PRECISIONS)
+    p.add_argument(
+        "--async-checkpoint",
+        action="store_true",
+        help='count the host staging of "checkpoint": {"async": true}',
+    )
     p.add_argument("--top", type=int, default=10, help="feasible layouts to show")
     p.add_argument("--json", action="store_true", help="every record as JSON")
     p.add_argument("--write-config", metavar="PATH", help="write the best layout's config")
@@ -124,7 +130,8 @@ def records(args: argparse.Namespace) -> tuple[Planner, list[dict]]:
         if getattr(args, flag) is None:
             raise ValueError(f"shardwise plan needs --{flag.replace('_', '-')}")
     machine = cluster(args)
-    planner = Planner(shape, machine, args.global_batch, args.seq, args.precision)
+    opts = Options(async_checkpoint=args.async_checkpoint)
+    planner = Planner(shape, machine, args.global_batch, args.seq, args.precision, opts)
     lays = candidates(shape, machine.world, machine.procs_per_node, args.global_batch)
     return planner, planner.plan([lay for lay in lays if _fixed(args, lay)])
 

@@ -5,12 +5,14 @@ are plain dicts (the JSON of ``shardwise plan --json``), bytes per rank and seco
 
     dp, tp, pp, zero_stage, micro_batch, grad_accum, activation_checkpointing, offload,
     sequence_parallel, schedule, feasible, reason,
-    memory {params, grads, optimizer, activations, buffers, peak, host},
+    memory {params, grads, optimizer, activations, buffers, peak, host, checkpoint_staging},
     comm_bytes {data, tensor, pipeline}, comm_ops {op: {calls, bytes, sent_bytes}},
     bubble, step_time_s, time {compute, exposed_comm, bubble}, tokens_per_s, mfu, stage
 
 The numbers are the worst rank's: the stage with the highest device memory (memory and
-feasibility), the slowest stage (time). ``rank_view`` gives any one rank's.
+feasibility), the slowest stage (time). ``rank_view`` gives any one rank's. ``host``: the
+offloaded states; ``checkpoint_staging``: the host buffers of asynchronous checkpoints
+(``Options.async_checkpoint``), named as ``engine.memory_breakdown()`` names them.
 """
 
 from __future__ import annotations
@@ -200,6 +202,7 @@ def _record(layout: Layout, view: StageView | None, time: Any, reason: str = "")
         "buffers": int(s.buffers + view.transient),
         "peak": int(view.peak),
         "host": s.host,
+        "checkpoint_staging": s.checkpoint_staging,
     }
     rec["comm_bytes"] = traffic.by_axis(view.calls)
     rec["comm_ops"] = traffic.by_op(view.calls)

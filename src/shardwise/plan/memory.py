@@ -18,12 +18,18 @@ bytes per element (Adam: 8) and 4 the fp32 master:
 
 The fp32 master is no extra memory when it is the parameters' own fp32 shard (fp32, no
 offload). Offloaded, masters and states sit in host memory: counted, but not on the device.
+
+Asynchronous checkpoints (``"checkpoint": {"async": true}``, ``Options.async_checkpoint``) keep
+host staging buffers, one per piece the rank saves (checkpoint/async_save.py): a second copy of
+its parameters and optimizer states (masters included), params + optimizer bytes, reused from
+save to save. ``checkpoint_staging``, as ``engine.memory_breakdown()`` names it; host memory,
+so not in the device's peak.
 """
 
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -49,6 +55,7 @@ class Options:
     max_live: int = 1_000_000_000
     optimizer_state_bytes: int = 8  # Adam / AdamW: exp_avg and exp_avg_sq in fp32
     partition_method: str = "parameters"
+    async_checkpoint: bool = False  # the config's "checkpoint": {"async": true}: host staging
 
 
 @dataclass(frozen=True)
@@ -61,6 +68,7 @@ class ModelStates:
     host: int = 0
     buffers: int = 0  # transient communication buffers at their peak
     masters: int = 0  # the fp32 master copies, part of ``optimizer`` (there before any step)
+    checkpoint_staging: int = 0  # host copies of params + optimizer for asynchronous saves
 
     @property
     def device(self) -> int:
@@ -139,7 +147,17 @@ def model_states(
     opts: Options,
     isolate: set[int] = frozenset(),
 ) -> ModelStates:
-    """This rank's model-state bytes (module docstring) at the optimizer step."""
+    """This rank's model-state bytes (module docstring) at the optimizer step, with the
+    staging of asynchronous checkpoints when ``opts.async_checkpoint``."""
+    states = _states(params, layout, precision, opts, isolate)
+    if not opts.async_checkpoint:
+        return states
+    return replace(states, checkpoint_staging=states.params + states.optimizer)
+
+
+def _states(
+    params: list[ParamInfo], layout: Layout, precision: str, opts: Options, isolate: set[int]
+) -> ModelStates:
     c, k, tp = DTYPE_BYTES[precision], opts.optimizer_state_bytes, layout.tp
     shares = c == 4 and not layout.offload  # the fp32 master is the parameters' own shard
     master = 0 if shares else 4

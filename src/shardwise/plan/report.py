@@ -28,6 +28,8 @@ COLUMNS = (
     ("tok/s", lambda i, r: f"{r['tokens_per_s']:,.0f}"),
     ("MFU", lambda i, r: f"{r['mfu']:.1%}"),
 )
+# Host memory of asynchronous checkpoints (--async-checkpoint): shown when counted.
+STAGING = ("stage GiB", lambda i, r: _gib(r["memory"]["checkpoint_staging"]))
 
 
 def _gib(n: float) -> str:
@@ -41,8 +43,10 @@ def _sec(t: float) -> str:
 def table(records: list[dict[str, Any]], top: int, infeasible: int = 5) -> str:
     """The ``top`` feasible layouts, then up to ``infeasible`` of the others with reasons."""
     ok = [r for r in records if r["feasible"]][:top]
-    rows = [[c[0] for c in COLUMNS]] + [[f(i, r) for _, f in COLUMNS] for i, r in enumerate(ok, 1)]
-    widths = [max(len(row[k]) for row in rows) for k in range(len(COLUMNS))]
+    staged = any(r["memory"].get("checkpoint_staging") for r in ok)
+    cols = COLUMNS[:14] + (STAGING,) + COLUMNS[14:] if staged else COLUMNS  # after peak
+    rows = [[c[0] for c in cols]] + [[f(i, r) for _, f in cols] for i, r in enumerate(ok, 1)]
+    widths = [max(len(row[k]) for row in rows) for k in range(len(cols))]
     lines = ["  ".join(v.rjust(w) for v, w in zip(row, widths, strict=True)) for row in rows]
     total = sum(r["feasible"] for r in records)
     lines.insert(0, f"{total} feasible layouts of {len(records)}; the {len(ok)} fastest:")

@@ -122,6 +122,8 @@ class AutoSave:
     def _idle_exit(self) -> Preempted:
         """A SIGTERM no step end picked up (launch/preempt.py): exit with the code; the newest
         complete checkpoint is what a restart resumes from."""
+        if self.writer is not None:
+            self.writer.settle()  # the save in flight is written first: it is the newest
         newest = newest_tag(self.save_dir) if self.save_dir is not None else None
         path = os.path.join(self.save_dir, newest) if newest else "none"
         if self._rank == 0:
