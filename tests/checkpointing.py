@@ -18,6 +18,7 @@ returns the losses of its steps and the final consolidated parameters (fp32, CPU
 
 import torch
 import torch.nn.functional as F
+from models import make_gpt, make_tokens
 from torch import nn
 from torch.utils.data import TensorDataset
 
@@ -43,7 +44,6 @@ class DropMLP(nn.Module):
 
 
 MLP_PLAN = {"fc1": "colwise", "drop": "split_dropout", "fc2": "rowwise"}
-T = 8  # the GPT's sequence length
 
 
 def dataset() -> TensorDataset:
@@ -54,11 +54,7 @@ def dataset() -> TensorDataset:
 
 
 def _gpt(dropout: float) -> nn.Module:
-    from test_tp_engine import _gpt_module
-
-    m = _gpt_module()
-    cfg = m.GPTConfig(vocab_size=13, block_size=T, n_layer=2, n_head=4, n_embd=16, dropout=dropout)
-    return m.GPT(cfg)
+    return make_gpt(seed=None, dropout=dropout)  # engine_for has seeded torch
 
 
 class DropBlock(nn.Module):
@@ -91,8 +87,7 @@ def _pipe(dropout: float) -> nn.Module:
 
 
 def _tokens() -> TensorDataset:
-    data = torch.randint(0, 13, (SAMPLES, T + 1), generator=torch.Generator().manual_seed(7))
-    return TensorDataset(data[:, :-1], data[:, 1:])
+    return TensorDataset(*make_tokens(SAMPLES, seed=7))
 
 
 MODELS = {  # name: (model(dropout), dataset, loss_fn: None = the model returns its loss)

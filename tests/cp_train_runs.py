@@ -1,67 +1,44 @@
-"""Context-parallel runs of the example GPT, and the one-process reference they must match.
+"""Context-parallel runs of the example GPT, and the one-process run they must match.
 
-``reference_run``: one process, plain PyTorch (AdamW written out, global-norm clipping), the
-whole sequence of every window. ``engine_run``: every rank trains through ``shardwise.initialize``
-with ``context_parallel`` (and data, tensor, ZeRO, activation checkpointing as the layout says),
-on its data rank's windows, each context rank on its tokens of them. Both return the step
-losses (the mean over every token of the global batch) and the final whole parameters.
+``setup``: what one_process.reference_run trains (one process, plain PyTorch, SGD with
+momentum, global-norm clipping), the whole sequence of every window. ``engine_run``: every
+rank trains through ``shardwise.initialize`` with ``context_parallel`` (and data, tensor, ZeRO,
+activation checkpointing as the layout says), on its data rank's windows, each context rank on
+its tokens of them. Both give the step losses (the mean over every token of the global batch)
+and the final whole parameters.
 """
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
-from models import example_module
+from models import make_gpt, make_tokens
+from one_process import global_batches
 
 import shardwise
 from shardwise import comm
+from shardwise.verify import VerifySetup
 
-M = example_module("gpt", "model")
 VOCAB, SEQ, MB, STEPS = 40, 32, 2, 5
+GPT = {"vocab_size": VOCAB, "block_size": SEQ, "n_embd": 32}  # 2 blocks, 4 heads (models.py)
 SGD = {"lr": 0.2, "momentum": 0.9}  # not Adam: its updates ignore a wrong gradient scale
-
-
-class _Bidirectional(torch.nn.Module):
-    """The GPT's attention without the causal mask (an encoder's)."""
-
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return shardwise.attention(q, k, v, is_causal=False)
-
-
-def make_gpt(causal: bool = True, heads: int = 4) -> torch.nn.Module:
-    torch.manual_seed(0)
-    cfg = M.GPTConfig(vocab_size=VOCAB, block_size=SEQ, n_layer=2, n_head=heads, n_embd=32)
-    model = M.GPT(cfg)
-    if not causal:
-        for block in model.blocks:
-            block.attn.attend = _Bidirectional()
-    return model
 
 
 def make_windows(n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``n`` windows of SEQ tokens and their next tokens."""
-    g = torch.Generator().manual_seed(5)
-    tokens = torch.randint(0, VOCAB, (n, SEQ + 1), generator=g)
-    return tokens[:, :-1], tokens[:, 1:]
+    return make_tokens(n, VOCAB, SEQ, seed=5)
 
 
-def reference_run(
+def setup(
     dp: int, gas: int, causal: bool = True, clip: float = 0.0, steps: int = STEPS
-) -> dict:
-    """One process, the global batch of MB * dp * gas windows per step."""
-    model = make_gpt(causal)
-    opt = torch.optim.SGD(model.parameters(), **SGD)
-    batch = MB * dp * gas
-    x, y = make_windows(batch * steps)
-    losses, norms = [], []
-    for k in range(steps):
-        rows = slice(k * batch, (k + 1) * batch)
-        loss = model(x[rows], y[rows])
-        loss.backward()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip or 1e9)))
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return {"losses": losses, "norms": norms, "params": dict(model.state_dict())}
+) -> VerifySetup:
+    """The run a context-parallel layout makes, for the one-process reference: the whole
+    windows of the global batch of MB * dp * gas windows per step (the engine cuts the tokens
+    over the context ranks; one process sees every window whole)."""
+    config = {"optimizer": {"type": "SGD", "params": SGD}, "gradient_clipping": clip}
+    batches = global_batches(make_windows, MB * dp * gas, steps)
+    return VerifySetup(partial(make_gpt, causal, **GPT), batches, config)
 
 
 def _config(layout: dict) -> dict:
@@ -115,7 +92,7 @@ def engine_run(layout: dict, steps: int = STEPS, save: str = "", load: str = "")
     run resumes from that checkpoint and trains the steps after it; with ``save``, it saves
     at the end."""
     gas, api = layout.get("gas", 1), layout.get("api", "loop")
-    model = make_gpt(layout.get("causal", True))
+    model = make_gpt(layout.get("causal", True), **GPT)
     data = list(zip(*make_windows(64), strict=True)) if api == "loader" else None
     engine, *_ = shardwise.initialize(model=model, config=_config(layout), training_data=data)
     first = 0
@@ -139,7 +116,7 @@ def engine_run(layout: dict, steps: int = STEPS, save: str = "", load: str = "")
 
 def attention_bytes(layout: dict, seq: int) -> dict:
     """Bytes this rank sends in one forward of the GPT under ``layout`` (comm.stats)."""
-    model = make_gpt()
+    model = make_gpt(**GPT)
     engine, *_ = shardwise.initialize(model=model, config=_config(layout))
     x, y = make_windows(MB)
     comm.reset_stats()
@@ -158,7 +135,7 @@ def forward_error(layout: dict, model: str) -> str:
         torch.manual_seed(0)
         net = torch.nn.Sequential(torch.nn.Embedding(VOCAB, 8), torch.nn.Linear(8, VOCAB))
     else:
-        net = make_gpt(heads=2)
+        net = make_gpt(n_head=2, **GPT)
     try:
         engine, *_ = shardwise.initialize(model=net, config=_config(layout))
     except Exception as e:  # refused before any work

@@ -1,17 +1,23 @@
 """The correctness contract, shared by every layout test.
 
-``reference_run``: one process, plain PyTorch (no shardwise), the whole global batch per step;
-in 16 bits it keeps an fp32 master copy of the weights by hand, the policy the engine follows.
-``engine_run``: every rank trains through ``shardwise.initialize`` on its slice of each global
-batch. Both return losses, gradient norms and final parameters (fp32, on CPU).
+``setup``: the run of TinyMLP a layout makes, as one_process.reference_run trains it (one
+process, plain PyTorch, the whole global batch per step; in 16 bits an fp32 master copy of the
+weights kept by hand, the policy the engine follows). ``engine_run``: every rank trains through
+``shardwise.initialize`` on its slice of each global batch. Both give losses, gradient norms
+and final parameters (fp32, on CPU).
 """
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from models import make_data, make_model, rank_slice
+from one_process import global_batches, precision
+from torch import nn
 
 import shardwise
 from shardwise import comm
+from shardwise.verify import VerifySetup
 
 STEPS = 6
 MB = 4
@@ -20,41 +26,6 @@ OPTIMIZERS = {
     "sgd": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}},
     "adamw": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.01}},
 }
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def _torch_optimizer(name: str, params):
-    spec = OPTIMIZERS[name]["params"]
-    cls = torch.optim.SGD if name == "sgd" else torch.optim.AdamW
-    return cls(params, **spec)
-
-
-def reference_run(
-    dp: int, gas: int, clipping: float, opt_name: str, dtype: str = "fp32", steps: int = STEPS
-) -> dict:
-    """One process, the whole global batch of B = MB*dp*gas rows per step."""
-    model = make_model().to(DTYPES[dtype])
-    masters = [p.detach().float().clone().requires_grad_() for p in model.parameters()]
-    opt = _torch_optimizer(opt_name, masters)
-    batch = MB * dp * gas
-    x, y = make_data(batch * steps)
-    losses, norms = [], []
-    for k in range(steps):
-        rows = slice(k * batch, (k + 1) * batch)
-        loss = F.mse_loss(model(x[rows].to(DTYPES[dtype])), y[rows].to(DTYPES[dtype]))
-        loss.backward()
-        for m, p in zip(masters, model.parameters(), strict=True):
-            m.grad = p.grad.float()
-            p.grad = None
-        norms.append(float(torch.nn.utils.clip_grad_norm_(masters, clipping or 1e9)))
-        opt.step()
-        opt.zero_grad()
-        with torch.no_grad():
-            for m, p in zip(masters, model.parameters(), strict=True):
-                p.copy_(m)
-        losses.append(loss.item())
-    params = {k: v.float() for k, v in model.state_dict().items()}
-    return {"losses": losses, "norms": norms, "params": params}
 
 
 def engine_config(gas: int, clipping: float, opt_name: str, **extra) -> dict:
@@ -65,6 +36,25 @@ def engine_config(gas: int, clipping: float, opt_name: str, **extra) -> dict:
         "optimizer": OPTIMIZERS[opt_name],
         **extra,
     }
+
+
+def setup(
+    dp: int,
+    gas: int,
+    clipping: float,
+    opt_name: str,
+    dtype: str = "fp32",
+    steps: int = STEPS,
+    model: Callable[[], nn.Module] | None = None,
+) -> VerifySetup:
+    """The run every layout of test_dp / test_zero / test_zero3 makes, for the one-process
+    reference: ``model`` (make_model unless given) on MSE, the global batch of B = MB*dp*gas
+    rows of make_data per step."""
+    rows = MB * dp * gas
+    config = engine_config(gas, clipping, opt_name, **precision(dtype))
+    return VerifySetup(
+        model or make_model, global_batches(make_data, rows, steps), config, F.mse_loss
+    )
 
 
 def engine_run(

@@ -1,4 +1,5 @@
-"""Small deterministic models and data for the equivalence tests, and the examples' modules."""
+"""Small deterministic models and data for the equivalence tests, and the examples' modules:
+the example GPT (``make_gpt``, ``make_tokens``) is built here for every test that trains it."""
 
 import importlib.util
 import sys
@@ -6,6 +7,8 @@ from pathlib import Path
 
 import torch
 from torch import nn
+
+import shardwise
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
@@ -19,6 +22,39 @@ def example_module(example: str, name: str):
         sys.modules[key] = mod = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mod)
     return sys.modules[key]
+
+
+# The GPT of tensor-parallel tests: vocabulary 13, divisible by neither 2 nor 4, so tensor
+# parallelism pads the vocabulary; other tests give their own sizes (any GPTConfig field).
+GPT_SIZES = {"vocab_size": 13, "block_size": 8, "n_layer": 2, "n_head": 4, "n_embd": 16}
+
+
+class _Bidirectional(nn.Module):
+    """The GPT's attention without the causal mask (an encoder's)."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return shardwise.attention(q, k, v, is_causal=False)
+
+
+def make_gpt(causal: bool = True, seed: int | None = 0, **config) -> nn.Module:
+    """examples/gpt's GPT built under ``seed`` (None: the caller has seeded torch): GPT_SIZES
+    and GPTConfig's defaults unless ``config`` says otherwise (sizes, dropout, bias,
+    tie_weights, ...); ``causal=False`` lets every token attend to every other."""
+    m = example_module("gpt", "model")
+    if seed is not None:
+        torch.manual_seed(seed)
+    model = m.GPT(m.GPTConfig(**{**GPT_SIZES, **config}))
+    if not causal:
+        for block in model.blocks:
+            block.attn.attend = _Bidirectional()
+    return model
+
+
+def make_tokens(n: int, vocab: int = 13, seq: int = 8, seed: int = 3):
+    """``n`` windows of ``seq`` tokens and their next tokens, each (n, seq)."""
+    g = torch.Generator().manual_seed(seed)
+    data = torch.randint(0, vocab, (n, seq + 1), generator=g)
+    return data[:, :-1], data[:, 1:]
 
 
 class TinyMLP(nn.Module):

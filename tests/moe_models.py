@@ -1,4 +1,4 @@
-"""A small model with one MoE layer, its reference training loop, and the engine's run of it.
+"""A small model with one MoE layer, its one-process run (``setup``), and the engine's run of it.
 
 Reference of record: one process holding all experts (``ep_size=1``), trained with plain
 PyTorch on the same micro-batches the ranks see: each data rank's slice of each global batch
@@ -7,12 +7,16 @@ dropping and the auxiliary loss are per micro-batch in both), and the gradient i
 over micro-batches as the data-parallel average is.
 """
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
+from one_process import global_batches
 from torch import nn
 
 import shardwise
 from shardwise.moe.layer import MoE
+from shardwise.verify import VerifySetup
 
 HIDDEN, EXPERTS, MB, STEPS, AUX = 8, 4, 4, 4, 0.01
 
@@ -52,32 +56,31 @@ def make_data(rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, x.sum(-1, keepdim=True).sin()
 
 
-def loss_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    pred, l_aux = model(x)
+def moe_loss(out: tuple[torch.Tensor, torch.Tensor], y: torch.Tensor) -> torch.Tensor:
+    pred, l_aux = out
     return F.mse_loss(pred, y) + AUX * l_aux
 
 
-def reference_run(dp: int, gas: int, clip: float, k: int) -> dict:
-    """One process, all experts; each rank's slice of each micro-step is a micro-batch."""
+def loss_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return moe_loss(model(x), y)
+
+
+def _whole(k: int) -> MoENet:
+    """One process, all experts, each with its own weights."""
     model = MoENet(1, k)
     seed_experts(model)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    n = dp * gas
-    x, y = make_data(MB * n * STEPS)
-    losses, norms = [], []
-    for step in range(STEPS):
-        step_losses = []
-        for m in range(n):  # micro-batch m: rank m % dp, accumulation micro-step m // dp
-            g, r = divmod(m, dp)
-            rows = slice(((step * gas + g) * dp + r) * MB, ((step * gas + g) * dp + r + 1) * MB)
-            loss = loss_of(model, x[rows], y[rows])
-            (loss / n).backward()
-            step_losses.append(loss.item())
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip or 1e9)))
-        opt.step()
-        opt.zero_grad()
-        losses.append(step_losses)
-    return {"losses": losses, "norms": norms, "params": model.state_dict()}
+    return model
+
+
+def setup(dp: int, gas: int, clip: float, k: int) -> VerifySetup:
+    """The run an expert-parallel layout makes, for the one-process reference (run it with
+    ``split=dp*gas``: each rank's slice of each micro-step is a micro-batch of its own)."""
+    config = {
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}},
+        "gradient_clipping": clip,
+    }
+    batches = global_batches(make_data, MB * dp * gas, STEPS)
+    return VerifySetup(partial(_whole, k), batches, config, moe_loss)
 
 
 def engine_run(dp: int, ep: int, gas: int, clip: float, k: int, **extra) -> dict:

@@ -1,4 +1,4 @@
-"""Models, data and the one-process reference for the pipeline tests.
+"""Models, data and the one-process run (``setup``) for the pipeline tests.
 
 Two models, each as a layer list for PipelineModule and as a plain PyTorch module built with
 the same random draws in the same order (so the same weights) and the same state-dict names:
@@ -9,12 +9,16 @@ the same random draws in the same order (so the same weights) and the same state
          "embed" on the first and the last layer): cross-entropy over a vocabulary of 11
 """
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 from models import make_data, rank_slice
+from one_process import global_batches, precision
 from torch import nn
 
 from shardwise.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+from shardwise.verify import VerifySetup
 
 V, D, T = 11, 8, 6  # vocabulary, width, sequence length of the lm
 
@@ -128,32 +132,20 @@ def make_batches(model: str, n: int):
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def reference_run(model, dp, gas, mb, steps, lr, clip, dtype=torch.float32) -> dict:
-    """One process, plain PyTorch, the whole global batch of mb*dp*gas rows per step; in 16
-    bits an fp32 master copy is kept by hand (the engine's policy)."""
+def setup(
+    model: str, dp: int, gas: int, mb: int, steps: int, lr: float, clip: float, bf16: bool = False
+) -> VerifySetup:
+    """The run a pipeline layout makes, for the one-process reference: ``model``'s plain
+    PyTorch module (built with the pipeline's draws: same weights, same names) on the global
+    batch of mb*dp*gas rows per step, SGD with momentum, clipping at ``clip``."""
     _, make_ref, loss_fn = MODELS[model]
-    torch.manual_seed(0)
-    net = make_ref().to(dtype)
-    masters = [p.detach().float().clone().requires_grad_() for p in net.parameters()]
-    opt = torch.optim.SGD(masters, lr=lr, momentum=0.9)
-    batch = mb * dp * gas
-    x, y = make_batches(model, batch * steps)
-    losses, norms = [], []
-    for k in range(steps):
-        rows = slice(k * batch, (k + 1) * batch)
-        xs = x[rows].to(dtype) if x.is_floating_point() else x[rows]
-        loss = loss_fn(net(xs), y[rows].to(dtype) if y.is_floating_point() else y[rows])
-        loss.backward()
-        for m, p in zip(masters, net.parameters(), strict=True):
-            m.grad, p.grad = p.grad.float(), None
-        norms.append(float(torch.nn.utils.clip_grad_norm_(masters, clip)))
-        opt.step()
-        opt.zero_grad()
-        with torch.no_grad():
-            for m, p in zip(masters, net.parameters(), strict=True):
-                p.copy_(m)
-        losses.append(loss.item())
-    return {"losses": losses, "norms": norms, "params": net.state_dict()}
+    config = {
+        "optimizer": {"type": "SGD", "params": {"lr": lr, "momentum": 0.9}},
+        "gradient_clipping": clip,
+        **precision("bf16" if bf16 else "fp32"),
+    }
+    batches = global_batches(partial(make_batches, model), mb * dp * gas, steps)
+    return VerifySetup(make_ref, batches, config, loss_fn)
 
 
 def micro_batches(model, engine, mb, gas, steps):

@@ -15,14 +15,14 @@ recompute that draws another dropout mask (a change of order 1 on the masked ele
 """
 
 import copy
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-from equivalence import STEPS, assert_layout_matches, engine_run, reference_run
+from equivalence import STEPS, assert_layout_matches, engine_run, setup
 from harness import run_distributed
+from models import make_gpt
+from one_process import reference_run
 from torch import nn
 
 import shardwise
@@ -32,16 +32,8 @@ from shardwise.parallel.activation.selective import apply_activation_checkpointi
 from shardwise.parallel.tensor import random as tp_random
 from shardwise.parallel.tensor.random import TP_STREAM, RNGStatesTracker
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "gpt"))
-from model import GPT, GPTConfig  # noqa: E402
-
 B, T = 2, 16
-SMALL = dict(vocab_size=32, block_size=T, n_layer=4, n_head=2, n_embd=32)
-
-
-def make_gpt(dropout: float = 0.1) -> GPT:
-    torch.manual_seed(0)
-    return GPT(GPTConfig(**SMALL, dropout=dropout))
+SMALL = dict(vocab_size=32, block_size=T, n_layer=4, n_head=2, n_embd=32, dropout=0.1)  # make_gpt
 
 
 def tokens(seed: int = 1) -> torch.Tensor:
@@ -70,7 +62,7 @@ def saved_for_backward(run, params) -> tuple[int, int]:
 
 # ----------------------------------------------------------------------------- memory
 def test_a_checkpointed_block_saves_only_its_input():
-    plain = make_gpt()
+    plain = make_gpt(**SMALL)
     ckpt = copy.deepcopy(plain)
     apply_activation_checkpointing(ckpt, "all")
     x = torch.randn(B, T, SMALL["n_embd"], requires_grad=True)
@@ -87,7 +79,7 @@ def test_checkpointing_every_block_cuts_saved_activations_tenfold():
     363,140 activation bytes; on, 17 tensors and 33,412 bytes: the 4 block inputs (4,096 bytes
     each) and what the embeddings, final norm, head and loss save (17,028 bytes): 10.9x less.
     """
-    plain = make_gpt()
+    plain = make_gpt(**SMALL)
     ckpt = copy.deepcopy(plain)
     names = apply_activation_checkpointing(ckpt, "all")
     assert names == [f"blocks.{i}" for i in range(SMALL["n_layer"])]
@@ -101,7 +93,7 @@ def test_checkpointing_every_block_cuts_saved_activations_tenfold():
 
 
 def test_wrapping_keeps_names_and_runs_the_blocks_under_checkpoint():
-    plain, ckpt = make_gpt(), make_gpt()
+    plain, ckpt = make_gpt(**SMALL), make_gpt(**SMALL)
     apply_activation_checkpointing(ckpt, ["blocks.[123].mlp", 0])
     assert list(ckpt.state_dict()) == list(plain.state_dict())
     assert [n for n, _ in ckpt.named_modules()] == [n for n, _ in plain.named_modules()]
@@ -140,8 +132,8 @@ def assert_bit_equal(got: dict, want: dict, tag: str) -> None:
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
 @pytest.mark.parametrize("layers", ["all", ["blocks.[012].attn", 3], ["blocks.1"]])
 def test_training_is_bit_equal_with_checkpointing(layers, dropout):
-    want = train(make_gpt(dropout))
-    model = make_gpt(dropout)
+    want = train(make_gpt(**SMALL | {"dropout": dropout}))
+    model = make_gpt(**SMALL | {"dropout": dropout})
     apply_activation_checkpointing(model, layers)
     assert_bit_equal(train(model), want, f"checkpoint_layers={layers} dropout={dropout}")
 
@@ -150,7 +142,7 @@ def test_deepspeed_style_checkpoint_call():
     """``deepspeed.checkpointing.checkpoint(block, x)`` in a model's forward, as Megatron does."""
 
     class Checkpointed(nn.Module):
-        def __init__(self, gpt: GPT) -> None:
+        def __init__(self, gpt: nn.Module) -> None:
             super().__init__()
             self.gpt = gpt
 
@@ -162,8 +154,8 @@ def test_deepspeed_style_checkpoint_call():
             logits = g.head(g.ln_f(x))
             return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
-    want = train(make_gpt())
-    got = train(Checkpointed(make_gpt()))
+    want = train(make_gpt(**SMALL))
+    got = train(Checkpointed(make_gpt(**SMALL)))
     got["grads"] = {k.removeprefix("gpt."): v for k, v in got["grads"].items()}
     got["params"] = {k.removeprefix("gpt."): v for k, v in got["params"].items()}
     assert_bit_equal(got, want, "shardwise.checkpointing.checkpoint")
@@ -249,7 +241,7 @@ def test_engine_applies_checkpoint_layers_and_trains_bit_equal():
             "train_micro_batch_size_per_gpu": B,
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
         }
-        engine, *_ = shardwise.initialize(model=make_gpt(), config={**config, **ac})
+        engine, *_ = shardwise.initialize(model=make_gpt(**SMALL), config={**config, **ac})
         torch.manual_seed(123)
         losses = []
         for step in range(3):
@@ -313,7 +305,7 @@ def engine_run_counting_runs(*args, **kwargs) -> dict:
 
 @pytest.mark.parametrize("name,dp,gas,extra", LAYOUTS, ids=[row[0] for row in LAYOUTS])
 def test_layout_with_checkpointing_trains_like_one_process(name, dp, gas, extra):
-    want = reference_run(dp, gas, CLIP, "sgd")
+    want = reference_run(setup(dp, gas, CLIP, "sgd"), STEPS)
     args = (dp, gas, CLIP, "sgd")
     if dp == 1:
         results = [engine_run_counting_runs(*args, **AC, **extra)]
@@ -336,7 +328,7 @@ def gpt_zero3_on_and_off() -> list[dict]:
             "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
             **ac,
         }
-        engine, *_ = shardwise.initialize(model=make_gpt(), config=config)
+        engine, *_ = shardwise.initialize(model=make_gpt(**SMALL), config=config)
         torch.manual_seed(123 + engine.dp_rank)
         losses = []
         for step in range(2):
@@ -377,7 +369,8 @@ BAD = [
 def test_bad_config_values_name_the_key(block, key, message):
     with pytest.raises(shardwise.ConfigError, match=message) as err:
         shardwise.initialize(
-            model=make_gpt(), config={"train_batch_size": 2, "activation_checkpointing": block}
+            model=make_gpt(**SMALL),
+            config={"train_batch_size": 2, "activation_checkpointing": block},
         )
     assert err.value.key == key, f"{block}: the error names {err.value.key!r}, not {key!r}"
 
@@ -393,7 +386,7 @@ MODEL_MISMATCH = [
 def test_layers_the_model_lacks_are_refused_by_initialize(layers, message):
     config = {"train_batch_size": 2, "activation_checkpointing": {"checkpoint_layers": layers}}
     with pytest.raises(shardwise.ConfigError, match=message) as err:
-        shardwise.initialize(model=make_gpt(), config=config)
+        shardwise.initialize(model=make_gpt(**SMALL), config=config)
     assert err.value.key == "activation_checkpointing.checkpoint_layers"
 
 
@@ -405,7 +398,7 @@ def test_all_needs_a_block_list():
 def test_unsupported_deepspeed_keys_are_refused_by_initialize():
     config = {"train_batch_size": 2, "activation_checkpointing": {"cpu_checkpointing": True}}
     with pytest.raises(shardwise.ConfigError, match="activation_checkpointing.cpu_checkpointing"):
-        shardwise.initialize(model=make_gpt(), config=config)
+        shardwise.initialize(model=make_gpt(**SMALL), config=config)
 
 
 def test_partition_activations_with_one_tensor_parallel_rank_changes_nothing():
@@ -415,7 +408,7 @@ def test_partition_activations_with_one_tensor_parallel_rank_changes_nothing():
         "train_batch_size": 2,
         "activation_checkpointing": {"partition_activations": True, "checkpoint_layers": "all"},
     }
-    engine, *_ = shardwise.initialize(model=make_gpt(), config=config)
+    engine, *_ = shardwise.initialize(model=make_gpt(**SMALL), config=config)
     assert all(is_checkpointed(b) for b in engine.module.blocks)
 
 

@@ -19,9 +19,10 @@ every update.
 from __future__ import annotations
 
 import pytest
-from cp_train_runs import STEPS, engine_run, forward_error, gqa_attention, gqa_inputs, reference_run
+from cp_train_runs import STEPS, engine_run, forward_error, gqa_attention, gqa_inputs, setup
 from equivalence import assert_params_match
 from harness import run_distributed
+from one_process import reference_run
 
 from shardwise.config import ConfigError
 from shardwise.parallel.context import unshard_sequence
@@ -67,7 +68,7 @@ def _assert_matches(results: list[dict], want: dict, name: str, clip: float = 0.
 def test_context_parallel_trains_like_one_process(name, nproc, layout):
     dp, gas = _dp(nproc, layout), layout.get("gas", 1)
     clip = layout.get("clip", 0.0)
-    want = reference_run(dp, gas, layout.get("causal", True), clip)
+    want = reference_run(setup(dp, gas, layout.get("causal", True), clip), STEPS)
     _assert_matches(run_distributed(engine_run, nproc, layout), want, name, clip)
 
 
@@ -91,7 +92,7 @@ def test_checkpoints_load_across_context_sizes(name, nproc, saver, loader, tmp_p
     first, second = STEPS // 2, STEPS - STEPS // 2
     run_distributed(engine_run, nproc, saver, first, save=path)
     results = run_distributed(engine_run, nproc, loader, second, load=path)
-    want = reference_run(_dp(nproc, saver), saver.get("gas", 1))
+    want = reference_run(setup(_dp(nproc, saver), saver.get("gas", 1)), STEPS)
     for got in results:
         got["losses"] = want["losses"][:first] + got["losses"]
     _assert_matches(results, want, name)

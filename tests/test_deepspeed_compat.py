@@ -289,7 +289,8 @@ def _members(group) -> tuple:
 def _ask_groups(layout: dict, moe: bool) -> dict:
     """Build an engine of ``layout`` and call every deepspeed.utils.groups function."""
     import torch
-    from cp_train_runs import make_gpt
+    from cp_train_runs import GPT
+    from models import make_gpt
     from moe_models import MoENet
 
     import shardwise as deepspeed
@@ -297,7 +298,7 @@ def _ask_groups(layout: dict, moe: bool) -> dict:
     torch.manual_seed(0)
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0, **layout}
     config["optimizer"] = {"type": "SGD", "params": {"lr": 0.1}}
-    model = MoENet(ep=2) if moe else make_gpt()
+    model = MoENet(ep=2) if moe else make_gpt(**GPT)
     engine, *_ = deepspeed.initialize(model=model, config=config)
     groups = deepspeed.utils.groups
     out = {name: _members(getattr(groups, name)()) for name in GROUP_FUNCTIONS}

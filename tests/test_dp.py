@@ -17,9 +17,10 @@ rows at once). That reassociation costs a few ulps (~1e-7 relative) per step.
 import pytest
 import torch
 import torch.nn.functional as F
-from equivalence import MB, assert_params_match, engine_config, engine_run, reference_run
+from equivalence import MB, STEPS, assert_params_match, engine_config, engine_run, setup
 from harness import run_distributed
 from models import make_data, make_model, rank_slice
+from one_process import reference_run
 
 import shardwise
 from shardwise import comm
@@ -42,7 +43,7 @@ LAYOUTS = [
 
 @pytest.mark.parametrize("name,dp,gas,clipping,opt_name", LAYOUTS, ids=[r[0] for r in LAYOUTS])
 def test_layout_trains_like_one_process(name, dp, gas, clipping, opt_name):
-    want = reference_run(dp, gas, clipping, opt_name)
+    want = reference_run(setup(dp, gas, clipping, opt_name), STEPS)
     if dp == 1:
         results = [engine_run(1, gas, clipping, opt_name, zero_optimization=SMALL_BUCKETS)]
     else:

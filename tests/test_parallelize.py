@@ -24,7 +24,7 @@ import copy
 import pytest
 import torch
 from harness import run_distributed
-from models import example_module
+from models import GPT_SIZES, example_module, make_gpt, make_tokens
 from torch import nn
 
 from shardwise import comm
@@ -33,23 +33,16 @@ from shardwise.parallel.tensor.parallelize import match_plan, parallelize, resol
 from shardwise.parallel.tensor.placement import get_placement
 
 ATOL = 2e-6
-B, T, V = 2, 8, 13  # V divisible by neither 2 nor 4: the vocabulary padding is exercised
+# make_gpt's sizes: V = 13 is divisible by neither 2 nor 4, so the vocabulary padding is exercised
+B, T, V = 2, GPT_SIZES["block_size"], GPT_SIZES["vocab_size"]
 
 
 def _gpt():
     return example_module("gpt", "model")
 
 
-def make_gpt(**kw):
-    m = _gpt()
-    torch.manual_seed(0)
-    cfg = {"vocab_size": V, "block_size": T, "n_layer": 2, "n_head": 4, "n_embd": 16, **kw}
-    return m.GPT(m.GPTConfig(**cfg))
-
-
 def batch(seed: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
-    data = torch.randint(0, V, (B, T + 1), generator=torch.Generator().manual_seed(seed))
-    return data[:, :-1], data[:, 1:]
+    return make_tokens(B, V, T, seed)
 
 
 def _grad_diffs(full: nn.Module, split: nn.Module) -> dict[str, float]:

@@ -1,11 +1,11 @@
 """Pipeline layouts train like one process: the equivalence table.
 
 Each row trains a PipelineModule through ``engine.train_batch`` for a few steps on the same
-global batches as a plain one-process PyTorch loop (tests/pipe_models.py) with the same weights,
-SGD with momentum and clipping engaged (so the gradient norm must sum every stage, each tied
-weight once). Compared on every rank: the loss of every step (train_batch's return value), the
-gradient norm, and the final parameters gathered by ``consolidated_state_dict()`` under the
-one-process names.
+global batches as a plain one-process PyTorch loop (one_process.py, on pipe_models.setup) with
+the same weights, SGD with momentum and clipping engaged (so the gradient norm must sum every
+stage, each tied weight once). Compared on every rank: the loss of every step (train_batch's
+return value), the gradient norm, and the final parameters gathered by
+``consolidated_state_dict()`` under the one-process names.
 
 Tolerance (fp32). A pipeline changes no arithmetic but the order of sums: the gradient of a
 batch is accumulated over m micro-batches instead of one batched matmul (as gradient
@@ -21,9 +21,9 @@ test_zero.py.
 """
 
 import pytest
-import torch
 from harness import run_distributed
-from pipe_models import BLOCKS_PLAN, micro_batches, pipeline_module, reference_run
+from one_process import reference_run
+from pipe_models import BLOCKS_PLAN, micro_batches, pipeline_module, setup
 
 import shardwise
 
@@ -103,8 +103,7 @@ def _train(model, pp, schedule, gas, options) -> dict:
 @pytest.mark.parametrize("name,model,dp,pp,schedule,gas,options", ROWS, ids=[r[0] for r in ROWS])
 def test_pipeline_trains_like_one_process(name, model, dp, pp, schedule, gas, options):
     bf16 = options.get("bf16", False)
-    dtype = torch.bfloat16 if bf16 else torch.float32
-    want = reference_run(model, dp, gas, MB, STEPS, LR, CLIP, dtype)
+    want = reference_run(setup(model, dp, gas, MB, STEPS, LR, CLIP, bf16), STEPS)
     world = dp * pp * options.get("tp", 1)
     results = run_distributed(_train, world, model, pp, schedule, gas, options)
     rel, atol = (1e-2, 4e-3) if bf16 else (1e-5, 1e-6)

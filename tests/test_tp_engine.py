@@ -20,44 +20,23 @@ from __future__ import annotations
 import pytest
 import torch
 from harness import run_distributed
-from models import example_module, rank_slice
+from models import make_gpt, make_tokens, rank_slice
+from one_process import global_batches, reference_run
 
 import shardwise
+from shardwise.verify import VerifySetup
 
-STEPS, MB, T, LR, CLIP = 4, 2, 8, 0.05, 0.3
-
-
-def _gpt_module():
-    return example_module("gpt", "model")
+STEPS, MB, LR, CLIP = 4, 2, 0.05, 0.3
 
 
-def make_gpt():
-    m = _gpt_module()
-    torch.manual_seed(0)
-    return m.GPT(m.GPTConfig(vocab_size=13, block_size=T, n_layer=2, n_head=4, n_embd=16))
-
-
-def make_tokens(n: int):
-    g = torch.Generator().manual_seed(3)
-    data = torch.randint(0, 13, (n, T + 1), generator=g)
-    return data[:, :-1], data[:, 1:]
-
-
-def reference(dp: int, gas: int) -> dict:
-    model = make_gpt()
-    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
-    batch = MB * dp * gas
-    x, y = make_tokens(batch * STEPS)
-    losses, norms = [], []
-    for k in range(STEPS):
-        rows = slice(k * batch, (k + 1) * batch)
-        loss = model(x[rows], y[rows])
-        loss.backward()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return {"losses": losses, "norms": norms, "params": model.state_dict()}
+def setup(dp: int, gas: int) -> VerifySetup:
+    """The run a layout makes, for the one-process reference: the global batch of MB*dp*gas
+    windows per step, SGD with momentum, clipping at CLIP."""
+    config = {
+        "optimizer": {"type": "SGD", "params": {"lr": LR, "momentum": 0.9}},
+        "gradient_clipping": CLIP,
+    }
+    return VerifySetup(make_gpt, global_batches(make_tokens, MB * dp * gas, STEPS), config)
 
 
 def run_layout(tp: int, gas: int, extra: dict) -> dict:
@@ -123,7 +102,7 @@ CASES = [
 )
 def test_tensor_parallel_layout_trains_like_one_process(name, world, tp, gas, extra, ckpt):
     extra = {**extra, **CKPT[ckpt]}
-    want = reference(world // tp, gas)
+    want = reference_run(setup(world // tp, gas), STEPS)
     results = run_distributed(run_layout, world, tp, gas, extra)
     layout = f"{name} ckpt={ckpt}"
     assert max(want["norms"]) > CLIP, f"{layout}: clipping never engaged; the test is void"

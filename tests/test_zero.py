@@ -1,7 +1,7 @@
 """ZeRO stages 1 and 2 train like one process, and hold the memory the ZeRO paper says.
 
-Reference of record: ``equivalence.reference_run``, plain PyTorch on one process over the global
-batch (in bf16 with an fp32 master copy kept by hand, the engine's policy).
+Reference of record: ``one_process.reference_run`` of ``equivalence.setup``, plain PyTorch on one
+process over the global batch (in bf16 with an fp32 master copy kept by hand, the engine's policy).
 
 Tolerances.
 - fp32: sharding changes only where additions happen (a reduce-scatter sums the same
@@ -17,8 +17,9 @@ Tolerances.
 
 import pytest
 import torch
-from equivalence import assert_layout_matches, assert_params_match, engine_run, reference_run
+from equivalence import STEPS, assert_layout_matches, assert_params_match, engine_run, setup
 from harness import run_distributed
+from one_process import reference_run
 
 CLIP = 0.05
 
@@ -51,7 +52,7 @@ def _zero_block(stage: int) -> dict:
     "name,stage,dp,gas,dtype,opt_name", LAYOUTS, ids=[row[0] for row in LAYOUTS]
 )
 def test_layout_trains_like_one_process(name, stage, dp, gas, dtype, opt_name):
-    want = reference_run(dp, gas, CLIP, opt_name, dtype)
+    want = reference_run(setup(dp, gas, CLIP, opt_name, dtype), STEPS)
     extra = {"zero_optimization": _zero_block(stage)}
     if dtype == "bf16":
         extra["bf16"] = {"enabled": True}
@@ -97,7 +98,7 @@ def _placement(stage: int) -> dict:
 
 @pytest.mark.parametrize("stage", [1, 2])
 def test_cpu_offload_keeps_master_and_states_on_the_offload_device(stage):
-    want = reference_run(2, 1, CLIP, "adamw")
+    want = reference_run(setup(2, 1, CLIP, "adamw"), STEPS)
     for rank, got in enumerate(run_distributed(_offload_run, 2, stage)):
         tag = f"offload stage {stage} rank {rank}"
         assert got["losses"] == pytest.approx(want["losses"], rel=1e-5), tag

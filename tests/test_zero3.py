@@ -1,7 +1,7 @@
 """ZeRO stage 3 trains like one process, holds 16 Psi / N bytes and sends 1.5x what DP sends.
 
-Reference of record: ``equivalence.reference_run`` (plain PyTorch, one process, the global
-batch; in bf16 with an fp32 master copy kept by hand, the engine's policy). Final parameters
+Reference of record: ``one_process.reference_run`` of ``equivalence.setup`` (plain PyTorch, one
+process, the global batch; in bf16 with an fp32 master copy kept by hand, the engine's policy). Final parameters
 come from ``engine.consolidated_state_dict()`` (every unit all-gathered).
 
 Tolerances (the same as stages 1-2, tests/test_zero.py, for the same reasons).
@@ -23,9 +23,10 @@ Tolerances (the same as stages 1-2, tests/test_zero.py, for the same reasons).
 import pytest
 import torch
 import torch.nn.functional as F
-from equivalence import assert_layout_matches, engine_run, reference_run
+from equivalence import STEPS, assert_layout_matches, engine_run, setup
 from harness import run_distributed
 from models import MODELS, make_data, make_model
+from one_process import reference_run
 
 import shardwise
 from shardwise import comm
@@ -90,7 +91,7 @@ def zero3(**extra) -> dict:
 
 def with_model(model: str, fn, *args, **kwargs):
     """Run ``fn`` with ``equivalence.make_model`` pointing at another test model (the
-    equivalence helpers build ``make_model()``); restored afterwards."""
+    equivalence engine_run builds ``make_model()``); restored afterwards."""
     import equivalence
 
     saved = equivalence.make_model
@@ -105,7 +106,7 @@ def with_model(model: str, fn, *args, **kwargs):
     "name,model,dp,gas,dtype,opt_name,zero_extra", LAYOUTS, ids=[row[0] for row in LAYOUTS]
 )
 def test_layout_trains_like_one_process(name, model, dp, gas, dtype, opt_name, zero_extra):
-    want = with_model(model, reference_run, dp, gas, CLIP, opt_name, dtype)
+    want = reference_run(setup(dp, gas, CLIP, opt_name, dtype, model=MODELS[model]), STEPS)
     extra = {"zero_optimization": zero3(**zero_extra)}
     if dtype == "bf16":
         extra["bf16"] = {"enabled": True}
