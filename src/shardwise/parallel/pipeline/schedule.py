@@ -12,6 +12,8 @@ micro-batch i (F_i) and later its backward (B_i); activations go s -> s+1, gradi
     Interleaved 1F1B (Megatron, PTD-P 2.2.2) with v model chunks per stage: stage s holds
             virtual stages s, s+p, ..., s+(v-1)p; the bubble shrinks to (p-1)/(v m) at the cost
             of v times more messages; m must be a multiple of p.
+    Zero-bubble schedules (zero_bubble.py) split each backward into B (input gradient) and
+            W (weight gradient) and run the W's where 1F1B would wait: ZB-H1 (1F1B's memory).
 
 Every list ends with REDUCE_GRADS (finish the data-parallel gradient reduction started in the
 last backward), REDUCE_TIED (sum tied weights' gradients over the stages that hold them) and
@@ -35,6 +37,7 @@ from shardwise.parallel.pipeline.instructions import (
     forward,
 )
 from shardwise.parallel.pipeline.simulate import simulate
+from shardwise.parallel.pipeline.zero_bubble import zb_h1
 
 __all__ = [
     "SCHEDULES",
@@ -50,7 +53,7 @@ __all__ = [
     "simulate",
 ]
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 
 
 def gpipe(stages: int, stage_id: int, micro_batches: int) -> list[Instruction]:
@@ -129,11 +132,12 @@ def inference(stages: int, stage_id: int, micro_batches: int, chunks: int = 1) -
 def make_schedule(
     name: str, stages: int, stage_id: int, micro_batches: int, chunks: int = 1
 ) -> list[Instruction]:
-    """The program of ``stage_id`` under schedule ``name`` ("gpipe", "1f1b", "interleaved")."""
+    """The program of ``stage_id`` under schedule ``name`` (one of ``SCHEDULES``)."""
     builders: dict[str, Callable[[], list[Instruction]]] = {
         "gpipe": lambda: gpipe(stages, stage_id, micro_batches),
         "1f1b": lambda: one_f_one_b(stages, stage_id, micro_batches),
         "interleaved": lambda: interleaved(stages, stage_id, micro_batches, chunks),
+        "zb-h1": lambda: zb_h1(stages, stage_id, micro_batches),
     }
     if name not in builders:
         raise ScheduleError(f'pipeline.schedule: expected one of {SCHEDULES}, got "{name}"')

@@ -7,10 +7,13 @@ previous stage waits for dX, nobody waits for dW before the optimizer step. The 
 schedules move W into the time a stage would otherwise wait.
 
     1F1B      bubble (p-1)(F+B)
-    ZB-H1     bubble (p-1)(F+B-2W)   (Qi et al., Zero Bubble Pipeline Parallelism, ICLR 2024;
-              "ZB1P" in DeepSeek's table): 1F1B's order and memory, with stage s deferring its
-              W's by s micro-batches, so that the last stage's B's, and with them the chain
-              back to stage 0, come earlier; the deferred W's fill the cool-down.
+    ZB-H1     bubble (p-1)(F+B-2W) when W <= F, else (p-1)(B-W): (p-1)(B-W + max(F-W, 0))
+              (Qi et al., Zero Bubble Pipeline Parallelism, ICLR 2024; "ZB1P" in DeepSeek's
+              table). 1F1B's order and activation memory, with stage s running each W s
+              micro-batches after its B: the last stage sends its input gradients W earlier
+              per micro-batch, so the chain back to stage 0 arrives (p-1)W sooner, and stage
+              0, which sends nothing back, fills with its own W's the wait that remains. With
+              W > F the chain of input backwards (p-1)(B-W) is what is left.
 
 ``split_backward`` turns a fused program into one that runs B then W at once (the same order
 as 1F1B, for testing the split alone); ``fuse_backward`` does the reverse, for a stage whose
@@ -19,7 +22,14 @@ layers cannot split (the instructions then say that B does everything).
 
 from __future__ import annotations
 
-from shardwise.parallel.pipeline.instructions import Instruction, Op
+from shardwise.parallel.pipeline.instructions import (
+    TAIL,
+    Instruction,
+    Op,
+    backward,
+    check_args,
+    forward,
+)
 
 
 def split_backward(program: list[Instruction]) -> list[Instruction]:
@@ -48,3 +58,22 @@ def fuse_backward(program: list[Instruction]) -> list[Instruction]:
         for ins in program
         if ins.op is not Op.BACKWARD_WEIGHT
     ]
+
+
+def zb_h1(stages: int, stage_id: int, micro_batches: int) -> list[Instruction]:
+    """ZB-H1 on stage s: 1F1B's min(p-s-1, m) warm-up forwards and F/B alternation, each W
+    run s micro-batches after its B (the last stage's W's wait longest), the rest at the end."""
+    check_args(stages, stage_id, micro_batches)
+    p, s, m = stages, stage_id, micro_batches
+    warmup = min(p - s - 1, m)
+    prog = [x for i in range(warmup) for x in forward(p, s, i)]
+    waiting: list[int] = []  # micro-batches whose W is still to run
+    for k in range(m):
+        if warmup + k < m:
+            prog += forward(p, s, warmup + k)
+        prog += backward(p, s, k, op=Op.BACKWARD_INPUT)
+        waiting.append(k)
+        if len(waiting) > s:
+            prog.append(Instruction(Op.BACKWARD_WEIGHT, waiting.pop(0)))
+    prog += [Instruction(Op.BACKWARD_WEIGHT, k) for k in waiting]
+    return prog + TAIL
