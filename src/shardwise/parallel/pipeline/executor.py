@@ -181,7 +181,7 @@ class StageExecutor:
         inputs, labels = batch
         if self._is_first(ins.chunk):
             st.inputs[(ins.mb, 0)] = _cast(inputs, self.compute_dtype)
-        if self._is_last(ins.chunk):
+        if self.last:  # the last chunk's LOAD; in a V, chunk 0's (one batch per micro-batch)
             st.labels[ins.mb] = labels
 
     def _recv_act(self, st: _Batch, ins: Instruction) -> None:

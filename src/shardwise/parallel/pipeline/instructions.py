@@ -106,7 +106,9 @@ def forward(
     """Forward of micro-batch i on (stage s, chunk): load or receive, run, send."""
     first, last = _ends(stages, s, chunk, chunks, placement)
     out = []
-    if first or last:
+    # One batch per micro-batch per rank: in the V placement stage 0 holds the first and the
+    # last chunk, and chunk 0's LOAD reads the labels too.
+    if first or (last and placement != "v"):
         out.append(Instruction(Op.LOAD, i, chunk))
     if not first:
         out.append(Instruction(Op.RECV_ACT, i, chunk))

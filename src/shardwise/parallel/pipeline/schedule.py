@@ -13,7 +13,8 @@ micro-batch i (F_i) and later its backward (B_i); activations go s -> s+1, gradi
             virtual stages s, s+p, ..., s+(v-1)p; the bubble shrinks to (p-1)/(v m) at the cost
             of v times more messages; m must be a multiple of p.
     Zero-bubble schedules (zero_bubble.py) split each backward into B (input gradient) and
-            W (weight gradient) and run the W's where 1F1B would wait: ZB-H1 (1F1B's memory).
+            W (weight gradient) and run the W's where 1F1B would wait: ZB-H1 (1F1B's memory), and,
+            with two chunks per stage in the V placement, ZB-V and DualPipeV.
 
 Every list ends with REDUCE_GRADS (finish the data-parallel gradient reduction started in the
 last backward), REDUCE_TIED (sum tied weights' gradients over the stages that hold them) and
@@ -37,7 +38,7 @@ from shardwise.parallel.pipeline.instructions import (
     forward,
 )
 from shardwise.parallel.pipeline.simulate import simulate
-from shardwise.parallel.pipeline.zero_bubble import zb_h1
+from shardwise.parallel.pipeline.zero_bubble import dualpipev, zb_h1, zbv
 
 __all__ = [
     "SCHEDULES",
@@ -53,7 +54,13 @@ __all__ = [
     "simulate",
 ]
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipev")
+V_SCHEDULES = ("zbv", "dualpipev")  # two chunks per stage in the V placement
+
+
+def placement_of(name: str) -> str:
+    """Where schedule ``name`` puts the chunks (instructions.py): "v" or "loop"."""
+    return "v" if name in V_SCHEDULES else "loop"
 
 
 def gpipe(stages: int, stage_id: int, micro_batches: int) -> list[Instruction]:
@@ -117,15 +124,22 @@ def interleaved(stages: int, stage_id: int, micro_batches: int, chunks: int) -> 
     return prog + TAIL
 
 
-def inference(stages: int, stage_id: int, micro_batches: int, chunks: int = 1) -> list[Instruction]:
+def inference(
+    stages: int, stage_id: int, micro_batches: int, chunks: int = 1, name: str = "interleaved"
+) -> list[Instruction]:
     """Forward only (eval_batch): every micro-batch through the pipeline, nothing kept. With
-    chunks, the forwards of the interleaved schedule in its order (dropping its receives of
+    chunks, the forwards of schedule ``name`` in its order (dropping its receives of
     gradients only removes waits: it cannot deadlock where the schedule does not)."""
     check_args(stages, stage_id, micro_batches)
     if chunks > 1:
         keep = (Op.LOAD, Op.RECV_ACT, Op.FORWARD, Op.SEND_ACT)
-        full = interleaved(stages, stage_id, micro_batches, chunks)
-        return [ins for ins in full if ins.op in keep]
+        count = micro_batches  # DualPipeV's order needs 2p micro-batches: drop the extra ones
+        if name in V_SCHEDULES:
+            count = max(micro_batches, 2 * stages)
+        else:
+            name = "interleaved"
+        full = make_schedule(name, stages, stage_id, count, chunks)
+        return [ins for ins in full if ins.op in keep and ins.mb < micro_batches]
     return [x for i in range(micro_batches) for x in forward(stages, stage_id, i)]
 
 
@@ -138,9 +152,16 @@ def make_schedule(
         "1f1b": lambda: one_f_one_b(stages, stage_id, micro_batches),
         "interleaved": lambda: interleaved(stages, stage_id, micro_batches, chunks),
         "zb-h1": lambda: zb_h1(stages, stage_id, micro_batches),
+        "zbv": lambda: zbv(stages, stage_id, micro_batches),
+        "dualpipev": lambda: dualpipev(stages, stage_id, micro_batches),
     }
     if name not in builders:
         raise ScheduleError(f'pipeline.schedule: expected one of {SCHEDULES}, got "{name}"')
+    if name in V_SCHEDULES and chunks != 2:
+        raise ScheduleError(
+            f'pipeline.schedule="{name}" runs two chunks per stage (a V): pipeline.chunks must '
+            f"be 2, got {chunks}"
+        )
     return builders[name]()
 
 
