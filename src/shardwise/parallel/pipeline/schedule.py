@@ -176,3 +176,17 @@ def peak_in_flight(program: list[Instruction]) -> int:
         elif ins.op in (Op.BACKWARD, Op.BACKWARD_INPUT):
             live.discard((ins.mb, ins.chunk))
     return peak
+
+
+def peak_held(program: list[Instruction]) -> int:
+    """The most (micro-batch, chunk) units between their forward and the end of their
+    backward (a full BACKWARD, or the W of a split one): what a zero-bubble stage keeps,
+    activations until B and then each linear's input and output gradient until W."""
+    live, peak = set(), 0
+    for ins in program:
+        if ins.op is Op.FORWARD:
+            live.add((ins.mb, ins.chunk))
+            peak = max(peak, len(live))
+        elif ins.op in (Op.BACKWARD, Op.BACKWARD_WEIGHT):
+            live.discard((ins.mb, ins.chunk))
+    return peak
