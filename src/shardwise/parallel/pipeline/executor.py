@@ -259,8 +259,9 @@ class StageExecutor:
         key = (ins.mb, ins.chunk)
         sink = st.deferred.setdefault(key, [])
         self._backward(st, ins, sink)
-        if self.meter is not None:  # what W keeps alive: each linear's X and dY
-            st.held[key] = [self.meter.hold(t) for d in sink for t in (d.x, d.dy)]
+        if self.meter is not None:  # what W keeps alive: each linear's X and dY, once each
+            kept = {t.untyped_storage().data_ptr(): t for d in sink for t in (d.x, d.dy)}
+            st.held[key] = [self.meter.hold(t) for t in kept.values()]
 
     def _backward_weight(self, st: _Batch, ins: Instruction) -> None:
         """W: the weight gradients B left for (ins.mb, ins.chunk)."""
