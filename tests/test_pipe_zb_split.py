@@ -78,3 +78,50 @@ def test_split_backward_trains_like_the_fused_one(name, model, dp, pp, options):
             diff = (split[2][k] - w).abs().max().item()
             assert diff == 0 if exact else diff <= 1e-6, f"{tag}: {k} differs by {diff:.1e}"
         assert not torch.equal(fused[2][k], pipeline_module(model, 1).state_dict()[k]), tag
+
+
+class Scale(torch.nn.Module):
+    """y = x * s elementwise: trainable, but no linear, so nothing for a W to do."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.s = torch.nn.Parameter(torch.linspace(0.5, 1.5, width))
+
+    def forward(self, x):
+        return x * self.s
+
+
+def _no_linear_stage(schedule):
+    from shardwise.pipe import LayerSpec, PipelineModule
+
+    torch.manual_seed(0)
+    layers = [LayerSpec(torch.nn.Linear, 16, 4), torch.nn.Tanh(), LayerSpec(Scale, 4)]
+    module = PipelineModule(
+        layers, num_stages=2, loss_fn=torch.nn.functional.mse_loss, partition_method="uniform"
+    )
+    config = {
+        "train_micro_batch_size_per_gpu": MB,
+        "gradient_accumulation_steps": GAS,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "pipeline": {"schedule": schedule},
+    }
+    engine, *_ = shardwise.initialize(model=module, config=config)
+    data = micro_batches("mlp", engine, MB, GAS, STEPS)
+    losses = [engine.train_batch(data).item() for _ in range(STEPS)]
+    return losses, engine.pipeline.executor.splits, engine.consolidated_state_dict()
+
+
+def _zb_and_1f1b():
+    return _no_linear_stage("zb-h1"), _no_linear_stage("1f1b")
+
+
+def test_a_stage_without_linears_runs_fused_backwards_and_says_so():
+    """Stage 1 holds only Scale: its first zb-h1 batch finds nothing for W (splits False) and
+    the runner writes its later programs with full backwards; stage 0 splits. Trained, it is
+    1F1B bit for bit (same products, each parameter's micro-batches summed in the same order)."""
+    for rank, (zb, ofob) in enumerate(run_distributed(_zb_and_1f1b, 2)):
+        assert zb[1] is (rank == 0), f"rank {rank}: splits {zb[1]}"
+        assert ofob[1] is None, "1F1B never splits"
+        assert zb[0] == ofob[0], f"rank {rank}"
+        for k, v in ofob[2].items():
+            assert torch.equal(zb[2][k], v), k

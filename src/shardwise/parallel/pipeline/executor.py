@@ -20,7 +20,8 @@ Zero-bubble schedules split a backward into BACKWARD_INPUT (B) and BACKWARD_WEIG
 B is the ordinary backward with the linears' weight work left aside per (micro-batch, chunk),
 W does it. Each B and each W is wrapped by the strategy's before/after_backward like a
 backward, ``sync`` on the stage's last instruction that writes gradients (the last W, or the
-last B when a chunk has nothing to defer).
+last B when a chunk has nothing to defer). A stage whose first split batch left nothing for W
+(no linear) has ``splits`` False, and the runner gives it fused programs from then on.
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ class _Batch:
     to_send: dict[tuple[int, int], Any] = field(default_factory=dict)
     deferred: dict[tuple[int, int], list[Deferred]] = field(default_factory=dict)  # B -> W
     held: dict[tuple[int, int], list[Any]] = field(default_factory=dict)  # the meter's books
+    deferred_any: bool = False  # some B left W work
     losses: list[torch.Tensor] = field(default_factory=list)
     logits: list[Any] = field(default_factory=list)
     keep_logits: bool = False
@@ -99,6 +101,9 @@ class StageExecutor:
         self.live = 0  # micro-batches between forward and backward
         self.peak_live = 0
         self.splitter: LinearSplitter | None = None  # made by the first split program
+        # Whether this stage's B's left any W work (None: no split program ran yet); False:
+        # its layers cannot split, and the runner writes its programs with fused backwards.
+        self.splits: bool | None = None
         self._handlers = {
             Op.LOAD: self._load,
             Op.RECV_ACT: self._recv_act,
@@ -140,6 +145,8 @@ class StageExecutor:
         finally:
             if self.splitter is not None:
                 self.splitter.active = False
+        if split:
+            self.splits = bool(self.splits) or state.deferred_any
         return state
 
     def _dispatch(self, program: list[Instruction], state: _Batch, actions: dict | None) -> None:
@@ -259,6 +266,7 @@ class StageExecutor:
         key = (ins.mb, ins.chunk)
         sink = st.deferred.setdefault(key, [])
         self._backward(st, ins, sink)
+        st.deferred_any = st.deferred_any or bool(sink)
         if self.meter is not None:  # what W keeps alive: each linear's X and dY, once each
             kept = {t.untyped_storage().data_ptr(): t for d in sink for t in (d.x, d.dy)}
             st.held[key] = [self.meter.hold(t) for t in kept.values()]

@@ -34,6 +34,7 @@ from shardwise.parallel.pipeline.meter import ActivationMeter
 from shardwise.parallel.pipeline.p2p import Loopback, StageLink
 from shardwise.parallel.pipeline.schedule import Op, inference, make_schedule
 from shardwise.parallel.pipeline.tied import TiedWeights
+from shardwise.parallel.pipeline.zero_bubble import fuse_backward
 
 if TYPE_CHECKING:  # annotations only
     from shardwise.topology import ProcessMesh
@@ -147,6 +148,8 @@ class PipelineRunner:
             data_iter = parts.data(data_iter)
         m = parts.batch.gradient_accumulation_steps
         program = make_schedule(self.schedule, self.stages, self.stage_id, m, self.chunks)
+        if self.executor.splits is False:  # no layer of this stage splits: B does it all
+            program = fuse_backward(program)
 
         def step() -> None:
             self.executor.wait_sends()  # nothing this stage sent may change under the update
