@@ -28,6 +28,11 @@ state-dict keys (``shardwise.integrations.huggingface.causal_lm_pipeline``); a t
 sits under the name of each of its layers on the stage (``model.embed_tokens`` on the first,
 ``lm_head`` on the last; both in one stage, where ``state_dict()`` lists the shared weight
 under both names, as the original model does).
+
+Chunks: with ``chunks=v`` the layers are cut into p v virtual stages and this stage runs v of
+them, placed as ``placement`` says (instructions.py): ``"loop"`` (interleaved 1F1B: chunk c is
+virtual stage c p + s) or ``"v"`` (zbv, dualpipev, v = 2: chunk 1 is virtual stage 2p-1-s, so
+stage 0 runs the first and the last layers).
 """
 
 from __future__ import annotations
