@@ -14,6 +14,11 @@ schedules move W into the time a stage would otherwise wait.
               per micro-batch, so the chain back to stage 0 arrives (p-1)W sooner, and stage
               0, which sends nothing back, fills with its own W's the wait that remains. With
               W > F the chain of input backwards (p-1)(B-W) is what is left.
+    ZB-V      two chunks per stage in a V (instructions.py; Qi et al., section 6): at most 2p
+              half-stage units in flight (1F1B's peak); simulated bubble at most ZB-H1's.
+    DualPipeV DeepSeek-V3's DualPipe cut in half, V placed: (PP/2-1)(F&B+B-3W) with PP = 2p
+              half-stage chunks and F&B an overlapped forward + backward pair (run one after
+              the other here, so F&B = F+B bounds the simulated bubble); m >= 2p.
 
 ``split_backward`` turns a fused program into one that runs B then W at once (the same order
 as 1F1B, for testing the split alone); ``fuse_backward`` does the reverse, for a stage whose
