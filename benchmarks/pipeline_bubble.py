@@ -1,6 +1,7 @@
 """The pipeline bubble, measured: idle fraction per stage against (p - 1) / (m + p - 1).
 
     python -m shardwise run --nproc-per-node 4 benchmarks/pipeline_bubble.py
+    python -m shardwise run --nproc-per-node 4 benchmarks/pipeline_bubble.py --zero-bubble
 
 A pipeline of p stages running m micro-batches keeps every stage busy for m (t_f + t_b) and
 idle for (p - 1)(t_f + t_b) (the ramp up and the ramp down), for GPipe and 1F1B alike
@@ -8,6 +9,13 @@ idle for (p - 1)(t_f + t_b) (the ramp up and the ramp down), for GPipe and 1F1B 
 Timing noise on a 2-core machine would swamp a real model's compute, so every stage is one
 fixed-cost layer: its forward sleeps t_f and its backward t_b (a scalar weight keeps the stage
 trainable). Sleeping takes no CPU, so 4 processes on 2 cores behave like 4 devices.
+
+--zero-bubble (issue 29) measures 1F1B, ZB-H1, ZBV and DualPipeV instead, for m in
+--zb-micro-batches. Each stage's layer then also has a WIDTH x WIDTH linear whose weight
+gradient costs t_w (a hook on its accumulation sleeps): the backward sleeps t_b - t_w in B and
+t_w in W, which the zero-bubble schedules run apart. ZBV and DualPipeV run 2 chunks per stage,
+so the model is 2p layers of half the costs. Beside the measured idle fraction: the library's
+simulator on the same costs, and DeepSeek's ZB1P formula (p-1)(F+B-2W) for ZB-H1.
 
 One launch of 4 processes; p = 4 is one pipeline, p = 2 two data-parallel pipelines of 2.
 Every (p, schedule, m) gets its own engine (m is the config's gradient_accumulation_steps),
@@ -35,9 +43,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script: fin
 from common import format_table, single_thread  # noqa: E402
 
 import shardwise  # noqa: E402
+from shardwise.parallel.pipeline.schedule import make_schedule, placement_of, simulate  # noqa: E402
 from shardwise.pipe import LayerSpec, PipelineModule  # noqa: E402
 
 SCHEDULES = ("gpipe", "1f1b")
+ZB_SCHEDULES = ("1f1b", "zb-h1", "zbv", "dualpipev")
+V_SCHEDULES = ("zbv", "dualpipev")
 WIDTH = 8  # activation features: tiny, so messages cost nothing next to the sleeps
 
 
@@ -69,24 +80,34 @@ class _FixedCost(torch.autograd.Function):
 
 
 class FixedCostLayer(nn.Module):
-    """x -> w * x, costing t_f seconds forward and t_b backward, whatever the machine does."""
+    """x -> w * x, costing t_f seconds forward and t_b backward, whatever the machine does.
+    With t_w > 0, x -> w * (x A^T) and A's weight gradient costs t_w of the t_b (module doc)."""
 
-    def __init__(self, t_f: float, t_b: float) -> None:
+    def __init__(self, t_f: float, t_b: float, t_w: float = 0.0) -> None:
         super().__init__()
         self.w = nn.Parameter(torch.ones(()))
-        self.t_f, self.t_b = t_f, t_b
+        self.t_f, self.t_b, self.t_w = t_f, t_b, t_w
+        if t_w > 0:
+            self.a = nn.Parameter(torch.eye(WIDTH))
+            self.a.register_post_accumulate_grad_hook(lambda _: _sleep(t_w))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _FixedCost.apply(x * self.w, self.t_f, self.t_b)
+        if self.t_w > 0:
+            x = F.linear(x, self.a)
+        return _FixedCost.apply(x * self.w, self.t_f, self.t_b - self.t_w)
 
 
 def build_engine(p: int, schedule: str, m: int, args: argparse.Namespace) -> shardwise.Engine:
     t_f, t_b = args.t_forward / 1e3, args.t_backward / 1e3
+    t_w = args.t_weight / 1e3 if args.zero_bubble else 0.0
+    chunks = 2 if schedule in V_SCHEDULES else 1  # the same work per stage, in 2 halves
     model = PipelineModule(
-        [LayerSpec(FixedCostLayer, t_f, t_b) for _ in range(p)],
+        [LayerSpec(FixedCostLayer, t_f / chunks, t_b / chunks, t_w / chunks)] * (p * chunks),
         num_stages=p,
         loss_fn=F.mse_loss,
-        partition_method="uniform",  # one layer per stage
+        partition_method="uniform",  # one layer per (virtual) stage
+        chunks=chunks,
+        placement="v" if chunks == 2 else None,
     )
     config = {
         "train_micro_batch_size_per_gpu": args.micro_batch,
@@ -96,7 +117,7 @@ def build_engine(p: int, schedule: str, m: int, args: argparse.Namespace) -> sha
             "params": {"lr": 1e-9},
         },  # the weights barely move: they do not matter
         "gradient_clipping": 0.0,
-        "pipeline": {"schedule": schedule},
+        "pipeline": {"schedule": schedule, "chunks": chunks},
     }
     engine, *_ = shardwise.initialize(model=model, config=config)
     return engine
@@ -122,8 +143,11 @@ def measure(args: argparse.Namespace) -> dict:
     engines = {
         (p, s, m): build_engine(p, s, m, args)
         for p in args.stages
-        for s in SCHEDULES
-        for m in range(1, args.max_micro_batches + 1)
+        for s in (ZB_SCHEDULES if args.zero_bubble else SCHEDULES)
+        for m in (
+            args.zb_micro_batches if args.zero_bubble else range(1, args.max_micro_batches + 1)
+        )
+        if not (s == "dualpipev" and m < 2 * p)
     }
     for (_, _, m), engine in engines.items():  # warm-up: the first batch describes shapes
         time_batch(engine, m, args.micro_batch)
@@ -215,12 +239,54 @@ def report(args: argparse.Namespace, runs: dict) -> None:
     print(f"load average (1 min): {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
 
 
+def zb_report(args: argparse.Namespace, runs: dict) -> None:
+    """--zero-bubble: per p and m, each schedule's idle fraction (the mean over stages of the
+    median over rounds) beside the simulator's on the same costs, and its batch time."""
+    f, b, w = args.t_forward, args.t_backward, args.t_weight
+    print(
+        f"\nZero-bubble schedules: fixed-cost stages, F {f:g} ms, B {b:g} ms of which W {w:g} "
+        f"ms; {dist.get_world_size()} processes (p = 2: 2 data-parallel pipelines); median of "
+        f"{args.rounds} rounds. idle: 1 - busy / batch wall time, mean over stages; sim: the "
+        "library's simulator on these costs (messages free); ms: batch wall time."
+    )
+    names = {"1f1b": "1F1B", "zb-h1": "ZB-H1", "zbv": "ZBV", "dualpipev": "DualPipeV"}
+    headers = ["p", "m", "ZB1P formula"]
+    headers += [f"{names[s]} {x}" for s in ZB_SCHEDULES for x in ("idle", "sim", "ms")]
+    rows = []
+    for p in args.stages:
+        for m in args.zb_micro_batches:
+            bubble = (p - 1) * (f + b - 2 * w)  # DeepSeek's ZB1P row (W <= F)
+            cells = [str(p), str(m), f"{bubble / (bubble + m * (f + b)):.3f}"]
+            for s in ZB_SCHEDULES:
+                if (p, s, m) not in runs:
+                    cells += ["-", "-", "-"]
+                    continue
+                idle = statistics.mean(idle_per_stage(runs[(p, s, m)], p))
+                cells += [f"{idle:.3f}", f"{_simulated_idle(s, p, m, f, b, w):.3f}"]
+                cells.append(f"{batch_ms(runs[(p, s, m)]):.0f}")
+            rows.append(cells)
+    print("\n" + format_table(headers, rows))
+    print(f"load average (1 min): {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+
+
+def _simulated_idle(schedule: str, p: int, m: int, f: float, b: float, w: float) -> float:
+    chunks = 2 if schedule in V_SCHEDULES else 1
+    progs = [make_schedule(schedule, p, s, m, chunks) for s in range(p)]
+    took = simulate(progs, chunks, f, b, w, placement_of(schedule))
+    return 1 - m * (f + b) / took
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--stages", type=lambda s: [int(x) for x in s.split(",")], default=[2, 4])
     p.add_argument("--max-micro-batches", type=int, default=16, help="m runs 1..this")
     p.add_argument("--t-forward", type=float, default=10.0, help="ms per stage forward")
     p.add_argument("--t-backward", type=float, default=20.0, help="ms per stage backward")
+    p.add_argument("--t-weight", type=float, default=10.0, help="ms of t_b in W (zero-bubble)")
+    p.add_argument("--zero-bubble", action="store_true", help="1F1B, ZB-H1, ZBV, DualPipeV")
+    p.add_argument(
+        "--zb-micro-batches", type=lambda s: [int(x) for x in s.split(",")], default=[4, 8, 16]
+    )
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--micro-batch", type=int, default=2, help="rows per micro-batch")
     return p.parse_args(argv)
@@ -239,7 +305,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"--stages {bad} do not divide the world of {world} processes")
     runs = measure(args)
     if dist.get_rank() == 0:
-        report(args, runs)
+        (zb_report if args.zero_bubble else report)(args, runs)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -121,7 +121,7 @@ def test_cli_simulate_prints_the_rank(capsys):
     flags += ["--kv-heads", "8", "--ffn", "28672", "--vocab", "128256", "--seq", "4096"]
     flags += ["--nodes", "128", "--procs-per-node", "8", "--global-batch", "1024"]
     flags += ["--simulate", "517", "--dp", "16", "--tp", "8", "--pp", "8", "--zero-stage", "1"]
-    flags += ["--micro-batch", "1"]
+    flags += ["--micro-batch", "1", "--schedule", "1f1b"]
     assert main(["plan", *flags]) == 0
     out = capsys.readouterr().out
     assert "rank 517 of 1024: pp 4, dp 0, tp 5" in out

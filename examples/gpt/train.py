@@ -62,6 +62,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--corpus-mb", type=float, default=3.0, help="MB of stdlib source to use")
     p.add_argument("--dp", type=int, default=0, help="data-parallel size (0: what remains)")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages")
+    p.add_argument(
+        "--schedule",
+        default="1f1b",
+        choices=("1f1b", "gpipe", "interleaved", "zb-h1", "zbv", "dualpipev"),
+        help="pipeline schedule (with --pp > 1); interleaved, zbv, dualpipev run 2 chunks a stage",
+    )
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     p.add_argument(
         "--sp", action="store_true", help="sequence parallelism between the TP regions (--tp > 1)"
@@ -107,7 +113,9 @@ def build_config(args: argparse.Namespace) -> dict:
     }
     # Only the layouts asked for: a size-1 block would still make the config say "pipeline".
     if args.pp > 1:
-        cfg["pipeline"] = {"stages": args.pp}
+        cfg["pipeline"] = {"stages": args.pp, "schedule": args.schedule}
+        if args.schedule in ("interleaved", "zbv", "dualpipev"):
+            cfg["pipeline"]["chunks"] = 2  # zbv, dualpipev: a V, stage 0 holds both ends
     if args.tp > 1:
         cfg["tensor_parallel"] = {"size": args.tp, "sequence_parallel": args.sp}
         if args.pp > 1:  # GPT.tp_plan, named as the PipelineModule names the layers

@@ -70,8 +70,8 @@ class PipelineConfig:
     activation_checkpoint_interval: int = spec(0, ge=0)
     pipe_partitioned: bool = True
     grad_partitioned: bool = True
-    schedule: Literal["1f1b", "gpipe", "interleaved"] = "1f1b"
-    chunks: int = spec(1, ge=1)  # model chunks per stage, for the interleaved schedule
+    schedule: Literal["1f1b", "gpipe", "interleaved", "zb-h1", "zbv", "dualpipev"] = "1f1b"
+    chunks: int = spec(1, ge=1)  # model chunks per stage: interleaved v, zbv / dualpipev 2
 
 
 @dataclass(frozen=True)

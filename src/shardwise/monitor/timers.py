@@ -24,6 +24,8 @@ PHASES = {  # pipeline instruction (schedule.Op name) -> DeepSpeed's timer name
     "SEND_ACT": "pipe_send_output",
     "RECV_GRAD": "pipe_recv_grad",
     "BACKWARD": "bwd",
+    "BACKWARD_INPUT": "bwd",  # zero-bubble schedules: B and W both count as backward
+    "BACKWARD_WEIGHT": "bwd",
     "SEND_GRAD": "pipe_send_grad",
     "REDUCE_GRADS": "bwd_allreduce",
     "REDUCE_TIED": "reduce_tied_grads",

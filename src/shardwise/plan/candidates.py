@@ -4,7 +4,9 @@
     world = dp x tp x pp   (tensor parallelism inside a node: its ranks are neighbours)
     global batch (sequences) = dp x micro_batch x grad_accum
 
-A pipeline runs ``grad_accum`` micro-batches per step through its stages (1F1B by default).
+A pipeline runs ``grad_accum`` micro-batches per step through its stages under a schedule:
+1F1B, or a zero-bubble one (ZB-H1; ZBV and DualPipeV, two chunks per stage in a V, when the
+model has layers for 2 pp virtual stages; DualPipeV with at least 2 pp micro-batches).
 ``candidates`` lists every layout the library can run for a model and a world; ``to_config``
 writes the DeepSpeed-style config that runs one as is.
 """
@@ -14,10 +16,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 
+from shardwise.parallel.pipeline.schedule import V_SCHEDULES
 from shardwise.parallel.tensor.heads import heads_to_divide
 from shardwise.plan.shape import ModelShape
 
 PRECISIONS = ("bf16", "fp16", "fp32")
+PIPELINE_SCHEDULES = ("1f1b", "zb-h1", "zbv", "dualpipev")  # what candidates enumerate
 
 
 @dataclass(frozen=True)
@@ -46,6 +50,7 @@ class Layout:
         parts += [f"pp{self.pp}", f"z{self.zero_stage}", f"mb{self.micro_batch}x{self.grad_accum}"]
         parts += ["ckpt"] if self.activation_checkpointing else []
         parts += ["offload"] if self.offload else []
+        parts += [self.schedule] if self.pp > 1 and self.schedule != "1f1b" else []
         return " ".join(parts)
 
     def as_dict(self) -> dict:
@@ -104,20 +109,38 @@ def candidates(
             dp = world // (tp * pp)
             if global_batch % dp:
                 continue
-            yield from _per_mesh(dp, tp, pp, global_batch // dp, micro_batches)
+            layers = len(shape.layers)
+            yield from _per_mesh(dp, tp, pp, global_batch // dp, micro_batches, layers)
+
+
+def _schedules(pp: int, grad_accum: int, layers: int) -> tuple[str, ...]:
+    """The schedules a pipeline of ``pp`` stages can run (module docstring)."""
+    if pp == 1:
+        return ("1f1b",)
+    out = ["1f1b", "zb-h1"]
+    if 2 * pp <= layers:
+        out += ["zbv"] + (["dualpipev"] if grad_accum >= 2 * pp else [])
+    return tuple(out)
 
 
 def _per_mesh(
-    dp: int, tp: int, pp: int, per_replica: int, micro_batches: list[int] | None
+    dp: int,
+    tp: int,
+    pp: int,
+    per_replica: int,
+    micro_batches: list[int] | None,
+    layers: int = 0,
 ) -> Iterator[Layout]:
     sizes = [m for m in divisors(per_replica) if micro_batches is None or m in micro_batches]
     stages = [0, 1, 2, 3] if tp == pp == 1 else [0, 1, 2]
     for mb in sizes:
+        gas = per_replica // mb
         for zero in stages:
             for sp in (False, True) if tp > 1 else (False,):
                 for ckpt in (False, True):
                     for offload in (False, True):
-                        yield Layout(dp, tp, pp, zero, mb, per_replica // mb, ckpt, offload, sp)
+                        for sched in _schedules(pp, gas, layers):
+                            yield Layout(dp, tp, pp, zero, mb, gas, ckpt, offload, sp, sched)
 
 
 def precision_block(precision: str) -> dict:
@@ -148,6 +171,8 @@ def to_config(layout: Layout, precision: str, shape: ModelShape | None = None) -
             cfg["tensor_parallel"]["plan"] = shape.pipeline_plan()
     if layout.pp > 1 or is_pipe:
         cfg["pipeline"] = {"stages": layout.pp, "schedule": layout.schedule}
+        if layout.schedule in V_SCHEDULES:
+            cfg["pipeline"]["chunks"] = 2
         if layout.activation_checkpointing:
             cfg["pipeline"]["activation_checkpoint_interval"] = 1
     elif layout.activation_checkpointing:

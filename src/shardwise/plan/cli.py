@@ -52,7 +52,7 @@ CLUSTER_FLAGS = [
     ("--latency-us", dict(type=float, default=None, help="microseconds per collective step")),
 ]  # fmt: skip
 LAYOUT_FLAGS = [("--dp", int), ("--tp", int), ("--pp", int), ("--zero-stage", int),
-                ("--micro-batch", int), ("--grad-accum", int)]  # fmt: skip
+                ("--micro-batch", int), ("--grad-accum", int), ("--schedule", str)]  # fmt: skip
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

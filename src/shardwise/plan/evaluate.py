@@ -13,6 +13,11 @@ The numbers are the worst rank's: the stage with the highest device memory (memo
 feasibility), the slowest stage (time). ``rank_view`` gives any one rank's. ``host``: the
 offloaded states; ``checkpoint_staging``: the host buffers of asynchronous checkpoints
 (``Options.async_checkpoint``), named as ``engine.memory_breakdown()`` names them.
+
+Schedules: the micro-batches a stage holds and the bubble are those of the library's own
+instruction lists (bubble.py). ZBV and DualPipeV cut the layers into 2p virtual stages and
+stage s runs virtual stages s and 2p-1-s (the V placement): its layers are two ranges, stage
+0 holds the first and the last layers (and the loss).
 """
 
 from __future__ import annotations
@@ -23,17 +28,19 @@ from typing import Any
 import torch
 
 from shardwise.parallel.pipeline.partition import PartitionError
+from shardwise.parallel.pipeline.schedule import V_SCHEDULES, ScheduleError
 from shardwise.plan import traffic
 from shardwise.plan.activations import Trace, trace_layers
+from shardwise.plan.bubble import held
 from shardwise.plan.candidates import Layout
 from shardwise.plan.cluster import Cluster, fmt_bytes
 from shardwise.plan.memory import (
     ModelStates,
     Options,
     model_states,
+    range_params,
+    range_tied,
     stage_bounds,
-    stage_params,
-    tied_params,
 )
 from shardwise.plan.shape import ModelShape
 from shardwise.plan.timing import StageWork, step_time
@@ -79,13 +86,29 @@ class Planner:
             self._traces[micro_batch] = trace_layers(self.shape, micro_batch, self.seq, dtype)
         return self._traces[micro_batch]
 
-    def in_flight(self, layout: Layout, stage: int) -> int:
-        """Micro-batches whose activations a stage holds at once (schedule.py)."""
+    def in_flight(self, layout: Layout, stage: int) -> float:
+        """Micro-batches whose activations a stage holds at once (schedule.py); zero-bubble
+        schedules: from a forward to its W (bubble.held), in whole-stage units."""
         if layout.pp == 1:
             return 1
         if layout.schedule == "gpipe":
             return layout.grad_accum
-        return min(layout.pp - stage, layout.grad_accum)
+        if layout.schedule == "1f1b":
+            return min(layout.pp - stage, layout.grad_accum)
+        return held(layout.schedule, layout.pp, stage, layout.grad_accum)
+
+    def ranges(self, layout: Layout, stage: int) -> list[tuple[int, int]]:
+        """The layer ranges ``stage`` runs: its cut of ``pp``, or in the V placement virtual
+        stages ``stage`` and 2 pp - 1 - stage of a 2 pp cut."""
+        if layout.schedule not in V_SCHEDULES or layout.pp == 1:
+            b = self.bounds(layout.pp)
+            return [(b[stage], b[stage + 1])]
+        b, mirror = self.bounds(2 * layout.pp), 2 * layout.pp - 1 - stage
+        return [(b[stage], b[stage + 1]), (b[mirror], b[mirror + 1])]
+
+    def holds_loss(self, layout: Layout, stage: int) -> bool:
+        """``stage`` runs the last layer (and the loss): p - 1, or 0 in a V."""
+        return stage == (0 if layout.schedule in V_SCHEDULES else layout.pp - 1)
 
     def bounds(self, pp: int) -> list[int]:
         """The stages' layer boundaries (PipelineModule's partition; computed once per pp)."""
@@ -97,11 +120,11 @@ class Planner:
         """(params, isolated, model states, data-parallel calls), cached: they do not depend
         on the micro-batch or on checkpointing."""
         key = (layout.tp, layout.pp, layout.dp, layout.zero_stage, layout.offload, stage)
-        key += (layout.grad_accum,)
+        key += (layout.grad_accum, layout.schedule in V_SCHEDULES)
         if key not in self._states:
-            bounds = self.bounds(layout.pp)
-            params = stage_params(self.shape, bounds, stage)
-            isolate = tied_params(self.shape, bounds, stage)
+            ranges = self.ranges(layout, stage)
+            params = range_params(self.shape, ranges)
+            isolate = range_tied(self.shape, ranges) if layout.pp > 1 else set()
             states = model_states(params, layout, self.precision, self.opts, isolate)
             data = traffic.data_calls(params, layout, self.precision, self.opts, isolate)
             self._states[key] = (params, isolate, states, data)
@@ -112,22 +135,22 @@ class Planner:
         return self._stage_states(layout, stage)[2]
 
     def stage_view(self, layout: Layout, stage: int) -> StageView:
-        bounds = self.bounds(layout.pp)
-        lo, hi = bounds[stage], bounds[stage + 1]
+        ranges = self.ranges(layout, stage)
+        lo, hi = ranges[0]
         params, isolate, states, data = self._stage_states(layout, stage)
         tr = self.trace(layout.micro_batch)
-        acts = tr.layers[lo:hi]
+        acts = [a for a0, a1 in ranges for a in tr.layers[a0:a1]]
         tp, sp = layout.tp, layout.sequence_parallel
         kept = [a.checkpointed if layout.activation_checkpointing else a.plain for a in acts]
         per_mb = sum(k.per_rank(tp, sp) for k in kept)
-        loss = tr.loss.per_rank(tp, sp) if stage == layout.pp - 1 else 0.0
+        loss = tr.loss.per_rank(tp, sp) if self.holds_loss(layout, stage) else 0.0
         k = self.in_flight(layout, stage)
         transient = 0.0
         recompute = 0.0
         if layout.activation_checkpointing:
             transient = max((a.plain.per_rank(tp, sp) for a in acts), default=0.0)
             recompute = sum(a.flops for a in acts if a.checkpointed != a.plain) / tp
-        calls = data + self._calls(layout, stage, params, acts, lo)
+        calls = data + self._calls(layout, stage, params, acts, ranges)
         again = (
             sum(a.checkpointed != a.plain for a in acts) if layout.activation_checkpointing else 0
         )
@@ -137,25 +160,27 @@ class Planner:
         return StageView(stage, (lo, hi), states, acts_held, loss_held, transient, calls, work, k)
 
     def _calls(
-        self, layout: Layout, stage: int, params: list, acts: list, lo: int
+        self, layout: Layout, stage: int, params: list, acts: list, ranges: list
     ) -> list[traffic.Call]:
         """Tensor, pipeline and scalar calls of one step (the data calls are cached)."""
         tr = self.trace(layout.micro_batch)
         calls = []
         sites = [s for a in acts for s in a.tp_sites]
-        if stage == layout.pp - 1:
+        if self.holds_loss(layout, stage):
             sites += list(tr.loss_sites)
         sp_params = [p for p in params if p.sequence_parallel]
         calls += traffic.tensor_calls(sites, sp_params, layout, self.precision, stage == 0)
         if layout.activation_checkpointing:
             again = [s for a in acts for s in a.recompute_sites]
             calls += traffic.tensor_calls(again, [], layout, self.precision, False, True)
-        bytes_in = tr.layers[lo - 1].output_bytes if lo > 0 else 0
-        out = acts[-1]
         c = 2 if self.precision != "fp32" else 4
-        calls += traffic.pipeline_calls(
-            layout, stage, bytes_in, out.output_bytes, out.output_ndim, c
-        )
+        # A V's chunk 1 is a pipeline run backwards over the stages: stage s plays p-1-s.
+        for (lo, hi), as_stage in zip(ranges, (stage, layout.pp - 1 - stage), strict=False):
+            bytes_in = tr.layers[lo - 1].output_bytes if lo > 0 else 0
+            out = tr.layers[hi - 1]
+            calls += traffic.pipeline_calls(
+                layout, as_stage, bytes_in, out.output_bytes, out.output_ndim, c
+            )
         norm = self.gradient_clipping or self.precision == "fp16"
         calls += traffic.scalar_calls(layout, stage, self.precision, norm)
         return calls
@@ -165,6 +190,8 @@ class Planner:
             views = [self.stage_view(layout, s) for s in range(layout.pp)]
         except PartitionError as e:
             return _record(layout, None, None, reason=f"pipeline partition: {e}".split("\n")[0])
+        except ScheduleError as e:
+            return _record(layout, None, None, reason=str(e))
         worst = max(views, key=lambda v: v.peak)
         time = step_time([v.work for v in views], layout, self.cluster, self.precision)
         rec = _record(layout, worst, time)

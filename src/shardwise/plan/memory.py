@@ -86,7 +86,12 @@ def stage_bounds(shape: ModelShape, pp: int, method: str = "parameters") -> list
 def stage_params(shape: ModelShape, bounds: list[int], stage: int) -> list[ParamInfo]:
     """The parameters of ``stage`` in its module's ``parameters()`` order (tied modules first,
     as a PipelineModule registers them before its layers)."""
-    layers = shape.layers[bounds[stage] : bounds[stage + 1]]
+    return range_params(shape, [(bounds[stage], bounds[stage + 1])])
+
+
+def range_params(shape: ModelShape, ranges: list[tuple[int, int]]) -> list[ParamInfo]:
+    """stage_params of a stage holding the layers of ``ranges`` (two in a V placement)."""
+    layers = [x for lo, hi in ranges for x in shape.layers[lo:hi]]
     keys = list(dict.fromkeys(x.tied for x in layers if x.tied))
     return [p for k in keys for p in shape.tied[k]] + [p for x in layers for p in x.params]
 
@@ -95,7 +100,12 @@ def tied_params(shape: ModelShape, bounds: list[int], stage: int) -> set[int]:
     """Indices (in ``stage_params``) of parameters tied across stages (their own buckets)."""
     if len(bounds) == 2:
         return set()
-    keys = {x.tied for x in shape.layers[bounds[stage] : bounds[stage + 1]] if x.tied}
+    return range_tied(shape, [(bounds[stage], bounds[stage + 1])])
+
+
+def range_tied(shape: ModelShape, ranges: list[tuple[int, int]]) -> set[int]:
+    """tied_params of a pipelined stage holding the layers of ``ranges``."""
+    keys = {x.tied for lo, hi in ranges for x in shape.layers[lo:hi] if x.tied}
     n = sum(len(shape.tied[k]) for k in keys)
     return set(range(n))
 

@@ -10,7 +10,7 @@ COLUMNS = (
     ("#", lambda i, r: str(i)),
     ("dp", lambda i, r: str(r["dp"])),
     ("tp", lambda i, r: f"{r['tp']}{'+sp' if r['sequence_parallel'] else ''}"),
-    ("pp", lambda i, r: str(r["pp"])),
+    ("pp", lambda i, r: str(r["pp"]) + ("" if r["schedule"] == "1f1b" else f" {r['schedule']}")),
     ("zero", lambda i, r: str(r["zero_stage"])),
     ("mb x gas", lambda i, r: f"{r['micro_batch']}x{r['grad_accum']}"),
     ("ckpt", lambda i, r: "yes" if r["activation_checkpointing"] else "-"),
@@ -61,6 +61,7 @@ def table(records: list[dict[str, Any]], top: int, infeasible: int = 5) -> str:
                 f"zero{r['zero_stage']} mb{r['micro_batch']}x{r['grad_accum']}"
                 f"{' ckpt' if r['activation_checkpointing'] else ''}"
                 f"{' offload' if r['offload'] else ''}"
+                f"{'' if r['schedule'] == '1f1b' else ' ' + r['schedule']}"
             )
             lines.append(f"  {name}: {r['reason']}")
     return "\n".join(lines)

@@ -4,7 +4,9 @@ Per micro-batch, a stage runs its forward (F FLOPs / t on each TP rank), a backw
 with checkpointing a second forward of the checkpointed layers, and the collectives that sit
 on that path (tensor parallelism, the pipeline's messages). The step is (PTD-P eq. 1)
 
-    gas x t_mb  +  (p - 1) x t_mb            (the slowest stage's t_mb; the bubble)
+    gas x t_mb  +  bubble x t_mb             (the slowest stage's t_mb; the bubble: p - 1
+                                              for 1F1B, less for the zero-bubble schedules,
+                                              bubble.py)
     + (1 - overlap) x data-parallel traffic  (buckets reduced while backward runs)
     + the optimizer update                   (model-state bytes through memory; offloaded:
                                               through the host link and the host's optimizer)
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shardwise.plan.bubble import bubble_units, shares
 from shardwise.plan.candidates import Layout
 from shardwise.plan.cluster import Cluster
 from shardwise.plan.memory import ModelStates
@@ -106,5 +109,6 @@ def step_time(
     data = _comm(w.calls, layout, cluster, "data")
     exposed = on_path + (1.0 - cluster.overlap) * data
     compute += optimizer_time(w.states, layout, cluster)
-    bubble = (layout.pp - 1) * per_mb[slow]
+    f, wgt = shares(w.flops, w.recompute_flops)
+    bubble = bubble_units(layout.schedule, layout.pp, gas, f, wgt) * per_mb[slow]
     return StepTime(compute, exposed, bubble)

@@ -39,7 +39,8 @@ SCHEDULERS: dict[str | None, dict] = {
     "ExponentialLR": {"gamma": 0.9},
 }
 NOISE = (None, "Jitter", "RSample")
-SCHEDULES = ("1f1b", "gpipe", "interleaved")
+SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-h1", "zbv", "dualpipev")
+V_SCHEDULES = ("zbv", "dualpipev")  # two chunks per stage
 CP_METHODS = ("ring", "ulysses")
 # (dp, tp, pp, cp) with dp * tp * pp * cp <= MAX_WORLD.
 SIZES = tuple(
@@ -192,7 +193,7 @@ def layout_blocks(case: Case) -> dict:
     if case.cp > 1:
         blocks["context_parallel"] = {"size": case.cp, "method": case.cp_method}
     pipe: dict = {"stages": case.pp, "schedule": case.schedule}
-    if case.schedule == "interleaved":
+    if case.schedule == "interleaved" or case.schedule in V_SCHEDULES:
         pipe["chunks"] = 2
     if case.ckpt == "interval":
         pipe["activation_checkpoint_interval"] = 1

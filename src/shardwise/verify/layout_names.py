@@ -3,8 +3,10 @@
 A layout is parts joined by ``x``: ``dpN`` (data-parallel ranks), ``tpN`` (tensor-parallel
 ranks), ``ppN`` (pipeline stages), ``zeroS`` (ZeRO stage S over the data ranks), ``sp``
 (sequence parallelism, with ``tpN``), ``cpN`` (context-parallel ranks, ring attention;
-``ulysses`` for DeepSpeed-Ulysses) and a bare ``N`` (the data-parallel size, so ``zero3x2``
-is ZeRO-3 on two data ranks). The processes launched are dp x cp x tp x pp.
+``ulysses`` for DeepSpeed-Ulysses), a pipeline schedule's name (``pp2xzbv``: ``1f1b``, ``gpipe``,
+``interleaved``, ``zb-h1``, ``zbv``, ``dualpipev``; otherwise the script's config decides; the
+two-chunk ones get ``chunks`` 2) and a bare ``N`` (the data-parallel size, so ``zero3x2`` is
+ZeRO-3 on two data ranks). The processes launched are dp x cp x tp x pp.
 
 Every layout trains on the same global batch of G rows per step, so a data rank's micro-batch
 is G / (dp x gas) rows: the mean loss over the global batch is then the mean, over data ranks,
@@ -22,8 +24,11 @@ import copy
 import re
 from dataclasses import dataclass
 
+from shardwise.parallel.pipeline.schedule import SCHEDULES, V_SCHEDULES
+
 GRAMMAR = (
-    "dpN, tpN, ppN, cpN, zeroS (S = 1, 2, 3), sp, ulysses, or a bare N (data ranks), joined by x"
+    "dpN, tpN, ppN, cpN, zeroS (S = 1, 2, 3), sp, ulysses, a pipeline schedule "
+    f"({', '.join(SCHEDULES)}), or a bare N (data ranks), joined by x"
 )
 EXAMPLE = "dp2,zero3x2,tp2,pp2,dp2xtp2"
 NO_CLIP_NORM = 1e12  # a clipping bound never reached: the engine then measures the norm only
@@ -46,6 +51,7 @@ class Layout:
     cp: int = 1
     ulysses: bool = False
     split: int = 1  # one process only: each step's rows as dp ranks hold them (module doc)
+    schedule: str | None = None  # the pipeline schedule; None: the script's config decides
 
     @property
     def world(self) -> int:
@@ -64,6 +70,11 @@ def reference_for(layout: Layout, per_rank: bool) -> Layout:
 
 
 def _part(layout: str, part: str, sizes: dict) -> None:
+    if part in SCHEDULES:
+        if "schedule" in sizes:
+            raise LayoutError(f"--layouts: {layout!r} gives two schedules; give one")
+        sizes["schedule"] = part
+        return
     m = re.fullmatch(r"(dp|tp|pp|cp|zero)?(\d+)|sp|ulysses", part)
     if m is None:
         raise LayoutError(f"--layouts: unknown part {part!r} in {layout!r}: use {GRAMMAR}")
@@ -95,6 +106,8 @@ def parse_layout(text: str) -> Layout:
         raise LayoutError(f"--layouts: {text!r}: ulysses is a context-parallel method; add cp2")
     if layout.sp and layout.tp == 1:
         raise LayoutError(f"--layouts: {text!r}: sp splits the sequence over TP ranks; add tp2")
+    if layout.schedule and layout.pp == 1:
+        raise LayoutError(f"--layouts: {text!r}: {layout.schedule} schedules stages; add pp2")
     if layout.world == 1:
         raise LayoutError(f"--layouts: {text!r} is one process, the reference itself; use dp2")
     return layout
@@ -136,6 +149,9 @@ def layout_config(base: dict, layout: Layout, global_batch: int) -> dict:
         cfg["tensor_parallel"] = {**_block(cfg, "tensor_parallel"), **tp}
     if layout.pp > 1 or "pipeline" in cfg:
         cfg["pipeline"] = {**_block(cfg, "pipeline"), "stages": layout.pp}
+    if layout.schedule:
+        chunks = 2 if layout.schedule in (*V_SCHEDULES, "interleaved") else 1
+        cfg["pipeline"].update(schedule=layout.schedule, chunks=chunks)
     if layout.cp > 1 or "context_parallel" in cfg:
         cp = {"size": layout.cp, "method": "ulysses" if layout.ulysses else "ring"}
         cfg["context_parallel"] = {**_block(cfg, "context_parallel"), **cp}

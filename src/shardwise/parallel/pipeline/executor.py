@@ -14,6 +14,14 @@ fp16 loss scale, 1 otherwise), so that the accumulated gradient is that of the b
 backward only: plain data parallelism and ZeRO-1 then reduce once per batch, overlapped with
 that backward, and ZeRO-2 reduce-scatters every micro-batch as it must. REDUCE_GRADS waits for
 the reduction; REDUCE_TIED and OPTIMIZER_STEP call back into the runner.
+
+Zero-bubble schedules split a backward into BACKWARD_INPUT (B) and BACKWARD_WEIGHT (W)
+(split_linear.py): while such a program runs, the stage's linears record a splittable backward;
+B is the ordinary backward with the linears' weight work left aside per (micro-batch, chunk),
+W does it. Each B and each W is wrapped by the strategy's before/after_backward like a
+backward, ``sync`` on the stage's last instruction that writes gradients (the last W, or the
+last B when a chunk has nothing to defer). A stage whose first split batch left nothing for W
+(no linear) has ``splits`` False, and the runner gives it fused programs from then on.
 """
 
 from __future__ import annotations
@@ -27,9 +35,15 @@ import torch
 from torch import nn
 
 from shardwise.monitor.timers import PHASES
+from shardwise.parallel.pipeline.instructions import GRADIENT_OPS, Instruction, Op
 from shardwise.parallel.pipeline.meter import ActivationMeter
 from shardwise.parallel.pipeline.p2p import StageLink, as_tuple
-from shardwise.parallel.pipeline.schedule import Instruction, Op
+from shardwise.parallel.pipeline.split_linear import (
+    Deferred,
+    LinearSplitter,
+    deferring,
+    weight_backward,
+)
 
 if TYPE_CHECKING:  # annotations only
     from shardwise.parallel.strategy_contract import GradientStrategy
@@ -45,12 +59,15 @@ class _Batch:
     train: bool
     scale: float
     micro_batches: int
-    last_backward: tuple[int, int] | None
+    last_backward: Instruction | None  # the last instruction that writes gradients: sync
     inputs: dict[tuple[int, int], Any] = field(default_factory=dict)  # (micro-batch, chunk) ->
     outputs: dict[tuple[int, int], Any] = field(default_factory=dict)
     labels: dict[int, Any] = field(default_factory=dict)
     grads: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)
     to_send: dict[tuple[int, int], Any] = field(default_factory=dict)
+    deferred: dict[tuple[int, int], list[Deferred]] = field(default_factory=dict)  # B -> W
+    held: dict[tuple[int, int], list[Any]] = field(default_factory=dict)  # the meter's books
+    deferred_any: bool = False  # some B left W work
     losses: list[torch.Tensor] = field(default_factory=list)
     logits: list[Any] = field(default_factory=list)
     keep_logits: bool = False
@@ -83,6 +100,10 @@ class StageExecutor:
         self.section: Callable[[str], Any] | None = None
         self.live = 0  # micro-batches between forward and backward
         self.peak_live = 0
+        self.splitter: LinearSplitter | None = None  # made by the first split program
+        # Whether this stage's B's left any W work (None: no split program ran yet); False:
+        # its layers cannot split, and the runner writes its programs with fused backwards.
+        self.splits: bool | None = None
         self._handlers = {
             Op.LOAD: self._load,
             Op.RECV_ACT: self._recv_act,
@@ -90,6 +111,8 @@ class StageExecutor:
             Op.SEND_ACT: self._send_act,
             Op.RECV_GRAD: self._recv_grad,
             Op.BACKWARD: self._backward,
+            Op.BACKWARD_INPUT: self._backward_input,
+            Op.BACKWARD_WEIGHT: self._backward_weight,
             Op.SEND_GRAD: self._send_grad,
         }
 
@@ -106,12 +129,28 @@ class StageExecutor:
         keep_logits: bool = False,
     ) -> _Batch:
         """Execute ``program``; returns the run's record (losses on the last stage)."""
-        backwards = [(ins.mb, ins.chunk) for ins in program if ins.op is Op.BACKWARD]
+        backwards = [ins for ins in program if ins.op in GRADIENT_OPS]
         state = _Batch(data_iter, train, scale, micro_batches, backwards[-1] if backwards else None)
         state.keep_logits = keep_logits
         self.strategy = strategy
         for link in self.links:
             link.new_batch()
+        split = train and any(ins.op is Op.BACKWARD_WEIGHT for ins in program)
+        if split and self.splitter is None:
+            self.splitter = LinearSplitter(self.module)
+        if self.splitter is not None:
+            self.splitter.active = split
+        try:
+            self._dispatch(program, state, actions)
+        finally:
+            if self.splitter is not None:
+                self.splitter.active = False
+        if split:
+            self.splits = bool(self.splits) or state.deferred_any
+        return state
+
+    def _dispatch(self, program: list[Instruction], state: _Batch, actions: dict | None) -> None:
+        train, strategy = state.train, self.strategy
         for ins in program:
             name = PHASES.get(ins.op.name) if train and self.section is not None else None
             with self.section(name) if name else _UNTIMED:
@@ -122,7 +161,6 @@ class StageExecutor:
                     strategy.after_backward(True)
                 else:
                     (actions or {})[ins.op]()  # OPTIMIZER_STEP: the engine times its step
-        return state
 
     def wait_sends(self) -> None:
         for link in self.links:
@@ -150,7 +188,7 @@ class StageExecutor:
         inputs, labels = batch
         if self._is_first(ins.chunk):
             st.inputs[(ins.mb, 0)] = _cast(inputs, self.compute_dtype)
-        if self._is_last(ins.chunk):
+        if self.last:  # the last chunk's LOAD; in a V, chunk 0's (one batch per micro-batch)
             st.labels[ins.mb] = labels
 
     def _recv_act(self, st: _Batch, ins: Instruction) -> None:
@@ -198,19 +236,23 @@ class StageExecutor:
         key = (ins.mb, ins.chunk)
         st.grads[key] = self.links[ins.chunk].recv_grads(st.outputs[key])
 
-    def _backward(self, st: _Batch, ins: Instruction) -> None:
+    def _backward(self, st: _Batch, ins: Instruction, sink: list | None = None) -> None:
+        """The backward of (ins.mb, ins.chunk): from the loss / m * S on the last virtual
+        stage, else from the received output gradient; with ``sink`` (B) the linears' weight
+        work is left there instead of done."""
         key = (ins.mb, ins.chunk)
-        sync = key == st.last_backward
+        sync = ins == st.last_backward
         self.strategy.before_backward(sync)
         out = st.outputs.pop(key)
-        if self._is_last(ins.chunk):
-            scaled = out / st.micro_batches
-            (scaled * st.scale if st.scale != 1.0 else scaled).backward()
-        else:
-            grads = st.grads.pop(key)
-            outs = [t for t in as_tuple(out, "a stage's output") if t.requires_grad]
-            if outs:
-                torch.autograd.backward(outs, grads)
+        with deferring(sink) if sink is not None else _UNTIMED:
+            if self._is_last(ins.chunk):
+                scaled = out / st.micro_batches
+                (scaled * st.scale if st.scale != 1.0 else scaled).backward()
+            else:
+                grads = st.grads.pop(key)
+                outs = [t for t in as_tuple(out, "a stage's output") if t.requires_grad]
+                if outs:
+                    torch.autograd.backward(outs, grads)
         del out
         if not sync:
             self.strategy.after_backward(False)
@@ -218,6 +260,30 @@ class StageExecutor:
         if not self._is_first(ins.chunk):
             st.to_send[key] = received
         self.live -= 1
+
+    def _backward_input(self, st: _Batch, ins: Instruction) -> None:
+        """B: the input gradient; the weight work waits in ``st.deferred`` for W."""
+        key = (ins.mb, ins.chunk)
+        sink = st.deferred.setdefault(key, [])
+        self._backward(st, ins, sink)
+        st.deferred_any = st.deferred_any or bool(sink)
+        if self.meter is not None:  # what W keeps alive: each linear's X and dY, once each
+            kept = {t.untyped_storage().data_ptr(): t for d in sink for t in (d.x, d.dy)}
+            st.held[key] = [self.meter.hold(t) for t in kept.values()]
+
+    def _backward_weight(self, st: _Batch, ins: Instruction) -> None:
+        """W: the weight gradients B left for (ins.mb, ins.chunk)."""
+        key = (ins.mb, ins.chunk)
+        work = st.deferred.pop(key)
+        sync = ins == st.last_backward
+        if not work and not sync:
+            return
+        self.strategy.before_backward(sync)
+        weight_backward(work)
+        del work
+        st.held.pop(key, None)
+        if not sync:
+            self.strategy.after_backward(False)
 
     def _send_grad(self, st: _Batch, ins: Instruction) -> None:
         self.links[ins.chunk].send_grads(st.to_send.pop((ins.mb, ins.chunk)))

@@ -45,6 +45,11 @@ class ActivationMeter:
     def reset_peak(self) -> None:
         self.peak = self.live
 
+    def hold(self, t: torch.Tensor) -> object:
+        """Book ``t`` until the returned token is dropped: what a zero-bubble schedule keeps
+        from B for W (each linear's input and output gradient) once autograd let go of it."""
+        return _Held(t, self)
+
     def hooks(self) -> Any:
         return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 

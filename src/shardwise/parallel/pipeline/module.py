@@ -28,6 +28,11 @@ state-dict keys (``shardwise.integrations.huggingface.causal_lm_pipeline``); a t
 sits under the name of each of its layers on the stage (``model.embed_tokens`` on the first,
 ``lm_head`` on the last; both in one stage, where ``state_dict()`` lists the shared weight
 under both names, as the original model does).
+
+Chunks: with ``chunks=v`` the layers are cut into p v virtual stages and this stage runs v of
+them, placed as ``placement`` says (instructions.py): ``"loop"`` (interleaved 1F1B: chunk c is
+virtual stage c p + s) or ``"v"`` (zbv, dualpipev, v = 2: chunk 1 is virtual stage 2p-1-s, so
+stage 0 runs the first and the last layers).
 """
 
 from __future__ import annotations
@@ -44,9 +49,12 @@ from shardwise import comm
 from shardwise.parallel.activation.recompute import run_checkpointed
 from shardwise.parallel.activation.selective import GroupRef
 from shardwise.parallel.pipeline import partition as part
+from shardwise.parallel.pipeline.instructions import PLACEMENTS, stage_and_chunk, virtual_stage
 from shardwise.parallel.pipeline.specs import (
     LayerSpec,
     TiedLayerSpec,
+    add_module_names,
+    check_layer_names,
     class_name,
     count_params,
     get_attr,
@@ -78,12 +86,13 @@ class PipelineModule(nn.Module):
         dynamic_shape: bool = False,
         chunks: int | None = None,
         layer_names: Sequence[str] | None = None,
+        placement: str | None = None,
     ) -> None:
         super().__init__()
         specs = list(layers.children()) if isinstance(layers, nn.Sequential) else list(layers)
         if not specs:
             raise ValueError("PipelineModule(layers=...) needs at least one layer")
-        self._layer_names = _check_names(layer_names, len(specs))
+        self._layer_names = check_layer_names(layer_names, len(specs))
         for i, layer in enumerate(specs):
             if not (isinstance(layer, (LayerSpec, nn.Module)) or callable(layer)):
                 raise TypeError(
@@ -97,8 +106,11 @@ class PipelineModule(nn.Module):
             raise ValueError(f"num_stages={num_stages!r} must be an integer >= 1")
         if chunks is not None and (not isinstance(chunks, int) or chunks < 1):
             raise ValueError(f"chunks={chunks!r} must be an integer >= 1")
+        if placement not in (None, *PLACEMENTS):
+            raise ValueError(f"placement={placement!r}: expected one of {PLACEMENTS}")
         self.num_stages = num_stages
         self.chunks = chunks
+        self.placement = placement  # of the chunks on the stages (instructions.py); None: loop
         self.loss_fn = loss_fn
         self.seed_layers, self.seed_fn, self.base_seed = seed_layers, seed_fn, base_seed
         self.partition_method = partition_method
@@ -132,23 +144,32 @@ class PipelineModule(nn.Module):
         return self.stage_id is not None
 
     def build_stage(
-        self, num_stages: int, stage_id: int, partition_method: str, chunks: int = 1
+        self,
+        num_stages: int,
+        stage_id: int,
+        partition_method: str,
+        chunks: int = 1,
+        placement: str = "loop",
     ) -> None:
         """Build this rank's stage (what the constructor does when it knows its stage);
-        ``chunks`` applies when the module was not given one."""
+        ``chunks`` and ``placement`` apply when the module was not given them."""
         if self.built:
             raise RuntimeError("this PipelineModule already built its stage")
         self.num_stages = num_stages
         self.chunks = self.chunks or chunks
+        self.placement = self.placement or placement
         with torch.random.fork_rng(devices=[]):
             torch.set_rng_state(self._rng_state)
             self._build(stage_id, self.partition_method or partition_method)
 
     def _build(self, stage_id: int, method: str) -> None:
         self.chunks = self.chunks or 1
+        self.placement = self.placement or "loop"
+        if self.placement == "v" and self.chunks != 2:
+            raise ValueError(f'placement="v" needs chunks=2 (a V of two chunks), got {self.chunks}')
         counts = [count_params(x) for x in self._specs]
         self.param_counts = counts
-        virtual = self.num_stages * self.chunks  # virtual stage w runs on stage w % num_stages
+        virtual = self.num_stages * self.chunks  # virtual stage w: see instructions.py
         self.parts = part.partition(method, virtual, self.class_names, counts)
         self.partition_used = method
         self._check_every_stage_trains()
@@ -177,7 +198,7 @@ class PipelineModule(nn.Module):
                 if isinstance(spec, nn.Module):
                     self._register(idx, spec)
                 self._funcs.append((idx, spec, chunk))
-            names = self._add_names(names, idx, spec, module)
+            names = add_module_names(names, self._name_of(idx), spec, module)
         self.all_stage_module_names = names
         # Other stages' modules are dropped here; the list keeps names and specs only.
         self._specs = [
@@ -185,28 +206,15 @@ class PipelineModule(nn.Module):
             for i, x in enumerate(self._specs)
         ]
 
-    def _add_names(
-        self, names: list[str] | None, idx: int, spec: Any, module: nn.Module | None
-    ) -> list[str] | None:
-        """``names`` plus layer ``idx``'s module names as its stage names them; None once a
-        layer is unknown here (a LayerSpec another stage builds alone, a tied module)."""
-        if names is None or isinstance(spec, TiedLayerSpec):
-            return None
-        if isinstance(spec, LayerSpec) and module is None:
-            return None
-        if module is None:
-            return names  # a plain callable: no modules
-        prefix = self._name_of(idx)
-        return names + [f"{prefix}.{n}" if n else prefix for n, _ in module.named_modules()]
-
     def virtual_stage(self, chunk: int) -> int:
-        """The position in the whole pipeline of this rank's ``chunk``: chunk * stages + stage."""
-        return chunk * self.num_stages + self.stage_id
+        """The position in the whole pipeline of this rank's ``chunk`` (loop: chunk * stages +
+        stage; V: chunk 1 of stage s is 2 stages - 1 - s)."""
+        return virtual_stage(self.num_stages, self.stage_id, chunk, self.placement)
 
     def _chunk_of(self, idx: int) -> int | None:
         """Which of this rank's chunks runs layer ``idx`` (None: another stage)."""
-        virtual = self.virtual_of(idx)
-        return virtual // self.num_stages if virtual % self.num_stages == self.stage_id else None
+        stage, chunk = stage_and_chunk(self.num_stages, self.virtual_of(idx), self.placement)
+        return chunk if stage == self.stage_id else None
 
     def virtual_of(self, layer_idx: int) -> int:
         """The virtual stage that owns layer ``layer_idx``."""
@@ -241,7 +249,9 @@ class PipelineModule(nn.Module):
     def _label(self, virtual: int) -> str:
         if self.chunks == 1:
             return f"stage {virtual}"
-        return f"stage {virtual % self.num_stages} chunk {virtual // self.num_stages}"
+        return "stage {} chunk {}".format(
+            *stage_and_chunk(self.num_stages, virtual, self.placement)
+        )
 
     def _build_tied(
         self, idx: int, spec: TiedLayerSpec, chunk: int | None, built: dict[str, nn.Module]
@@ -278,7 +288,7 @@ class PipelineModule(nn.Module):
 
     def stage_of(self, layer_idx: int) -> int:
         """The stage that runs layer ``layer_idx``."""
-        return self.virtual_of(layer_idx) % self.num_stages
+        return stage_and_chunk(self.num_stages, self.virtual_of(layer_idx), self.placement)[0]
 
     def tied_module(self, key: str) -> nn.Module:
         """This stage's module of tied ``key``, as the tree holds it now (tensor parallelism
@@ -375,20 +385,6 @@ class PipelineModule(nn.Module):
         if func is None:  # shardwise's: replays the TP trackers' streams, partitions if asked
             return run_checkpointed(run, args, {}, self.activation_partition.group)
         return func(run, *args)
-
-
-def _check_names(names: Sequence[str] | None, n: int) -> list[str] | None:
-    """``layer_names``: one distinct dotted module name per layer (or None: the indices)."""
-    if names is None:
-        return None
-    names = list(names)
-    if len(names) != n or len(set(names)) != n:
-        raise ValueError(f"layer_names: give {n} distinct names, one per layer; got {names}")
-    prefixes = {".".join(x.split(".")[:k]) for x in names for k in range(1, x.count(".") + 1)}
-    clash = sorted(prefixes & set(names))
-    if clash:
-        raise ValueError(f"layer_names: {clash} name a layer and the parent of another")
-    return names
 
 
 def _run(funcs: list[Callable], x: Any) -> Any:

@@ -28,6 +28,10 @@ Tensors with fewer than N elements go whole. The first message of a link checks,
 the TP ranks really hold the same tensors (a stage ending in a split layer would not); if not,
 the link warns, naming the key, and sends whole tensors. The description carries the choice
 for activations; for gradients one small flag message precedes the link's first gradients.
+
+In the V placement the last stage runs virtual stages p-1 and p: its chunk 0 hands its output
+to its own chunk 1, and chunk 1 the input gradient back, through a ``Loopback`` (no message):
+the receiver gets a detached alias that is a leaf of its own graph, as a received tensor is.
 """
 
 from __future__ import annotations
@@ -75,6 +79,14 @@ def _describe(x: Any, tensors: tuple[torch.Tensor, ...]) -> list[int]:
     return meta
 
 
+class Loopback:
+    """The hand-over between two chunks of one rank (activations one way, gradients back)."""
+
+    def __init__(self) -> None:
+        self.acts: list[Any] = []
+        self.grads: list[list[torch.Tensor]] = []
+
+
 class StageLink:
     """The messages of virtual stage ``virtual`` (= the stage, without chunks) to and from its
     neighbours ``prev`` / ``next`` (global ranks, or None at the ends of the pipeline)."""
@@ -87,10 +99,13 @@ class StageLink:
         virtual: int = 0,
         act_group: ProcessGroup | None = None,
         grad_group: ProcessGroup | None = None,
+        loop: tuple[Loopback | None, Loopback | None] = (None, None),
     ) -> None:
         """``act_group`` / ``grad_group``: the tensor-parallel group over which activations /
-        gradients are sent partitioned (None: whole)."""
+        gradients are sent partitioned (None: whole). ``loop``: the hand-over with the previous
+        / next virtual stage when this rank runs it too (then ``prev`` / ``next`` is unused)."""
         self.prev, self.next = prev, next
+        self.loop_prev, self.loop_next = loop
         self.act_group, self.grad_group = act_group, grad_group
         # Decided on the first message (None: not yet): partitioned, or whole after all.
         self._act_split: bool | None = None
@@ -114,6 +129,9 @@ class StageLink:
 
     def send_activation(self, x: Any) -> None:
         tensors = as_tuple(x, "a stage's output")
+        if self.loop_next is not None:
+            self.loop_next.acts.append(x)
+            return
         if self._act_split is None:
             self._act_split = _decide(tensors, self.act_group, "pipe_partitioned", self.next)
         meta = [int(self._act_split), *_describe(x, tensors)]
@@ -132,6 +150,10 @@ class StageLink:
 
     def recv_activation(self, requires_grad: bool) -> Any:
         """The previous stage's output; floating tensors require grad when training."""
+        if self.loop_prev is not None:
+            x = self.loop_prev.acts.pop(0)
+            items = [_leaf(t, requires_grad) for t in as_tuple(x, "a stage's output")]
+            return tuple(items) if isinstance(x, (tuple, list)) else items[0]
         if self.dynamic_shape or self._recv_meta is None:
             length = torch.zeros(1, dtype=torch.int64)
             comm.recv(length, self.prev, tag=self.act_in)
@@ -158,6 +180,9 @@ class StageLink:
             for t in as_tuple(inputs, "a received activation")
             if t.requires_grad
         )
+        if self.loop_prev is not None:
+            self.loop_prev.grads.append(list(grads))
+            return
         if self._grad_split is None and self.grad_group is not None:
             self._grad_split = _decide(grads, self.grad_group, "grad_partitioned", self.prev)
             flag = torch.tensor([int(self._grad_split)], dtype=torch.int64)
@@ -168,6 +193,8 @@ class StageLink:
 
     def recv_grads(self, outputs: Any) -> list[torch.Tensor]:
         """Gradients for the tensors of ``outputs`` that require grad (as sent), in order."""
+        if self.loop_next is not None:
+            return self.loop_next.grads.pop(0)
         if self._grad_split_in is None and self.grad_group is not None:
             flag = torch.zeros(1, dtype=torch.int64)
             comm.recv(flag, self.next, tag=self.grad_in)
@@ -195,6 +222,12 @@ class StageLink:
         for work, _ in self._pending:
             work.wait()
         self._pending.clear()
+
+
+def _leaf(t: torch.Tensor, requires_grad: bool) -> torch.Tensor:
+    """What the next chunk receives through a Loopback: ``t`` cut from its graph (an alias:
+    a leaf that requires grad cannot be changed in place), requiring grad as sent."""
+    return t.detach().requires_grad_(requires_grad and t.is_floating_point() and t.requires_grad)
 
 
 def _split(numel: int, group: ProcessGroup | None) -> bool:

@@ -35,7 +35,7 @@ def _check(n: int, parts: int) -> None:
         raise PartitionError(f"num_stages={parts} must be >= 1")
     if n < parts:
         raise PartitionError(
-            f"num_stages={parts} (pipeline.stages, times pipeline.chunks when interleaved) is "
+            f"num_stages={parts} (pipeline.stages, times pipeline.chunks with several chunks a stage) is "
             f"more than the {n} layers of the PipelineModule: every stage needs at least one "
             f"layer; use at most {n} stages or split the model into more layers"
         )

@@ -23,6 +23,7 @@ from shardwise import comm
 from shardwise.config import Config, ConfigError
 from shardwise.parallel.pipeline.module import PipelineModule
 from shardwise.parallel.pipeline.process_topology import check_layout
+from shardwise.parallel.pipeline.schedule import V_SCHEDULES, placement_of
 from shardwise.parallel.pipeline.train_batch import PipelineRunner
 from shardwise.parallel.tensor.parallelize import pattern_regex
 
@@ -57,7 +58,11 @@ def prepare_model(cfg: Config, model: nn.Module, loss_fn: Callable[..., Any] | N
                 key="pipeline.stages",
             )
         model = PipelineModule(
-            model, num_stages=wanted, loss_fn=loss_fn, chunks=cfg.pipeline.chunks
+            model,
+            num_stages=wanted,
+            loss_fn=loss_fn,
+            chunks=cfg.pipeline.chunks,
+            placement=placement_of(cfg.pipeline.schedule),
         )
     stages = pipeline_stages(cfg, model)
     if isinstance(model, PipelineModule) and wanted not in (None, stages):
@@ -70,22 +75,47 @@ def prepare_model(cfg: Config, model: nn.Module, loss_fn: Callable[..., Any] | N
             "gather parameters on every micro-batch); use stage 1 or 2",
             key="zero_optimization.stage",
         )
+    if stages > 1:
+        _check_schedule(cfg, model, stages)
+    return model
+
+
+def _check_schedule(cfg: Config, model: nn.Module, stages: int) -> None:
+    """The chunks and micro-batches the schedule needs, refused naming the key otherwise."""
+    name, gas = cfg.pipeline.schedule, cfg.gradient_accumulation_steps  # gas None: derived later
+    built = isinstance(model, PipelineModule) and model.built
     chunks = getattr(model, "chunks", None) or cfg.pipeline.chunks
-    if stages > 1 and chunks > 1 and cfg.pipeline.schedule != "interleaved":
+    if name in V_SCHEDULES and chunks != 2:
+        fix = (
+            f'the PipelineModule was built with chunks={chunks}: pass chunks=2, placement="v" '
+            "to PipelineModule"
+            if built
+            else f'set "chunks": 2, not {chunks}'
+        )
         raise ConfigError(
-            f'pipeline.schedule="{cfg.pipeline.schedule}" runs one model chunk per stage, but '
+            f'pipeline.schedule="{name}" runs two model chunks per stage in a V (stage 0 holds '
+            f"the first and the last): {fix}",
+            key="pipeline.chunks",
+        )
+    if chunks > 1 and name not in ("interleaved", *V_SCHEDULES):
+        raise ConfigError(
+            f'pipeline.schedule="{name}" runs one model chunk per stage, but '
             f'{chunks} chunks were asked for: use "schedule": "interleaved" or chunks 1',
             key="pipeline.schedule",
         )
-    gas = cfg.gradient_accumulation_steps  # None: derived from the batch sizes later
-    if stages > 1 and chunks > 1 and gas is not None and gas % stages:
+    if name == "interleaved" and chunks > 1 and gas is not None and gas % stages:
         raise ConfigError(
             f"gradient_accumulation_steps={gas} (the micro-batches of a step) must be a multiple "
             f"of pipeline.stages={stages} for the interleaved schedule (micro-batches go through "
             "in groups of one per stage)",
             key="gradient_accumulation_steps",
         )
-    return model
+    if name == "dualpipev" and gas is not None and gas < 2 * stages:
+        raise ConfigError(
+            f"gradient_accumulation_steps={gas} (the micro-batches of a step) must be at least "
+            f"2 * pipeline.stages = {2 * stages} for the dualpipev schedule",
+            key="gradient_accumulation_steps",
+        )
 
 
 def _fill_from_config(cfg: Config, model: PipelineModule, built_before: bool) -> None:
@@ -135,8 +165,17 @@ def build_stage(cfg: Config, model: nn.Module, mesh: ProcessMesh) -> None:
     t = mesh.topology
     check_layout(model._topo, {"pp": t.pp, "dp": t.dp, "tp": t.tp, "cp": t.cp})
     pp, stage = t.pp, mesh.pp_rank
+    placement = placement_of(cfg.pipeline.schedule)
     if not built_before:
-        model.build_stage(pp, stage, cfg.pipeline.partition, cfg.pipeline.chunks)
+        model.build_stage(pp, stage, cfg.pipeline.partition, cfg.pipeline.chunks, placement)
+    elif pp > 1 and model.chunks > 1 and model.placement != placement:
+        raise ConfigError(
+            f'pipeline.schedule="{cfg.pipeline.schedule}" places the chunks in a '
+            f"{'V' if placement == 'v' else 'loop'}, but the PipelineModule was built with "
+            f'placement="{model.placement}": pass placement="{placement}" to PipelineModule '
+            "(or build it after initialize knows the schedule)",
+            key="pipeline.schedule",
+        )
     elif (model.num_stages, model.stage_id) != (pp, stage):
         raise ValueError(
             f"the PipelineModule built stage {model.stage_id} of {model.num_stages} but this "

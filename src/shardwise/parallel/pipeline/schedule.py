@@ -12,6 +12,9 @@ micro-batch i (F_i) and later its backward (B_i); activations go s -> s+1, gradi
     Interleaved 1F1B (Megatron, PTD-P 2.2.2) with v model chunks per stage: stage s holds
             virtual stages s, s+p, ..., s+(v-1)p; the bubble shrinks to (p-1)/(v m) at the cost
             of v times more messages; m must be a multiple of p.
+    Zero-bubble schedules (zero_bubble.py) split each backward into B (input gradient) and
+            W (weight gradient) and run the W's where 1F1B would wait: ZB-H1 (1F1B's memory), and,
+            with two chunks per stage in the V placement, ZB-V and DualPipeV.
 
 Every list ends with REDUCE_GRADS (finish the data-parallel gradient reduction started in the
 last backward), REDUCE_TIED (sum tied weights' gradients over the stages that hold them) and
@@ -23,113 +26,62 @@ is the k-th receive at the other end (messages pair up in order).
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Callable
-from dataclasses import dataclass
+
+from shardwise.parallel.pipeline.instructions import (
+    TAIL,
+    Instruction,
+    Op,
+    ScheduleError,
+    backward,
+    check_args,
+    forward,
+)
+from shardwise.parallel.pipeline.simulate import simulate
+from shardwise.parallel.pipeline.zero_bubble import dualpipev, zb_h1, zbv
+
+__all__ = [
+    "SCHEDULES",
+    "Instruction",
+    "Op",
+    "ScheduleError",
+    "gpipe",
+    "inference",
+    "interleaved",
+    "make_schedule",
+    "one_f_one_b",
+    "peak_in_flight",
+    "simulate",
+]
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipev")
+V_SCHEDULES = ("zbv", "dualpipev")  # two chunks per stage in the V placement
 
 
-class Op(enum.Enum):
-    LOAD = "load"  # pull micro-batch i from the data iterator (first stage: inputs; last: labels)
-    RECV_ACT = "recv_act"
-    FORWARD = "forward"
-    SEND_ACT = "send_act"
-    RECV_GRAD = "recv_grad"
-    BACKWARD = "backward"
-    SEND_GRAD = "send_grad"
-    REDUCE_GRADS = "reduce_grads"
-    REDUCE_TIED = "reduce_tied"
-    OPTIMIZER_STEP = "optimizer_step"
-
-
-_SHORT = {
-    Op.LOAD: "L",
-    Op.RECV_ACT: "rA",
-    Op.FORWARD: "F",
-    Op.SEND_ACT: "sA",
-    Op.RECV_GRAD: "rG",
-    Op.BACKWARD: "B",
-    Op.SEND_GRAD: "sG",
-    Op.REDUCE_GRADS: "RG",
-    Op.REDUCE_TIED: "RT",
-    Op.OPTIMIZER_STEP: "S",
-}
-
-
-@dataclass(frozen=True)
-class Instruction:
-    """One step of a stage's program: ``op`` on micro-batch ``mb`` of model chunk ``chunk``."""
-
-    op: Op
-    mb: int | None = None
-    chunk: int = 0
-
-    def __repr__(self) -> str:
-        if self.mb is None:
-            return _SHORT[self.op]
-        return f"{_SHORT[self.op]}{self.mb}" + (f".{self.chunk}" if self.chunk else "")
-
-
-class ScheduleError(ValueError):
-    """A schedule that cannot run: bad arguments, or a deadlock / mismatch found by simulate."""
-
-
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
-
-
-def _check(stages: int, stage_id: int, micro_batches: int) -> None:
-    if stages < 1 or micro_batches < 1:
-        raise ScheduleError(f"stages={stages} and micro_batches={micro_batches} must be >= 1")
-    if not 0 <= stage_id < stages:
-        raise ScheduleError(f"stage_id={stage_id} outside 0..{stages - 1}")
-
-
-def _forward(stages: int, s: int, i: int, chunk: int = 0, chunks: int = 1) -> list[Instruction]:
-    """Forward of micro-batch i on (stage s, chunk): load or receive, run, send."""
-    first = s == 0 and chunk == 0
-    last = s == stages - 1 and chunk == chunks - 1
-    out = []
-    if first or last:
-        out.append(Instruction(Op.LOAD, i, chunk))
-    if not first:
-        out.append(Instruction(Op.RECV_ACT, i, chunk))
-    out.append(Instruction(Op.FORWARD, i, chunk))
-    if not last:
-        out.append(Instruction(Op.SEND_ACT, i, chunk))
-    return out
-
-
-def _backward(stages: int, s: int, i: int, chunk: int = 0, chunks: int = 1) -> list[Instruction]:
-    first = s == 0 and chunk == 0
-    last = s == stages - 1 and chunk == chunks - 1
-    out = [] if last else [Instruction(Op.RECV_GRAD, i, chunk)]
-    out.append(Instruction(Op.BACKWARD, i, chunk))
-    if not first:
-        out.append(Instruction(Op.SEND_GRAD, i, chunk))
-    return out
-
-
-_TAIL = [Instruction(Op.REDUCE_GRADS), Instruction(Op.REDUCE_TIED), Instruction(Op.OPTIMIZER_STEP)]
+def placement_of(name: str) -> str:
+    """Where schedule ``name`` puts the chunks (instructions.py): "v" or "loop"."""
+    return "v" if name in V_SCHEDULES else "loop"
 
 
 def gpipe(stages: int, stage_id: int, micro_batches: int) -> list[Instruction]:
     """All forwards, then all backwards (GPipe, arXiv 1811.06965)."""
-    _check(stages, stage_id, micro_batches)
-    prog = [x for i in range(micro_batches) for x in _forward(stages, stage_id, i)]
-    prog += [x for i in range(micro_batches) for x in _backward(stages, stage_id, i)]
-    return prog + _TAIL
+    check_args(stages, stage_id, micro_batches)
+    prog = [x for i in range(micro_batches) for x in forward(stages, stage_id, i)]
+    prog += [x for i in range(micro_batches) for x in backward(stages, stage_id, i)]
+    return prog + TAIL
 
 
 def one_f_one_b(stages: int, stage_id: int, micro_batches: int) -> list[Instruction]:
     """PipeDream-Flush: warm-up forwards, one-forward-one-backward, cool-down backwards."""
-    _check(stages, stage_id, micro_batches)
+    check_args(stages, stage_id, micro_batches)
     warmup = min(stages - stage_id - 1, micro_batches)
-    prog = [x for i in range(warmup) for x in _forward(stages, stage_id, i)]
+    prog = [x for i in range(warmup) for x in forward(stages, stage_id, i)]
     for k in range(micro_batches - warmup):
-        prog += _forward(stages, stage_id, warmup + k)
-        prog += _backward(stages, stage_id, k)
+        prog += forward(stages, stage_id, warmup + k)
+        prog += backward(stages, stage_id, k)
     for k in range(micro_batches - warmup, micro_batches):
-        prog += _backward(stages, stage_id, k)
-    return prog + _TAIL
+        prog += backward(stages, stage_id, k)
+    return prog + TAIL
 
 
 def interleaved(stages: int, stage_id: int, micro_batches: int, chunks: int) -> list[Instruction]:
@@ -138,7 +90,7 @@ def interleaved(stages: int, stage_id: int, micro_batches: int, chunks: int) -> 
     Forward k (k = 0 .. m*v-1) runs chunk (k // p) % v on micro-batch (k // (p v)) p + k % p:
     micro-batches go through in groups of p, one chunk after the other; backward k visits the
     chunks in reverse. Stage s warms up with 2(p-s-1) + (v-1)p forwards."""
-    _check(stages, stage_id, micro_batches)
+    check_args(stages, stage_id, micro_batches)
     if chunks < 1:
         raise ScheduleError(f"chunks={chunks} must be >= 1")
     if chunks > 1 and micro_batches % stages:
@@ -149,17 +101,17 @@ def interleaved(stages: int, stage_id: int, micro_batches: int, chunks: int) -> 
     total = micro_batches * chunks
     group = stages * chunks
 
-    def unit(k: int, backward: bool) -> tuple[int, int]:
+    def unit(k: int, back: bool) -> tuple[int, int]:
         chunk = (k // stages) % chunks
-        return (k // group) * stages + k % stages, chunks - 1 - chunk if backward else chunk
+        return (k // group) * stages + k % stages, chunks - 1 - chunk if back else chunk
 
     def fwd(k: int) -> list[Instruction]:
         mb, c = unit(k, False)
-        return _forward(stages, stage_id, mb, c, chunks)
+        return forward(stages, stage_id, mb, c, chunks)
 
     def bwd(k: int) -> list[Instruction]:
         mb, c = unit(k, True)
-        return _backward(stages, stage_id, mb, c, chunks)
+        return backward(stages, stage_id, mb, c, chunks)
 
     warmup = min(total, 2 * (stages - stage_id - 1) + (chunks - 1) * stages)
     if chunks == 1:
@@ -169,32 +121,47 @@ def interleaved(stages: int, stage_id: int, micro_batches: int, chunks: int) -> 
         prog += fwd(warmup + k) + bwd(k)
     for k in range(total - warmup, total):
         prog += bwd(k)
-    return prog + _TAIL
+    return prog + TAIL
 
 
-def inference(stages: int, stage_id: int, micro_batches: int, chunks: int = 1) -> list[Instruction]:
+def inference(
+    stages: int, stage_id: int, micro_batches: int, chunks: int = 1, name: str = "interleaved"
+) -> list[Instruction]:
     """Forward only (eval_batch): every micro-batch through the pipeline, nothing kept. With
-    chunks, the forwards of the interleaved schedule in its order (dropping its receives of
+    chunks, the forwards of schedule ``name`` in its order (dropping its receives of
     gradients only removes waits: it cannot deadlock where the schedule does not)."""
-    _check(stages, stage_id, micro_batches)
+    check_args(stages, stage_id, micro_batches)
     if chunks > 1:
         keep = (Op.LOAD, Op.RECV_ACT, Op.FORWARD, Op.SEND_ACT)
-        full = interleaved(stages, stage_id, micro_batches, chunks)
-        return [ins for ins in full if ins.op in keep]
-    return [x for i in range(micro_batches) for x in _forward(stages, stage_id, i)]
+        count = micro_batches  # DualPipeV's order needs 2p micro-batches: drop the extra ones
+        if name in V_SCHEDULES:
+            count = max(micro_batches, 2 * stages)
+        else:
+            name = "interleaved"
+        full = make_schedule(name, stages, stage_id, count, chunks)
+        return [ins for ins in full if ins.op in keep and ins.mb < micro_batches]
+    return [x for i in range(micro_batches) for x in forward(stages, stage_id, i)]
 
 
 def make_schedule(
     name: str, stages: int, stage_id: int, micro_batches: int, chunks: int = 1
 ) -> list[Instruction]:
-    """The program of ``stage_id`` under schedule ``name`` ("gpipe", "1f1b", "interleaved")."""
+    """The program of ``stage_id`` under schedule ``name`` (one of ``SCHEDULES``)."""
     builders: dict[str, Callable[[], list[Instruction]]] = {
         "gpipe": lambda: gpipe(stages, stage_id, micro_batches),
         "1f1b": lambda: one_f_one_b(stages, stage_id, micro_batches),
         "interleaved": lambda: interleaved(stages, stage_id, micro_batches, chunks),
+        "zb-h1": lambda: zb_h1(stages, stage_id, micro_batches),
+        "zbv": lambda: zbv(stages, stage_id, micro_batches),
+        "dualpipev": lambda: dualpipev(stages, stage_id, micro_batches),
     }
     if name not in builders:
         raise ScheduleError(f'pipeline.schedule: expected one of {SCHEDULES}, got "{name}"')
+    if name in V_SCHEDULES and chunks != 2:
+        raise ScheduleError(
+            f'pipeline.schedule="{name}" runs two chunks per stage (a V): pipeline.chunks must '
+            f"be 2, got {chunks}"
+        )
     return builders[name]()
 
 
@@ -206,75 +173,20 @@ def peak_in_flight(program: list[Instruction]) -> int:
         if ins.op is Op.FORWARD:
             live.add((ins.mb, ins.chunk))
             peak = max(peak, len(live))
-        elif ins.op is Op.BACKWARD:
+        elif ins.op in (Op.BACKWARD, Op.BACKWARD_INPUT):
             live.discard((ins.mb, ins.chunk))
     return peak
 
 
-def _destination(stages: int, chunks: int, s: int, ins: Instruction) -> tuple[int, int]:
-    """(stage, chunk) at the other end of a send or receive on (stage s, ins.chunk)."""
-    virtual = ins.chunk * stages + s
-    step = 1 if ins.op in (Op.SEND_ACT, Op.RECV_GRAD) else -1
-    other = virtual + step
-    if not 0 <= other < stages * chunks:
-        raise ScheduleError(f"stage {s}: {ins!r} has no peer (virtual stage {other})")
-    return other % stages, other // stages
-
-
-def simulate(
-    programs: list[list[Instruction]],
-    chunks: int = 1,
-    t_forward: float = 1.0,
-    t_backward: float = 2.0,
-) -> float:
-    """Run every stage's program against the others, with non-blocking sends and blocking
-    receives, and return the time the last stage finishes, with a chunk's forward taking
-    ``t_forward / chunks`` and its backward ``t_backward / chunks`` (messages are free).
-
-    Raises ScheduleError on a deadlock (naming the stuck instructions) or on a receive that
-    gets another micro-batch than it expects (sends and receives out of order)."""
-    stages = len(programs)
-    links: dict[tuple, list[tuple[int, int, float]]] = {}  # (kind, src, dst, dst chunk) -> queue
-    cost = {Op.FORWARD: t_forward / chunks, Op.BACKWARD: t_backward / chunks}
-    pc, clock = [0] * stages, [0.0] * stages
-    while any(pc[s] < len(programs[s]) for s in range(stages)):
-        moved = False
-        for s in range(stages):
-            while pc[s] < len(programs[s]):
-                ins = programs[s][pc[s]]
-                if ins.op in (Op.SEND_ACT, Op.SEND_GRAD):
-                    dst, dst_chunk = _destination(stages, chunks, s, ins)
-                    queue = links.setdefault((ins.op, s, dst, dst_chunk), [])
-                    queue.append((ins.mb, ins.chunk, clock[s]))
-                elif ins.op in (Op.RECV_ACT, Op.RECV_GRAD):
-                    if not _receive(links, stages, chunks, s, ins, clock):
-                        break
-                clock[s] += cost.get(ins.op, 0.0)
-                pc[s] += 1
-                moved = True
-        if not moved:
-            stuck = {s: programs[s][pc[s]] for s in range(stages) if pc[s] < len(programs[s])}
-            raise ScheduleError(f"deadlock: stages wait forever at {stuck}")
-    left = {k: v for k, v in links.items() if v}
-    if left:
-        raise ScheduleError(f"messages sent but never received: {left}")
-    return max(clock)
-
-
-def _receive(
-    links: dict, stages: int, chunks: int, s: int, ins: Instruction, clock: list[float]
-) -> bool:
-    """Take the message ``ins`` waits for, if it was sent; False when the stage must wait."""
-    src, src_chunk = _destination(stages, chunks, s, ins)
-    kind = Op.SEND_ACT if ins.op is Op.RECV_ACT else Op.SEND_GRAD
-    queue = links.get((kind, src, s, ins.chunk), [])
-    if not queue:
-        return False
-    mb, chunk, sent_at = queue.pop(0)
-    if (mb, chunk) != (ins.mb, src_chunk):
-        raise ScheduleError(
-            f"stage {s} {ins!r} received micro-batch {mb} (chunk {chunk}) from stage {src}: "
-            "sends and receives are not in the same order"
-        )
-    clock[s] = max(clock[s], sent_at)
-    return True
+def peak_held(program: list[Instruction]) -> int:
+    """The most (micro-batch, chunk) units between their forward and the end of their
+    backward (a full BACKWARD, or the W of a split one): what a zero-bubble stage keeps,
+    activations until B and then each linear's input and output gradient until W."""
+    live, peak = set(), 0
+    for ins in program:
+        if ins.op is Op.FORWARD:
+            live.add((ins.mb, ins.chunk))
+            peak = max(peak, len(live))
+        elif ins.op in (Op.BACKWARD, Op.BACKWARD_WEIGHT):
+            live.discard((ins.mb, ins.chunk))
+    return peak

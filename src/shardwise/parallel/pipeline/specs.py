@@ -87,3 +87,31 @@ def get_attr(module: nn.Module, dotted: str) -> torch.nn.Parameter:
     if not isinstance(target, torch.nn.Parameter):
         raise TypeError(f"tied_weight_attr {dotted!r} of {type(module).__name__} is no parameter")
     return target
+
+
+def check_layer_names(names: Sequence[str] | None, n: int) -> list[str] | None:
+    """``layer_names``: one distinct dotted module name per layer (or None: the indices)."""
+    if names is None:
+        return None
+    names = list(names)
+    if len(names) != n or len(set(names)) != n:
+        raise ValueError(f"layer_names: give {n} distinct names, one per layer; got {names}")
+    prefixes = {".".join(x.split(".")[:k]) for x in names for k in range(1, x.count(".") + 1)}
+    clash = sorted(prefixes & set(names))
+    if clash:
+        raise ValueError(f"layer_names: {clash} name a layer and the parent of another")
+    return names
+
+
+def add_module_names(
+    names: list[str] | None, prefix: str, spec: Any, module: nn.Module | None
+) -> list[str] | None:
+    """``names`` plus a layer's module names under ``prefix`` (its name on its stage); None
+    once a layer is unknown here (a LayerSpec another stage builds alone, a tied module)."""
+    if names is None or isinstance(spec, TiedLayerSpec):
+        return None
+    if isinstance(spec, LayerSpec) and module is None:
+        return None
+    if module is None:
+        return names  # a plain callable: no modules
+    return names + [f"{prefix}.{n}" if n else prefix for n, _ in module.named_modules()]

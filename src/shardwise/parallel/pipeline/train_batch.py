@@ -29,10 +29,12 @@ from torch import nn
 from shardwise import comm
 from shardwise.parallel.pipeline.executor import StageExecutor
 from shardwise.parallel.pipeline.gather import gather_stages
+from shardwise.parallel.pipeline.instructions import stage_and_chunk
 from shardwise.parallel.pipeline.meter import ActivationMeter
-from shardwise.parallel.pipeline.p2p import StageLink
+from shardwise.parallel.pipeline.p2p import Loopback, StageLink
 from shardwise.parallel.pipeline.schedule import Op, inference, make_schedule
 from shardwise.parallel.pipeline.tied import TiedWeights
+from shardwise.parallel.pipeline.zero_bubble import fuse_backward
 
 if TYPE_CHECKING:  # annotations only
     from shardwise.topology import ProcessMesh
@@ -63,15 +65,22 @@ class PipelineRunner:
         self.peers = mesh.axis_ranks("pp")
         s = self.stage_id
         self.chunks = module.chunks
+        self.placement = module.placement
+        # The stage running the model's last layers, which reads the labels and computes the
+        # loss: p - 1, or 0 in the V placement.
+        self.last_stage = stage_and_chunk(
+            self.stages, self.stages * self.chunks - 1, self.placement
+        )[0]
         tp = mesh.tp_group if mesh.topology.tp > 1 else None
         self.split_groups = tuple(tp if on else None for on in partitioned)
         self.stage_group, self.stage_root = mesh.stage_group()
         self.tied = TiedWeights(module, mesh)
+        self._loop = Loopback()  # chunk -> chunk on this rank (the turn of a V)
         self.executor = StageExecutor(
             module,
             [self._link(c) for c in range(self.chunks)],
             first=s == 0,
-            last=s == self.stages - 1,
+            last=s == self.last_stage,
             loss_fn=module.compute_loss if module.loss_fn is not None else loss_fn,
             compute_dtype=compute_dtype,
         )
@@ -79,12 +88,18 @@ class PipelineRunner:
             logger.info("%s; schedule %s", module.describe(), schedule)
 
     def _link(self, chunk: int) -> StageLink:
-        """Chunk ``chunk`` is virtual stage w = chunk * p + s; its neighbours are virtual
-        stages w - 1 and w + 1, on stages (w -/+ 1) mod p."""
+        """Chunk ``chunk`` is virtual stage w (module.virtual_stage); its neighbours are
+        virtual stages w - 1 and w + 1, on the stages the placement gives them; one on this
+        stage (the turn of a V) is reached through a Loopback."""
         w, last = self.module.virtual_stage(chunk), self.stages * self.chunks - 1
-        prev = self.peers[(w - 1) % self.stages] if w > 0 else None
-        nxt = self.peers[(w + 1) % self.stages] if w < last else None
-        return StageLink(prev, nxt, self.module.dynamic_shape, w, *self.split_groups)
+        prev = self._stage_of(w - 1) if w > 0 else None
+        nxt = self._stage_of(w + 1) if w < last else None
+        loop = tuple(self._loop if x == self.stage_id else None for x in (prev, nxt))
+        prev, nxt = (None if x is None else self.peers[x] for x in (prev, nxt))
+        return StageLink(prev, nxt, self.module.dynamic_shape, w, *self.split_groups, loop)
+
+    def _stage_of(self, virtual: int) -> int:
+        return stage_and_chunk(self.stages, virtual, self.placement)[0]
 
     def refusal(self, call: str) -> str:
         """Why ``engine.<call>`` does not exist with a pipeline, and what to call instead."""
@@ -98,7 +113,9 @@ class PipelineRunner:
         return self.stage_id == 0
 
     def is_last_stage(self) -> bool:
-        return self.stage_id == self.stages - 1
+        """This rank runs the model's last layers (reads the labels, computes the loss): the
+        stage p - 1, or stage 0 in the V placement."""
+        return self.stage_id == self.last_stage
 
     # ------------------------------------------------------------------ measuring
     def track_activations(self, enabled: bool = True) -> None:
@@ -131,6 +148,8 @@ class PipelineRunner:
             data_iter = parts.data(data_iter)
         m = parts.batch.gradient_accumulation_steps
         program = make_schedule(self.schedule, self.stages, self.stage_id, m, self.chunks)
+        if self.executor.splits is False:  # no layer of this stage splits: B does it all
+            program = fuse_backward(program)
 
         def step() -> None:
             self.executor.wait_sends()  # nothing this stage sent may change under the update
@@ -163,7 +182,7 @@ class PipelineRunner:
         m = num_micro_batches or parts.batch.gradient_accumulation_steps
         with torch.no_grad():
             record = self.executor.run(
-                inference(self.stages, self.stage_id, m, self.chunks),
+                inference(self.stages, self.stage_id, m, self.chunks, self.schedule),
                 data_iter,
                 train=False,
                 micro_batches=m,
@@ -182,7 +201,7 @@ class PipelineRunner:
         if self.is_last_stage():
             comm.all_reduce(total, group=self.mesh.dp_group)
             total /= self.mesh.topology.dp
-        comm.broadcast(total, src=self.peers[-1], group=self.mesh.pp_group)
+        comm.broadcast(total, src=self.peers[self.last_stage], group=self.mesh.pp_group)
         return total
 
     def consolidated_state_dict(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

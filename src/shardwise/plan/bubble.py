@@ -1,0 +1,61 @@
+"""A schedule's pipeline bubble and activation hold, from the library's own schedules.
+
+The bubble of schedule ``name`` with p stages and m micro-batches is what the library's
+simulator (parallel/pipeline/simulate.py) finds when it runs the instruction lists the runtime
+executes, with a micro-batch's time split into the forward F, the backward B and its weight
+part W (normalised: F + B = 1, so the result is in micro-batch times of the stage):
+
+    1F1B, GPipe  (p - 1)                       (PTD-P: (p-1)/m of the ideal time)
+    ZB-H1        (p - 1)(F + B - 2W), W <= F   (DeepSeek's ZB1P row)
+    ZBV, DualPipeV  what their V order leaves  (at most ZB-H1's; see test_pipe_zb_schedule)
+
+F, B, W come from a stage's FLOPs: F the forward's, B twice that plus any recompute, W the
+forward's again (a linear's dW = dY^T X costs what its forward X W^T costs; attention's
+products without weights belong to B, so this overstates W a little on attention-heavy
+layers).
+"""
+
+from __future__ import annotations
+
+import functools
+
+from shardwise.parallel.pipeline.schedule import (
+    V_SCHEDULES,
+    make_schedule,
+    peak_held,
+    placement_of,
+    simulate,
+)
+
+
+def _chunks(name: str) -> int:
+    return 2 if name in V_SCHEDULES else 1
+
+
+@functools.lru_cache(maxsize=4096)
+def bubble_units(name: str, stages: int, micro_batches: int, f: float, w: float) -> float:
+    """Idle time of the step in micro-batch times (F = ``f``, B = 1 - f, W = ``w``)."""
+    if stages == 1:
+        return 0.0
+    chunks = _chunks(name)
+    progs = [make_schedule(name, stages, s, micro_batches, chunks) for s in range(stages)]
+    took = simulate(progs, chunks, f, 1.0 - f, w, placement_of(name))
+    return took - micro_batches
+
+
+def shares(flops: float, recompute_flops: float) -> tuple[float, float]:
+    """(F, W) as shares of a micro-batch's F + B (module docstring), rounded for the cache."""
+    total = 3 * flops + recompute_flops
+    if total <= 0:
+        return 1 / 3, 1 / 3
+    return round(flops / total, 3), round(flops / total, 3)
+
+
+@functools.lru_cache(maxsize=4096)
+def held(name: str, stages: int, stage: int, micro_batches: int) -> float:
+    """Stage-micro-batches whose activations (then, split, each linear's input and output
+    gradient) stage ``stage`` keeps at once: from a forward to the end of its backward
+    (schedule.peak_held), in whole-stage units (a V's chunk is half a stage)."""
+    chunks = _chunks(name)
+    program = make_schedule(name, stages, stage, micro_batches, chunks)
+    return peak_held(program) / chunks
