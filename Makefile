@@ -17,9 +17,10 @@ $(VENV)/.base: pyproject.toml
 	touch $@
 
 # The tests compare with real DeepSpeed where it runs on CPU (MoE gate statistics, defaults
-# read from its signatures), so the test install has the `bench` extra too.
+# read from its signatures), so the test install has the `bench` extra too, and the `lightning`
+# extra (tests/test_lightning.py; the torch pin keeps Lightning from swapping torch).
 $(VENV)/.dev: $(VENV)/.bench
-	$(VPIP) install -q -e ".[dev]"
+	$(VPIP) install -q -c $(VENV)/bench-constraints.txt -e ".[dev,lightning]"
 	touch $@
 
 # The peers the benchmarks measure (DeepSpeed 0.19). The constraint keeps pip from swapping our
