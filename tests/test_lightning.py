@@ -102,10 +102,10 @@ def test_resume_at_another_world_size_and_layout_is_exact(reference, tmp_path):
 
 def test_bf16_trains_within_bf16_error(reference, tmp_path):
     """precision='bf16-mixed' turns the config's bf16 on: the model computes in bf16 with fp32
-    masters. Its losses follow the fp32 run within bf16's error (8 bits of mantissa: about
-    1e-2 here), and do differ from it (bf16 really ran)."""
+    masters. Its losses follow the fp32 run within bf16's error (8 bits of mantissa; measured
+    1.1e-3 over the 8 steps), and do differ from it (bf16 really ran)."""
     losses, _ = _run(_fit(tmp_path, 2, "--strategy", "shardwise", "--config", ZERO2,
                           "--precision", "bf16-mixed"))  # fmt: skip
     ref_losses, _ = reference(1)
     diff = max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True))
-    assert 0 < diff < 3e-2, f"bf16 losses {losses} vs fp32 {ref_losses}"
+    assert 0 < diff < 1e-2, f"bf16 losses {losses} vs fp32 {ref_losses}"

@@ -28,6 +28,7 @@ def test_the_trainer_fills_accumulation_clipping_precision_and_the_micro_batch()
         "gradient_accumulation_steps": 4,
         "gradient_clipping": 1.0,
         "bf16": {"enabled": True},
+        "checkpoint": {"keep_last": 1},
         "train_micro_batch_size_per_gpu": 16,
     }
     assert _cfg()["gradient_clipping"] == 0.0, "no clip_val: the Trainer's default, no clipping"

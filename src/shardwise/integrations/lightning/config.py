@@ -6,6 +6,7 @@ parallelism) and fills in what the Trainer owns, refusing a config that says oth
     Trainer(accumulate_grad_batches=N)  -> gradient_accumulation_steps = N
     Trainer(gradient_clip_val=C)        -> gradient_clipping = C (the norm; "value" is refused)
     Trainer(precision="bf16-...")       -> bf16.enabled; "16-..." -> fp16.enabled
+    trainer.save_checkpoint(path) again -> checkpoint.keep_last = 1: the path holds the newest
     the train loader's batch_size       -> train_micro_batch_size_per_gpu, when the config gives
                                            no batch size (it only counts samples: Lightning's
                                            loader makes the batches)
@@ -94,6 +95,8 @@ def engine_config(
         _set(cfg, "gradient_clipping", float(clip_val), "gradient_clip_val")
     cfg.setdefault("gradient_clipping", 0.0)  # the Trainer's default: no clipping
     _precision(cfg, precision)
+    # Lightning saves a path again to replace it (ModelCheckpoint's last.ckpt): keep the newest.
+    cfg.setdefault("checkpoint", {}).setdefault("keep_last", 1)
     if "train_batch_size" not in cfg and "train_micro_batch_size_per_gpu" not in cfg:
         cfg["train_micro_batch_size_per_gpu"] = loader_batch_size or 1
     return cfg
