@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -27,7 +28,12 @@ def _run(cmd: list, **kw) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=scaled(600), **kw)
 
 
-def test_the_shim_refuses_to_install_over_a_real_deepspeed():
+def _copy(tmp_path: Path) -> str:
+    """A copy of the shim: pip builds a directory in place (build/, *.egg-info)."""
+    return str(shutil.copytree(SHIM, tmp_path / "deepspeed-shim"))
+
+
+def test_the_shim_refuses_to_install_over_a_real_deepspeed(tmp_path):
     try:
         before = importlib.metadata.version("deepspeed")
     except importlib.metadata.PackageNotFoundError:
@@ -35,7 +41,7 @@ def test_the_shim_refuses_to_install_over_a_real_deepspeed():
     if "+shardwise" in before:
         pytest.skip("this environment has the shim, not DeepSpeed")
     # --dry-run: pip builds the metadata (where the refusal is) and installs nothing anyway.
-    proc = _run([sys.executable, "-m", "pip", "install", "--dry-run", "--no-deps", str(SHIM)])
+    proc = _run([sys.executable, "-m", "pip", "install", "--dry-run", "--no-deps", _copy(tmp_path)])
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out[-3000:]
     assert "refusing to install over a real DeepSpeed: deepspeed " + before in out, out[-3000:]
@@ -67,7 +73,7 @@ def test_the_shim_gives_transformers_a_deepspeed_that_is_shardwise(tmp_path):
     # Installed while the fresh environment sees nothing else (pip would otherwise find this
     # environment's DeepSpeed and uninstall it); then this environment's packages are added
     # behind it (torch, transformers, shardwise), so the shim's `deepspeed` comes first.
-    proc = _run([python, "-m", "pip", "install", "-q", "--no-deps", str(SHIM)])
+    proc = _run([python, "-m", "pip", "install", "-q", "--no-deps", _copy(tmp_path)])
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     purelib = _run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"])
     ours = sysconfig.get_paths()["purelib"]
