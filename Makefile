@@ -7,7 +7,7 @@ VPIP := $(VPY) -m pip
 TORCH_PIN ?= torch==2.13.0
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: venv dev demo test test-fast lint clean bench test-stress test-isa test-hf-457
+.PHONY: venv dev demo test test-fast lint clean bench test-stress test-isa test-hf-457 deepspeed-shim
 
 $(VENV)/.base: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -17,9 +17,10 @@ $(VENV)/.base: pyproject.toml
 	touch $@
 
 # The tests compare with real DeepSpeed where it runs on CPU (MoE gate statistics, defaults
-# read from its signatures), so the test install has the `bench` extra too.
+# read from its signatures), so the test install has the `bench` extra too, and the `lightning`
+# extra (tests/test_lightning.py; the torch pin keeps Lightning from swapping torch).
 $(VENV)/.dev: $(VENV)/.bench
-	$(VPIP) install -q -e ".[dev]"
+	$(VPIP) install -q -c $(VENV)/bench-constraints.txt -e ".[dev,lightning]"
 	touch $@
 
 # The peers the benchmarks measure (DeepSpeed 0.19). The constraint keeps pip from swapping our
@@ -30,6 +31,12 @@ $(VENV)/.bench: $(VENV)/.base
 	touch $@
 
 venv: $(VENV)/.base
+
+# The `deepspeed` distribution answered by shardwise, for the Hugging Face Trainer and Accelerate
+# (integrations/deepspeed-shim, docs/deepspeed-compat.md). It refuses a venv holding a real
+# DeepSpeed, as the dev venv does (the bench extra): make it in a venv made with `make venv`.
+deepspeed-shim: $(VENV)/.base
+	$(VPIP) install --no-deps ./integrations/deepspeed-shim
 dev: $(VENV)/.dev
 
 # 4 processes: data 2 x pipeline 2 (micro-batch 4 x 4 micro-batches, 32 windows per step).

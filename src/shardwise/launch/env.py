@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from shardwise.diagnose.interpose import cover_torch_distributed
 from shardwise.diagnose.recorder import process_recorder
-from shardwise.launch import slurm
+from shardwise.launch import kubernetes, slurm
 from shardwise.launch.guard import guard_worker
 from shardwise.launch.heartbeat import start_heartbeat
 from shardwise.launch.interface import choose_gloo_interface
@@ -214,7 +214,7 @@ def detect_env(
     """
     environ = os.environ if environ is None else environ
     if "RANK" in environ or "WORLD_SIZE" in environ:
-        return _torchrun_env(environ)
+        return _torchrun_env(kubernetes.check_pod_env(environ))  # a pod's RANK numbers pods
     if "SLURM_PROCID" in environ:
         return _slurm_env(environ, hostnames or slurm.hostnames)
     for name in _MPI_SIZE_VARS:

@@ -42,7 +42,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from shardwise.diagnose import report
 from shardwise.diagnose.dump import RUN_DIR_VAR, diagnose_dir
-from shardwise.launch import hostfile, slurm
+from shardwise.launch import hostfile, kubernetes, slurm
 from shardwise.launch.bound import BINDING_VAR, parse_core_list, split_cores
 from shardwise.launch.env import DEFAULT_MASTER_PORT, TIMEOUT_VAR, _get_int
 from shardwise.launch.guard import LAUNCHER_VAR
@@ -296,7 +296,9 @@ def resolve_slurm(
 def launch(args: argparse.Namespace) -> int:
     """Run the workers under torchrun's elastic agent, in this process; the exit code."""
 
+    args = kubernetes.resolve_kubernetes(args, os.environ)  # a PyTorchJob's or JobSet's pod
     args = resolve_slurm(resolve_hosts(args), os.environ)
+    kubernetes.drop_taken_over(os.environ)  # torchrun's agent runs what the argv says, no PET_*
     argv = build_torchrun_argv(args)
     updates = launch_env(args, os.environ)
     if args.dry_run:
@@ -304,6 +306,8 @@ def launch(args: argparse.Namespace) -> int:
         return 0
     if not args.module and not Path(args.script).is_file():
         raise ValueError(f"script {args.script!r} not found (give a path, or -m for a module)")
+    if getattr(args, "pod_source", None):
+        print(f"shardwise run: a Kubernetes pod ({args.pod_source})", file=sys.stderr)
     print(opening_line(args, argv), file=sys.stderr, flush=True)
     os.environ.update(updates)
     os.environ[LAUNCHER_VAR] = str(os.getpid())  # workers die with this process (launch/guard.py)
