@@ -165,6 +165,14 @@ def _shardwise_loaded_state(engine, path: str) -> dict | None:
     return out
 
 
+def deepspeed_save(stage: int, dtype: str, path: str, steps: int = 3) -> None:
+    """DeepSpeed trains ``steps`` steps from seed-0 weights and saves into ``path``."""
+    ds = _deepspeed()
+    engine = _ds_engine(ds, config(stage, dtype, dist.get_world_size()), seed=0)
+    train(engine, 0, steps, dtype)
+    engine.save_checkpoint(path, client_state={"note": "from deepspeed", "step": steps})
+
+
 def deepspeed_save_and_resume(
     stage: int, dtype: str, path: str, before: int = 3, after: int = 5
 ) -> dict:

@@ -17,16 +17,32 @@ ranks, the same global batch) loads the same files and trains the same 5 steps
           (2^-7 relative): DeepSpeed and shardwise round the bf16 gradients of another reduction
           order differently, one ulp at a time (measured: 1 ulp, losses 3e-4 relative).
 
-Counters, learning rate and client state are checked too. fp16 is not in the matrix: DeepSpeed
+Counters, learning rate and client state are checked too. Then ``shardwise checkpoint
+inspect`` on a real checkpoint, and damaged ones refused, by inspect and by a load that leaves
+the engine as it was. fp16 is not in the matrix: DeepSpeed
 0.19 refuses fp16 on the CPU accelerator, so no test here can write an fp16 checkpoint.
 """
 
+import re
+import shutil
+
 import pytest
 import torch
-from deepspeed_runs import deepspeed_save_and_resume, shardwise_resume
+from deepspeed_runs import (
+    adamw,
+    config,
+    deepspeed_save,
+    deepspeed_save_and_resume,
+    model,
+    shardwise_resume,
+)
 from harness import run_distributed
 
-pytest.importorskip("deepspeed", reason="DeepSpeed 0.19 (pip install -e '.[bench]')")
+import shardwise
+from shardwise.checkpoint.manifest import CheckpointError
+from shardwise.launch.cli import main
+
+deepspeed = pytest.importorskip("deepspeed", reason="DeepSpeed 0.19 (pip install -e '.[bench]')")
 
 CELLS = [  # (DeepSpeed stage, dtype, ranks) -> (shardwise ZeRO stage, ranks)
     ((0, "fp32", 1), (3, 2)),
@@ -86,3 +102,58 @@ def test_a_deepspeed_checkpoint_resumes_in_another_layout(source, target, tmp_pa
                 assert worst <= 1e-6, f"{where}: {name} differs by {worst:.2e}"
             else:
                 assert _within_bf16_ulps(have, want).all(), f"{where}: {name} by {worst:.2e}"
+
+
+@pytest.fixture(scope="module")
+def zero2_two_ranks(tmp_path_factory) -> str:
+    """A DeepSpeed ZeRO-2 fp32 checkpoint saved by 2 ranks (save directory, with 'latest')."""
+    path = str(tmp_path_factory.mktemp("ds-zero2"))
+    run_distributed(deepspeed_save, 2, 2, "fp32", path)
+    return path
+
+
+def test_inspect_names_the_format_the_layout_and_what_loads(zero2_two_ranks, capsys):
+    assert main(["checkpoint", "inspect", zero2_two_ranks]) == 0
+    out = capsys.readouterr().out
+    assert f"format: DeepSpeed {deepspeed.__version__} checkpoint at " in out, out
+    assert "source layout: zero_stage 2, data_parallel 2, tensor_parallel 1" in out, out
+    assert "optimizer states: exp_avg, exp_avg_sq, step (12 tensors)" in out, out
+    assert "counters: {'micro_steps': 3, 'global_steps': 3, 'global_samples': 12" in out, out
+    assert "client state: keys ['note', 'step']" in out, out
+    assert "clip_grad: gradient clipping comes from this run's config" in out, out
+    assert "master/0.weight" in out and "optim/exp_avg/2.bias" in out, out
+
+
+def _engine():
+    m = model(seed=5)
+    engine, *_ = shardwise.initialize(model=m, optimizer=adamw(m), config=config(1, "fp32", 1))
+    return engine, {k: v.clone() for k, v in m.state_dict().items()}
+
+
+@pytest.mark.parametrize(
+    "damage, refusal",
+    [
+        ("drop rank 1's optimizer file", "smaller than its parameters"),
+        ("add a tensor-parallel rank's file", "tensor-parallel files .* not mapped"),
+        ("drop rank 0's optimizer file", r"ranks \[1\]: some are missing"),
+    ],
+)
+def test_a_checkpoint_that_cannot_be_mapped_fully_is_refused_before_anything_changes(
+    zero2_two_ranks, tmp_path, capsys, damage, refusal
+):
+    copy = tmp_path / "ckpt"
+    shutil.copytree(zero2_two_ranks, copy)
+    tag = copy / (copy / "latest").read_text().strip()
+    if damage.startswith("drop"):
+        rank = damage.split()[2][0]  # "drop rank R's ..."
+        (tag / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt").unlink()
+    else:
+        shutil.copy(tag / "mp_rank_00_model_states.pt", tag / "mp_rank_01_model_states.pt")
+    assert main(["checkpoint", "inspect", str(copy)]) != 0
+    assert re.search(f"format: deepspeed .* refused: .*{refusal}", capsys.readouterr().err)
+    engine, before = _engine()
+    with pytest.raises(CheckpointError, match=refusal):
+        engine.load_checkpoint(str(copy))
+    assert engine.global_steps == 0 and engine.get_lr() == [0.0]
+    for name, value in engine.module.state_dict().items():
+        assert torch.equal(value, before[name]), f"{damage}: {name} changed"

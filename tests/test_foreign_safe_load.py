@@ -123,3 +123,18 @@ def test_a_range_across_two_sub_groups_is_refused():
     assert flat.locate(5, 3, [4, 6], "x") == (1, 1)
     with pytest.raises(CheckpointError, match="not inside one"):
         flat.locate(3, 3, [4, 6], "x")
+
+
+def test_inspect_names_shardwise_s_own_format(tmp_path, capsys):
+    import shardwise
+    from shardwise.launch.cli import main
+
+    engine, *_ = shardwise.initialize(
+        model=torch.nn.Linear(2, 1),
+        config={"train_micro_batch_size_per_gpu": 1, "gradient_clipping": 0.0},
+    )
+    engine.save_checkpoint(str(tmp_path))
+    assert main(["checkpoint", "inspect", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("format: shardwise checkpoint (loads whole into any layout)"), out
+    assert "model/weight" in out, out
