@@ -31,6 +31,7 @@ import torch
 from deepspeed_runs import (
     adamw,
     config,
+    deepspeed_pipeline_save_and_resume,
     deepspeed_save,
     deepspeed_save_and_resume,
     model,
@@ -75,11 +76,43 @@ def _within_bf16_ulps(got: torch.Tensor, want: torch.Tensor, ulps: int = 2) -> t
 
 @pytest.mark.parametrize("source, target", CELLS, ids=[_id(c) for c in CELLS])
 def test_a_deepspeed_checkpoint_resumes_in_another_layout(source, target, tmp_path):
-    (stage, dtype, world), (to_stage, to_world) = source, target
-    path, tag = str(tmp_path), _id((source, target))
-    ds = run_distributed(deepspeed_save_and_resume, world, stage, dtype, path)[0]
+    stage, dtype, world = source
+    ds = run_distributed(deepspeed_save_and_resume, world, stage, dtype, str(tmp_path))[0]
+    _resume_and_compare(ds, dtype, target, tmp_path, _id((source, target)))
+
+
+PIPELINE_CELLS = [  # (DeepSpeed ZeRO stage, dtype) of 2 stages on 2 ranks -> shardwise
+    ((1, "fp32"), (2, 2)),
+    ((0, "fp32"), (0, 1)),
+    # A bf16 pipeline steps DeepSpeed's BF16_Optimizer (bf16_zero files, no param_shapes);
+    # DeepSpeed 0.19 cannot resume it itself (KeyError in BF16_Optimizer's load), so its
+    # reference is the saving engine going on.
+    ((0, "bf16"), (3, 2)),
+]
+
+
+@pytest.mark.parametrize(
+    "source, target",
+    PIPELINE_CELLS,
+    ids=[f"ds-pp2-z{s}-{d}->sw-z{t}-{w}r" for (s, d), (t, w) in PIPELINE_CELLS],
+)
+def test_a_deepspeed_pipeline_checkpoint_resumes_without_a_pipeline(source, target, tmp_path):
+    """The layer files of a 2-stage DeepSpeed pipeline load into the plain model (the same
+    parameter names), its per-stage optimizer files merged."""
+    stage, dtype = source
+    tag = f"ds-pp2-z{stage}-{dtype}->sw-z{target[0]}-{target[1]}r"
+    own = dtype == "fp32"
+    ds = run_distributed(deepspeed_pipeline_save_and_resume, 2, stage, dtype, str(tmp_path), own)
+    ds = ds[0]
+    _resume_and_compare(ds, dtype, target, tmp_path, tag)
+
+
+def _resume_and_compare(ds: dict, dtype: str, target: tuple, tmp_path, tag: str) -> None:
+    """shardwise loads tmp_path's DeepSpeed checkpoint into ``target`` and trains on: compared
+    with DeepSpeed's own resume ``ds`` (module docstring)."""
+    to_stage, to_world = target
     scratch = str(tmp_path / "shardwise")
-    sw = run_distributed(shardwise_resume, to_world, to_stage, dtype, path, scratch)
+    sw = run_distributed(shardwise_resume, to_world, to_stage, dtype, str(tmp_path), scratch)
     loaded = sw[0]["loaded"]
     assert loaded.keys() == ds["loaded"].keys(), tag
     for name, want in ds["loaded"].items():  # the load itself: exact, whatever the layouts
@@ -134,7 +167,8 @@ def _engine():
     "damage, refusal",
     [
         ("drop rank 1's optimizer file", "smaller than its parameters"),
-        ("add a tensor-parallel rank's file", "tensor-parallel files .* not mapped"),
+        ("make it tensor-parallel", "tensor-parallel checkpoint .* not mapped"),
+        ("add a stray model file", "2 model-state files .* 1 pipeline stages"),
         ("drop rank 0's optimizer file", r"ranks \[1\]: some are missing"),
     ],
 )
@@ -147,8 +181,12 @@ def test_a_checkpoint_that_cannot_be_mapped_fully_is_refused_before_anything_cha
     if damage.startswith("drop"):
         rank = damage.split()[2][0]  # "drop rank R's ..."
         (tag / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt").unlink()
-    else:
-        shutil.copy(tag / "mp_rank_00_model_states.pt", tag / "mp_rank_01_model_states.pt")
+    else:  # a second model-parallel rank's file (the model file holds plain types only)
+        state = torch.load(tag / "mp_rank_00_model_states.pt", weights_only=True)
+        if damage == "make it tensor-parallel":
+            state["checkpoint_parallel_dimensions"]["tp_degree"] = 2
+            torch.save(state, tag / "mp_rank_00_model_states.pt")
+        torch.save(state, tag / "mp_rank_01_model_states.pt")
     assert main(["checkpoint", "inspect", str(copy)]) != 0
     assert re.search(f"format: deepspeed .* refused: .*{refusal}", capsys.readouterr().err)
     engine, before = _engine()

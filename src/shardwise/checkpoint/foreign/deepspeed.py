@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from shardwise.checkpoint.foreign import deepspeed_optim as optim
-from shardwise.checkpoint.foreign.deepspeed_files import find
+from shardwise.checkpoint.foreign.deepspeed_files import DeepSpeedFiles, find
 from shardwise.checkpoint.foreign.safe_load import load_pt
 from shardwise.checkpoint.manifest import CheckpointError
 from shardwise.checkpoint.pieces import Piece
@@ -55,6 +55,24 @@ def _shapes(groups: Any) -> list[dict[str, tuple[int, ...]]]:
     return [{k: tuple(int(n) for n in v) for k, v in g.items()} for g in groups or []]
 
 
+def _mapped_shapes(optims: list[dict], module: dict) -> list[dict[str, tuple[int, ...]]]:
+    """Names and shapes per group in flat order, from the partitions' ``param_slice_mappings``
+    (the bf16 optimizer without ZeRO, as a bf16 pipeline runs it, saves no param_shapes)."""
+    groups: list[dict[str, tuple[int, ...]]] = []
+    for sd in optims:
+        mappings = sd.get("optimizer_state_dict", {}).get("param_slice_mappings") or []
+        for g, names in enumerate(mappings):
+            if g == len(groups):
+                groups.append({})
+            for name in names:
+                if name not in module:
+                    raise CheckpointError(
+                        f"parameter {name!r} of the optimizer files has no weights"
+                    )
+                groups[g].setdefault(name, tuple(module[name].shape))
+    return groups
+
+
 class DeepSpeedReader:
     """The checkpoint DeepSpeed saved in tag directory ``path`` (module docstring).
     ``param_order``: the parameter names of each optimizer group of the loading run, which
@@ -66,16 +84,16 @@ class DeepSpeedReader:
         self.path = path
         self.tag = os.path.basename(os.path.normpath(path))
         files = find(path)
-        self._models = [load_pt(f) for f in files.model]
-        main = self._main = self._models[0]
+        self._models = {mp: [load_pt(f) for f in fs] for mp, fs in files.model.items()}
+        main = self._main = self._models[0][0]
         if not isinstance(main, dict) or "global_steps" not in main:
-            raise CheckpointError(f"{files.model[0]}: not a DeepSpeed model-state file")
-        self._optims = [load_pt(f) for f in files.optim]
+            raise CheckpointError(f"{files.model[0][0]}: not a DeepSpeed model-state file")
+        self._optims = {mp: [load_pt(f) for f in fs] for mp, fs in files.optim.items()}
         self.config = main.get("ds_config") if isinstance(main.get("ds_config"), dict) else {}
         self.stage, self.dropped = self._stage(), {}
-        layers = {i: load_pt(f) for i, f in files.layers.items()}
-        module = self._module(main, layers)
-        mapped = self._optimizer(module, param_order, files.optim or files.model)
+        self.pipeline = self._stages(len(self._models), bool(files.layers))
+        module = self._module({i: load_pt(f) for i, f in files.layers.items()})
+        mapped = self._optimizer(module, param_order, files)
         pieces = self._model_pieces(module) + mapped.pieces
         if self.stage < 3:
             optim.check_counts(mapped, {k: tuple(v.shape) for k, v in module.items()})
@@ -113,7 +131,7 @@ class DeepSpeedReader:
         return {"client_state": client, "lr_scheduler": self._main.get("lr_scheduler")}
 
     def close(self) -> None:
-        self._models, self._optims = [], []
+        self._models, self._optims = {}, {}
 
     def __enter__(self) -> DeepSpeedReader:
         return self
@@ -126,21 +144,45 @@ class DeepSpeedReader:
     def _stage(self) -> int:
         if not self._optims:
             return 0
-        osd = self._optims[0].get("optimizer_state_dict", {})
+        osd = self._optims[min(self._optims)][0].get("optimizer_state_dict", {})
         if "zero_stage" in osd:
             return int(osd["zero_stage"])
         return int((self.config.get("zero_optimization") or {}).get("stage", 0))
 
-    def _module(self, main: dict, layers: dict[int, dict]) -> dict[str, torch.Tensor]:
-        """The model's tensors by name (a pipeline's from its layer files, "<layer>.<key>")."""
-        module = dict(main.get("module") or {})
+    def _stages(self, files: int, layers: bool) -> int:
+        """The saving run's pipeline stages (one model file each); tensor parallelism refused."""
+        main = self._main
+        dims = main.get("checkpoint_parallel_dimensions") or {}
+        tp = int(dims.get("tp_degree") or (1 if layers else main.get("mp_world_size") or 1))
+        pp = int(dims.get("pp_degree") or max(1, files // tp))
+        if tp > 1:
+            raise CheckpointError(
+                f"{self.path}: a tensor-parallel checkpoint (tp_degree {tp}): not mapped by "
+                "shardwise yet (which dimension each weight was split along is not in the "
+                "files); nothing was loaded"
+            )
+        if pp != files:
+            raise CheckpointError(
+                f"{self.path}: {files} model-state files (mp_rank_XX) but the saving run had "
+                f"{pp} pipeline stages x {tp} tensor ranks: files of two runs?"
+            )
+        return pp
+
+    def _module(self, layers: dict[int, dict]) -> dict[str, torch.Tensor]:
+        """The model's tensors by name: the model files' ``module``, and a pipeline's layer
+        files as "<layer index>.<key>" (its stages' parameter names)."""
+        module, buffers = {}, set()
+        for mp in sorted(self._models):
+            main = self._models[mp][0]
+            module.update(main.get("module") or {})
+            buffers.update(main.get("buffer_names") or [])
         for index, state in sorted(layers.items()):
             module.update({f"{index}.{k}": v for k, v in state.items()})
+        self._buffers = buffers
         if self.stage == 3:  # parameters are empty placeholders: the optimizer files hold them
-            buffers = set(main.get("buffer_names") or [])
             module = {k: v for k, v in module.items() if k in buffers}
         if not module and self.stage < 3:
-            raise CheckpointError(f"{self.path}: the model file holds no weights")
+            raise CheckpointError(f"{self.path}: the model files hold no weights")
         return module
 
     def _model_pieces(self, module: dict[str, torch.Tensor]) -> list[Piece]:
@@ -156,8 +198,8 @@ class DeepSpeedReader:
     def _frozen_zero3(self) -> list[Piece]:
         """ZeRO-3's frozen parameters: each rank's part, in the model file of that rank."""
         out = []
-        world = len(self._models)
-        for rank, sd in enumerate(self._models):
+        world = len(self._models[0])
+        for rank, sd in enumerate(self._models[0]):
             shapes = _shapes([sd.get("frozen_param_shapes") or {}])[0]
             for name, part in (sd.get("frozen_param_fragments") or {}).items():
                 n = 1
@@ -172,27 +214,35 @@ class DeepSpeedReader:
         return out
 
     def _optimizer(
-        self, module: dict, order: list[list[str]] | None, paths: list[str]
+        self, module: dict, order: list[list[str]] | None, files: DeepSpeedFiles
     ) -> optim.Mapped:
-        main = self._main
-        if self._optims:
-            param_shapes = _shapes(main.get("param_shapes"))
-            if not param_shapes:
-                raise CheckpointError(f"{paths[0]}: ZeRO files, but no param_shapes to name them")
-            if self.stage == 3:
-                return optim.zero3(param_shapes, self._optims, paths)
-            return optim.zero12(param_shapes, self._optims, paths)
-        saved = main.get("optimizer")
-        if saved is None:
-            self.dropped["optimizer"] = "not in the checkpoint (saved without optimizer states)"
-            return optim.Mapped(kind="none saved")
-        buffers = set(main.get("buffer_names") or [])
-        params = [k for k in module if k not in buffers]
-        if order is None:  # the model's order, cut like the saved groups
-            base = saved.get("optimizer_state_dict", saved)
-            sizes = [len(g["params"]) for g in base["param_groups"]]
-            order = [params[sum(sizes[:i]) : sum(sizes[: i + 1])] for i in range(len(sizes))]
-        return optim.plain(order, {k: module[k] for k in params}, saved, paths[0])
+        """Every stage's optimizer state (one stage without a pipeline), merged."""
+        out, params = optim.Mapped(), [k for k in module if k not in self._buffers]
+        if order is not None and self.pipeline > 1:
+            order = None  # this run's groups name all stages: cut per stage below
+        for mp in sorted(self._models):
+            main, optims = self._models[mp][0], self._optims.get(mp, [])
+            paths = files.optim.get(mp) or files.model[mp]
+            if optims:
+                shapes = _shapes(main.get("param_shapes")) or _mapped_shapes(optims, module)
+                if not shapes:
+                    raise CheckpointError(f"{paths[0]}: ZeRO files, but no param_shapes")
+                mapping = optim.zero3 if self.stage == 3 else optim.zero12
+                part = mapping(shapes, optims, paths)
+            elif main.get("optimizer") is None:
+                self.dropped["optimizer"] = "not in the checkpoint (saved without its states)"
+                part = optim.Mapped(kind="none saved")
+            else:
+                saved = main["optimizer"]
+                base = saved.get("optimizer_state_dict", saved)
+                sizes = [len(g["params"]) for g in base["param_groups"]]
+                mine, params = params[: sum(sizes)], params[sum(sizes) :]
+                cut = [mine[sum(sizes[:i]) : sum(sizes[: i + 1])] for i in range(len(sizes))]
+                part = optim.plain(order or cut, {k: module[k] for k in module}, saved, paths[0])
+            out.pieces += part.pieces
+            out.param_groups = out.param_groups or part.param_groups
+            out.wrapper, out.kind = out.wrapper or part.wrapper, part.kind
+        return out
 
     def _meta(self, mapped: optim.Mapped) -> dict:
         main, cfg = self._main, self.config
@@ -253,7 +303,7 @@ class DeepSpeedReader:
                 "zero_stage": self.stage,
                 "data_parallel": int(main.get("dp_world_size") or 1),
                 "tensor_parallel": int(dims.get("tp_degree", main.get("mp_world_size") or 1)),
-                "pipeline_parallel": int(dims.get("pp_degree", 1)),
+                "pipeline_parallel": self.pipeline,
                 "weights_dtype": dtype,
                 "optimizer": self.kind,
             },
