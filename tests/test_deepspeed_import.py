@@ -38,6 +38,7 @@ from deepspeed_runs import (
     shardwise_resume,
 )
 from harness import run_distributed
+from planted import Planted
 
 import shardwise
 from shardwise.checkpoint.manifest import CheckpointError
@@ -195,3 +196,26 @@ def test_a_checkpoint_that_cannot_be_mapped_fully_is_refused_before_anything_cha
     assert engine.global_steps == 0 and engine.get_lr() == [0.0]
     for name, value in engine.module.state_dict().items():
         assert torch.equal(value, before[name]), f"{damage}: {name} changed"
+
+
+def test_a_trainer_checkpoint_folder_around_it_loads_and_its_pickles_stay_closed(
+    zero2_two_ranks, tmp_path
+):
+    """The Hugging Face Trainer saves DeepSpeed's files into ``checkpoint-N/`` (``latest``,
+    ``global_stepN/``) beside pickles of its own (training_args.bin, rng_state.pth): the
+    folder loads like a DeepSpeed save directory, and those pickles are never opened (here
+    one would write a file if it were). The layout is reproduced from a real DeepSpeed save;
+    the Trainer itself is not run (it needs accelerate, not installed here)."""
+    folder = tmp_path / "output" / "checkpoint-3"
+    shutil.copytree(zero2_two_ranks, folder)
+    (folder / "trainer_state.json").write_text('{"global_step": 3}')
+    marker = tmp_path / "written-by-training-args"
+    evil = Planted.__new__(Planted)
+    evil.path = str(marker)
+    torch.save(evil, folder / "training_args.bin")
+    torch.save({"python": 1}, folder / "rng_state.pth")
+    engine, before = _engine()
+    path, client = engine.load_checkpoint(str(folder))
+    assert path == str(folder / "global_step3") and client == {"note": "from deepspeed", "step": 3}
+    assert engine.global_steps == 3 and not marker.exists()
+    assert not all(torch.equal(v, before[k]) for k, v in engine.module.state_dict().items())
