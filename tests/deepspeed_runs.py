@@ -278,3 +278,30 @@ def deepspeed_pipeline_save_and_resume(
     losses = _pipe_train(second, before, after, dtype)
     weights = {k: v.detach().float().clone() for k, v in second.module.state_dict().items()}
     return {"loaded": loaded, "losses": losses, "params": _gathered(weights)}
+
+
+def shardwise_pipeline_resume(
+    stage: int, dtype: str, path: str, scratch: str, before: int = 3, after: int = 5
+) -> dict:
+    """``shardwise_resume`` into a shardwise pipeline of 2 stages (its PipelineModule names
+    the parameters "<layer>.<param>", as DeepSpeed's model and pipeline do), 2 micro-batches
+    of 2 rows per step; ZeRO ``stage`` over its single data-parallel rank."""
+    import shardwise
+    from shardwise.pipe import PipelineModule
+
+    pipe = PipelineModule(list(model(seed=5)), loss_fn=_mse)
+    cfg = {**config(stage, dtype, 1), "train_micro_batch_size_per_gpu": 2}
+    cfg.update(gradient_accumulation_steps=2, pipeline={"stages": 2})
+    # The stage is cut inside initialize: the optimizer comes from the config (torch AdamW).
+    cfg["optimizer"] = {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.01}}
+    engine, *_ = shardwise.initialize(model=pipe, config=cfg)
+    _, client = engine.load_checkpoint(path)
+    counters, lr = (engine.global_steps, engine.global_samples), engine.get_lr()
+    loaded = _shardwise_loaded_state(engine, scratch)
+    losses = []
+    for k in range(before, before + after):
+        x, y = global_batch(k, dtype)
+        losses.append(engine.train_batch(iter([(x[:2], y[:2]), (x[2:], y[2:])])).item())
+    params = {k: v.detach().float().clone() for k, v in engine.consolidated_state_dict().items()}
+    out = {"losses": losses, "params": params, "loaded": loaded, "client": client}
+    return out | {"counters": counters, "lr": lr}

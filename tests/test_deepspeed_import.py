@@ -35,6 +35,7 @@ from deepspeed_runs import (
     deepspeed_save,
     deepspeed_save_and_resume,
     model,
+    shardwise_pipeline_resume,
     shardwise_resume,
 )
 from harness import run_distributed
@@ -108,12 +109,21 @@ def test_a_deepspeed_pipeline_checkpoint_resumes_without_a_pipeline(source, targ
     _resume_and_compare(ds, dtype, target, tmp_path, tag)
 
 
-def _resume_and_compare(ds: dict, dtype: str, target: tuple, tmp_path, tag: str) -> None:
+def test_a_deepspeed_checkpoint_resumes_in_a_shardwise_pipeline(tmp_path):
+    """DeepSpeed ZeRO-1 on 2 ranks -> a 2-stage shardwise pipeline on 2 ranks."""
+    ds = run_distributed(deepspeed_save_and_resume, 2, 1, "fp32", str(tmp_path))[0]
+    tag = "ds-z1-fp32-2r->sw-pp2-z0-2r"
+    _resume_and_compare(ds, "fp32", (0, 2), tmp_path, tag, shardwise_pipeline_resume)
+
+
+def _resume_and_compare(
+    ds: dict, dtype: str, target: tuple, tmp_path, tag: str, resume=shardwise_resume
+) -> None:
     """shardwise loads tmp_path's DeepSpeed checkpoint into ``target`` and trains on: compared
     with DeepSpeed's own resume ``ds`` (module docstring)."""
     to_stage, to_world = target
     scratch = str(tmp_path / "shardwise")
-    sw = run_distributed(shardwise_resume, to_world, to_stage, dtype, str(tmp_path), scratch)
+    sw = run_distributed(resume, to_world, to_stage, dtype, str(tmp_path), scratch)
     loaded = sw[0]["loaded"]
     assert loaded.keys() == ds["loaded"].keys(), tag
     for name, want in ds["loaded"].items():  # the load itself: exact, whatever the layouts

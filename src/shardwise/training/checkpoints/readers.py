@@ -4,9 +4,9 @@ engine knows that a foreign file lacks.
 DeepSpeed's ZeRO-0 optimizer files key each parameter's state by its index in the optimizer's
 groups, as torch's ``Optimizer.load_state_dict`` does: the names come from this engine's
 optimizer, built by the same script. When this engine's optimizer steps the parameters
-themselves (no ZeRO), its groups give the names exactly; under ZeRO they step flat shards, and
-the reader assumes each group in the model's parameter order (checked against the saved
-shapes; docs/checkpoint-deepspeed.md).
+themselves (no ZeRO, no pipeline), its groups give the names exactly; under ZeRO they step flat
+shards, and a pipeline stage's name part of the model, so the reader assumes each group in the
+model's parameter order (checked against the saved shapes; docs/checkpoint-deepspeed.md).
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ if TYPE_CHECKING:  # annotations only
 def param_order(parts: TrainParts) -> list[list[str]] | None:
     """The parameter names of each group of the engine's optimizer, when it steps the
     parameters themselves; None otherwise (module docstring)."""
-    if parts.optimizer is None:
-        return None
+    if parts.optimizer is None or parts.mesh.topology.pp != 1:
+        return None  # a pipeline stage's optimizer names part of the model only
     names = {id(p): n for n, p in parts.module.named_parameters()}
     groups = parts.optimizer.param_groups
     if not all(id(p) in names for g in groups for p in g["params"]):
