@@ -3,6 +3,7 @@
     manifest.json                                 shardwise's own (reader.py)
     mp_rank_00_model_states.pt, zero_pp_rank_*,   DeepSpeed's tag directory (deepspeed.py)
       layer_*-model_states.pt
+    .metadata, __R_0.distcp                       torch.distributed.checkpoint (dcp.py)
 
 A save directory (``latest`` naming a tag) is resolved first, as ``load_checkpoint`` does;
 a Hugging Face Trainer's ``checkpoint-N/`` is such a save directory (DeepSpeed writes
@@ -15,13 +16,14 @@ import os
 from typing import Any
 
 from shardwise.checkpoint import manifest as mf
+from shardwise.checkpoint.foreign.dcp import DcpReader, is_dcp
 from shardwise.checkpoint.foreign.deepspeed import DeepSpeedReader
 from shardwise.checkpoint.foreign.deepspeed_files import is_deepspeed
 from shardwise.checkpoint.manifest import CheckpointError
 from shardwise.checkpoint.reader import CheckpointReader
 from shardwise.checkpoint.tags import check_tag, latest_tag
 
-SHARDWISE, DEEPSPEED = "shardwise", "deepspeed"
+SHARDWISE, DEEPSPEED, DCP = "shardwise", "deepspeed", "dcp"
 
 
 def detect(path: str) -> str | None:
@@ -30,6 +32,8 @@ def detect(path: str) -> str | None:
         return SHARDWISE
     if is_deepspeed(path):
         return DEEPSPEED
+    if is_dcp(path):
+        return DCP
     return None
 
 
@@ -51,7 +55,10 @@ def resolve(path: str, tag: str | None = None) -> str:
 
 
 def open_checkpoint(
-    path: str, verify: bool = True, param_order: list[list[str]] | None = None
+    path: str,
+    verify: bool = True,
+    param_order: list[list[str]] | None = None,
+    samples_per_step: int = 0,
 ) -> Any:
     """A reader for the checkpoint in tag directory ``path``, whatever wrote it; raises
     ``CheckpointError`` for a directory of no known format. ``verify`` applies to shardwise's
@@ -59,6 +66,8 @@ def open_checkpoint(
     found = detect(path)
     if found == DEEPSPEED:
         return DeepSpeedReader(path, param_order)
+    if found == DCP:
+        return DcpReader(path, samples_per_step)
     if found is None and os.path.isdir(path):
         held = ", ".join(sorted(os.listdir(path))[:6])
         raise CheckpointError(

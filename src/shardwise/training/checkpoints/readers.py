@@ -33,4 +33,5 @@ def param_order(parts: TrainParts) -> list[list[str]] | None:
 
 def open_for(parts: TrainParts, path: str) -> Any:
     """The reader of tag directory ``path`` for this engine's load."""
-    return open_checkpoint(path, parts.config.checkpoint.verify, param_order(parts))
+    samples = parts.batch.train_batch_size  # DCP saves steps only
+    return open_checkpoint(path, parts.config.checkpoint.verify, param_order(parts), samples)
