@@ -120,12 +120,16 @@ class _IterationLR(LRScheduler):
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Loads torch's format, or DeepSpeed's ``{"last_batch_iteration": n}``."""
+        """Loads torch's format, or DeepSpeed's ``{"last_batch_iteration": n}`` (whose lrs
+        are then computed: ``get_last_lr()`` answers for the loaded iteration, not the
+        constructor's)."""
         state = dict(state_dict)
         it = state.pop("last_batch_iteration", None)
         if "last_epoch" not in state and it is not None:
             state["last_epoch"] = it + 1
         super().load_state_dict(state)
+        if "_last_lr" not in state:
+            self._last_lr = self.get_lr()
 
 
 class WarmupLR(_IterationLR):

@@ -3,6 +3,7 @@
     shardwise inspect checkpoints/                 the checkpoint ``latest`` names
     shardwise inspect checkpoints/global_step100 --verify
     shardwise export checkpoints/ model.safetensors [--tag global_step100] [--fp32]
+    shardwise checkpoint inspect DIR [--tag T]     any format: what it is, what a load takes
 
 CHECKPOINT_DIR is a save directory (with ``latest``) or one checkpoint's directory.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 import argparse
 
 from shardwise.checkpoint.export import export_consolidated, inspect
+from shardwise.checkpoint.foreign.summary import summary
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
@@ -30,11 +32,20 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--verify", action="store_true", help="also read every tensor and check its checksum"
     )
+    p = sub.add_parser("checkpoint", help="checkpoints of any format (shardwise, DeepSpeed)")
+    action = p.add_subparsers(dest="action", required=True)
+    p = action.add_parser(
+        "inspect", help="the format found, the layout that saved it, what a load takes or drops"
+    )
+    p.add_argument("checkpoint_dir", help="save directory (with 'latest') or checkpoint directory")
+    p.add_argument("--tag", default=None, help="checkpoint tag inside CHECKPOINT_DIR")
 
 
 def run(args: argparse.Namespace) -> str:
     """The text the command prints (errors raise CheckpointError, a ValueError)."""
 
+    if args.command == "checkpoint":
+        return summary(args.checkpoint_dir, tag=args.tag)
     if args.command == "inspect":
         return inspect(args.checkpoint_dir, tag=args.tag, verify=args.verify)
     names = export_consolidated(

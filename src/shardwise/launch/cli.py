@@ -216,7 +216,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "topo":
             print(topo_command(args))
             return 0
-        if args.command in ("inspect", "export"):
+        if args.command in ("inspect", "export", "checkpoint"):
             print(checkpoint_cli.run(args))
             return 0
         if args.command == "diagnose":

@@ -21,7 +21,9 @@ outcomes: if the check failed on any rank, it fails on all. A checkpoint missing
 ``meta.counters`` or with a damaged tensor therefore fails with every rank's engine exactly as
 it was.
 
-Every piece is read from whatever layout wrote it (reshard.py). Returns ``(load_path,
+Every piece is read from whatever layout wrote it (reshard.py), and from whatever wrote the
+checkpoint: shardwise, or DeepSpeed (readers.py, checkpoint/foreign/; a format without random
+state or data position leaves this run's). Returns ``(load_path,
 client_state)``, or ``(None, None)`` when there is no ``latest`` and no tag (with a warning
 naming the checkpoints the directory does hold, as DeepSpeed returns).
 """
@@ -45,6 +47,7 @@ from shardwise.checkpoint.rank_state import (
 )
 from shardwise.checkpoint.reshard import CheckpointError, apply, check, plan
 from shardwise.training.checkpoints.held import check_unexpected, frozen_names, layout
+from shardwise.training.checkpoints.readers import open_for
 from shardwise.training.counters import TrainingCounters
 
 if TYPE_CHECKING:  # annotations only
@@ -79,7 +82,7 @@ def load_checkpoint(
     options = (load_module_strict, load_optimizer_states, load_lr_scheduler_states)
     reader, failure = None, None
     try:
-        reader = storage.CheckpointReader(path, verify=parts.config.checkpoint.verify)
+        reader = open_for(parts, path)  # shardwise's format, or DeepSpeed's (foreign/)
         steps, client_state = _check(parts, reader, load_module_only, *options)
     except Exception as e:  # noqa: BLE001 - every rank must reach _agree, or the others hang
         failure = e
@@ -162,7 +165,9 @@ def _check(
     if data is not None and not isinstance(data, dict):
         raise _bad(reader, "data", data, "a data loader state dict")
     rng = reader.rank_state(source_rank(parts.mesh.rank, reader.world_size)).get("rng")
-    _check_rng(reader, rng)
+    keep_rng = rng is None and hasattr(reader, "format")  # a foreign format saves none
+    if not keep_rng:
+        _check_rng(reader, rng)
     check(reader, copies)  # the checksums of every byte to be read
     # The data position is global (samples consumed), so rank 0's serves every rank: it
     # always reads data (a middle pipeline stage never iterates its loader).
@@ -171,7 +176,9 @@ def _check(
         lambda: apply(reader, copies),
         *later,
     ]
-    return [*steps, lambda: set_rng_state(rng)], dict(client)
+    if not keep_rng:
+        steps.append(lambda: set_rng_state(rng))
+    return steps, dict(client)
 
 
 def _optimizer_steps(parts: TrainParts, reader: CheckpointReader, lay: Any, copies: list) -> list:
