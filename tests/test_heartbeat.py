@@ -4,18 +4,36 @@ real link; these pin the timing rules without namespaces).
 * Each host learns the others' host names within about a second of starting, even with the
   5 s beat: a host lost right after the start is named by its host name.
 * A host whose counter stops is reported after ``lost_after`` seconds, by name, with its ranks.
+* A process ends cleanly while its heartbeat is talking to the store: a store call that returned
+  while the interpreter was finalizing used to end the process with SIGABRT ("terminate called
+  without an active exception"), seen on a two-host Slurm run under load after training ended.
 """
 
 from __future__ import annotations
 
 import datetime
 import socket
+import subprocess
+import sys
 import time
 
 import torch.distributed as dist
 from waits import scaled
 
 from shardwise.launch.heartbeat import INTERVAL_S, WATCH_S, Heartbeat
+
+# Eight heartbeats whose beats never pause (interval 1 µs, the other host never heard), so a
+# store call is in flight at almost any instant, then the main thread returns.
+_EXIT_WHILE_BEATING = """
+import datetime, time
+import torch.distributed as dist
+from shardwise.launch.heartbeat import Heartbeat
+store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                      timeout=datetime.timedelta(seconds=10))
+for _ in range(8):
+    Heartbeat(0, 2, 1, ("127.0.0.1", store.port), 60.0, interval=1e-6).start()
+time.sleep(0.3)
+"""
 
 
 def _store() -> dist.TCPStore:
@@ -87,3 +105,12 @@ def test_a_silent_host_is_named_within_the_limit_of_its_last_beat():
     assert lost, "no host was named"
     late = lost[0][0] - fell_silent
     assert late <= limit + WATCH_S + scaled(0.3), f"named {late:.2f} s after the last beat: {lost}"
+
+
+def test_a_process_exits_cleanly_while_its_heartbeat_talks_to_the_store():
+    # Before the fix 5 runs of 5 aborted (exit -6): the beats left running at exit.
+    done = subprocess.run(
+        [sys.executable, "-c", _EXIT_WHILE_BEATING],
+        capture_output=True, text=True, timeout=scaled(60),
+    )  # fmt: skip
+    assert done.returncode == 0, f"exit {done.returncode}\n{done.stderr[-2000:]}"

@@ -21,6 +21,7 @@ The cost: one small store write and a read per other host every 5 s, on one proc
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 import socket
@@ -67,11 +68,28 @@ class Heartbeat(threading.Thread):
         self.on_lost = on_lost or _exit_lost
         self.host = socket.gethostname()
         self.stop = threading.Event()
+        self._io: threading.Thread | None = None
+
+    def start(self) -> None:
+        super().start()
+        atexit.register(self.close)
+
+    def close(self) -> None:
+        """Stop beating and wait for the store call in flight. A daemon thread whose C++ store
+        call returns while the interpreter finalizes is ended from inside that call, which
+        aborts the whole process (SIGABRT, "terminate called without an active exception"):
+        a rank that had finished training died that way on a loaded two-host run. So at exit
+        the beat ends first, waiting at most the store's own timeout."""
+        self.stop.set()
+        if self._io is not None and self._io is not threading.current_thread():
+            self._io.join(timeout=self._timeout().total_seconds() + 1.0)
+
+    def _timeout(self) -> datetime.timedelta:
+        return datetime.timedelta(seconds=max(self.interval, 1.0) * 2)
 
     def _store(self) -> dist.TCPStore:
-        timeout = datetime.timedelta(seconds=max(self.interval, 1.0) * 2)
         return dist.TCPStore(
-            self.master[0], self.master[1], is_master=False, timeout=timeout,
+            self.master[0], self.master[1], is_master=False, timeout=self._timeout(),
             wait_for_workers=False,
         )  # fmt: skip
 
@@ -113,7 +131,8 @@ class Heartbeat(threading.Thread):
         self.reached = self.read = time.monotonic()
         self.seen = {n: (-1, self.reached) for n in range(self.nodes) if n != self.node}
         self.names = {n: f"node {n}" for n in self.seen}
-        threading.Thread(target=self._beat, name="shardwise-heartbeat-io", daemon=True).start()
+        self._io = threading.Thread(target=self._beat, name="shardwise-heartbeat-io", daemon=True)
+        self._io.start()
         while not self.stop.wait(min(self.interval, WATCH_S)):
             now = time.monotonic()
             if now - self.reached > self.lost_after:
