@@ -284,8 +284,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     single_thread()
     logging.getLogger("shardwise").addHandler(logging.NullHandler())  # no start-up log lines
-    # torch's stages build dist.P2POp(dist.isend, ...), which refuses any isend but torch's
-    # own: leave torch.distributed uncovered by the flight recorder (diagnose/interpose.py).
+    # torch's stages call dist.batch_isend_irecv: under the cover (diagnose/interpose.py) our
+    # flight recorder would book each of their sends, a cost torch alone does not pay.
     os.environ.setdefault("SHARDWISE_COVER_TORCH_DISTRIBUTED", "0")
     shardwise.init_distributed()
     if dist.get_world_size() != 2:

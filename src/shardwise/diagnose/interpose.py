@@ -9,6 +9,10 @@ the world is up) replaces the collective and point-to-point functions of the
 ``shardwise.comm`` does (op, group, seq, shapes, bytes, the script's line) and then call
 torch's function unchanged; ``dist.new_group`` without a ``timeout`` gets the world's.
 
+``dist.P2POp`` is given torch's own ``isend``/``irecv`` when a script passes the covered ones
+(torch checks ``op is isend``: Megatron's and torch pipelining's ``P2POp(dist.isend, ...)``
+failed on the wrappers), and ``dist.batch_isend_irecv`` books each of its sends and receives.
+
 What is not covered: a name bound before the world was set up (``from torch.distributed
 import all_reduce`` at the top of a module keeps torch's function), and torch's own internal
 calls (they go through ``torch.distributed.distributed_c10d`` directly). Calls from shardwise's
@@ -88,6 +92,54 @@ def _booked(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     return call
 
 
+def _p2p_op(cls: type) -> type:
+    """torch's ``P2POp`` taking the covered ``isend``/``irecv`` as torch's own."""
+
+    class P2POp(cls):  # type: ignore[misc, valid-type]
+        def __new__(klass, op: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+            return super().__new__(klass, getattr(op, _MARK, op), *args, **kwargs)
+
+        def __init__(self, op: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+            super().__init__(getattr(op, _MARK, op), *args, **kwargs)
+
+    P2POp.__doc__, P2POp.__module__ = cls.__doc__, cls.__module__
+    setattr(P2POp, _MARK, cls)
+    return P2POp
+
+
+def _booked_batch(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``batch_isend_irecv`` with each send and receive booked as ``isend``/``irecv`` are.
+    Paired with its handle when torch returns one per op (gloo); a coalesced batch (NCCL)
+    returns one handle, which closes the first record, the others at once."""
+
+    @functools.wraps(fn)
+    def batch_isend_irecv(p2p_op_list: list) -> Any:
+        recorder = process_recorder()
+        if not recorder.enabled or sys._getframe(1).f_code.co_filename.startswith(_OURS):
+            return fn(p2p_op_list)
+        records = [
+            recorder.begin(
+                "send" if getattr(op.op, "__name__", "") == "isend" else "recv",
+                op.tensor.numel() * op.tensor.element_size(),
+                (op.tensor, op.peer),
+                {"group": op.group},
+            )
+            for op in p2p_op_list
+        ]
+        try:
+            works = fn(p2p_op_list)
+        except RuntimeError as e:
+            errors = [recorder.failed(record, e) for record in records]
+            raise next((w for w in errors if w is not None), e) from e
+        if len(works) != len(records):
+            for record in records[len(works) :]:
+                recorder.finished(record, None)
+        return [recorder.finished(r, w) for r, w in zip(records, works, strict=False)]
+
+    setattr(batch_isend_irecv, _MARK, fn)
+    return batch_isend_irecv
+
+
 def _with_world_timeout(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``dist.new_group`` whose ``timeout`` defaults to the world's, not torch's 30 minutes."""
 
@@ -111,12 +163,16 @@ def cover_torch_distributed() -> bool:
             setattr(dist, name, _booked(name, fn))
     if not hasattr(dist.new_group, _MARK):
         dist.new_group = _with_world_timeout(dist.new_group)
+    if not hasattr(dist.P2POp, _MARK):
+        dist.P2POp = _p2p_op(dist.P2POp)
+    if not hasattr(dist.batch_isend_irecv, _MARK):
+        dist.batch_isend_irecv = _booked_batch(dist.batch_isend_irecv)
     return True
 
 
 def uncover_torch_distributed() -> None:
     """Give ``torch.distributed`` its own functions back."""
-    for name in (*COVERED, "new_group"):
+    for name in (*COVERED, "new_group", "P2POp", "batch_isend_irecv"):
         fn = getattr(dist, name, None)
         if fn is not None and hasattr(fn, _MARK):
             setattr(dist, name, getattr(fn, _MARK))
