@@ -88,6 +88,14 @@ def test_the_timer_line_shows_deepspeeds_timers_summed_over_micro_batches():
     assert not timer_lines(got[1]["lines"]), "rank 0 alone reports"
 
 
+def test_with_steps_per_print_null_the_timer_line_comes_every_step():
+    # DeepSpeed logs its timers every step whatever steps_per_print says; null is its default.
+    got = run_distributed(_train, 2, {"wall_clock_breakdown": True, "steps_per_print": None})
+    rows = timer_lines(got[0]["lines"])
+    assert len(rows) == 4, f"one line per step of 4: {got[0]['lines']}"
+    assert not [x for x in got[0]["lines"] if x.startswith("step=")], "no step line when null"
+
+
 def test_memory_breakdown_logs_the_engines_own_figures():
     got = run_distributed(_train, 2, {"memory_breakdown": True})[0]
     want = memory_line(got["memory"])

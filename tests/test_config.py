@@ -40,7 +40,7 @@ def refused(source, key: str, text: str) -> ConfigError:
 # fmt: off
 DEFAULTS = [  # the DeepSpeed blocks' defaults are pinned, row by row, in test_config_defaults.py
     ("raw", {}), ("optimizer", None), ("scheduler", None), ("seed", None),
-    ("steps_per_print", 10),  # DeepSpeed's is null (no progress line) since 0.15: see docs/config.md
+    ("steps_per_print", None),  # DeepSpeed's since 0.15: no step line (docs/config.md)
     ("communication_data_type", None), ("tensor_parallel.size", 1),
     ("pipeline.stages", 1), ("pipeline.schedule", "1f1b"), ("pipeline.activation_checkpoint_interval", 0),
     ("pipeline.pipe_partitioned", True), ("activation_checkpointing.checkpoint_layers", None),

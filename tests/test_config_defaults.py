@@ -121,6 +121,7 @@ PRECISION = [  # (block.key, DeepSpeed's, source, ours); "ignored": accepted, no
 TOP_LEVEL = [
     # 0.19.3 changed it from 0 to 1.0 (GRADIENT_CLIPPING_DEFAULT); shardwise keeps 0, and warns
     ("gradient_clipping", 1.0, CONST, 0.0),
+    ("steps_per_print", None, CONST, SAME),
 ]
 MONITORS = [
     *[(f"{block}.{key}", value, MC, SAME) for block in ("tensorboard", "csv_monitor")

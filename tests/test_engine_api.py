@@ -201,6 +201,19 @@ def test_steps_per_print_logs_progress_on_rank_0(caplog):
     assert "lr=[0.1]" in lines[0] and "grad_norm=" in lines[0], lines[0]
 
 
+def test_steps_per_print_null_logs_no_step_line(caplog):
+    # DeepSpeed's default since 0.15, also given explicitly as null in its configs.
+    for case, extra in (("left out", {}), ("null", {"steps_per_print": None})):
+        engine, *_ = _engine(**extra)
+        x, y = make_data(2)
+        with caplog.at_level("INFO", logger="shardwise"):
+            for _ in range(3):
+                engine.backward(F.mse_loss(engine(x), y))
+                engine.step()
+        lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step=")]
+        assert not lines, f"{case}: {lines}"
+
+
 def test_step_without_backward_is_skipped_not_counted(caplog):
     sched = {"type": "WarmupLR", "params": {"warmup_num_steps": 10, "warmup_max_lr": 0.1}}
     engine, *_ = _engine(scheduler=sched)

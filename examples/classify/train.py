@@ -125,7 +125,6 @@ def main() -> None:
         "train_batch_size": args.batch_size,  # micro-batch per rank = batch / data ranks
         "optimizer": {"type": "Adam", "params": {"lr": args.lr}},
         "seed": args.seed,
-        "steps_per_print": 10**9,  # the per-epoch line below is enough
     }
     engine, _, loader, _ = shardwise.initialize(model=model, config=config, training_data=train_set)
     group = engine.mesh.dp_group  # BatchNorm statistics are shared by data-parallel peers only

@@ -73,7 +73,7 @@ class Config:
     gradient_clipping: float = spec(
         0.0, ge=0
     )  # max global grad norm; 0 = off (DeepSpeed's code default)
-    steps_per_print: int = spec(10, ge=1)
+    steps_per_print: int | None = spec(None, ge=1)  # None: no step line (DeepSpeed's)
     seed: int | None = spec(None, ge=0)
     fp16: FP16Config = field(default_factory=FP16Config)
     bf16: BF16Config = field(default_factory=BF16Config)

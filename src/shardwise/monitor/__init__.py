@@ -14,8 +14,9 @@ context). What is on depends on the config:
       Train/Samples/loss_scale   the fp16 loss scale (with fp16 only)
   and with ``wall_clock_breakdown`` Train/Samples/elapsed_time_ms_{forward,backward,...}.
 - ``wall_clock_breakdown`` (timers.py): the sections are timed; every ``steps_per_print``
-  steps rank 0 logs ``time (ms) | fwd: .. | bwd: .. | ...`` (the mean per step).
-- ``memory_breakdown``: every ``steps_per_print`` steps rank 0 logs ``engine.memory_breakdown()``.
+  steps (every step when it is null, DeepSpeed's default) rank 0 logs
+  ``time (ms) | fwd: .. | bwd: .. | ...`` (the mean per step).
+- ``memory_breakdown``: as often, rank 0 logs ``engine.memory_breakdown()``.
 - ``flops_profiler`` (flops.py): rank 0's forward at ``profile_step`` is profiled, the summary
   printed after that step.
 - ``comms_logger`` (comms.py): configured process-wide in ``shardwise.comm`` (as DeepSpeed's
@@ -171,13 +172,14 @@ class Monitor:
             self.write_step(None, parts.lrs()[0], samples, scale)
         if self.profiler is not None and steps == self.profiler.cfg.profile_step + 1:
             self.print_profile(parts)
-        every = parts.config.steps_per_print
-        if not every or steps % every:
+        every = parts.config.steps_per_print  # None (DeepSpeed's default): breakdowns every step
+        if every is not None and steps % every:
             return
         line = self.clock.line() if self.clock is not None else None  # resets every rank's
         if parts.mesh.rank != 0:
             return
-        logger.info(step_line(parts, grad_norm))
+        if every is not None:
+            logger.info(step_line(parts, grad_norm))
         if line is not None:
             logger.info(line)
         if parts.config.memory_breakdown:

@@ -4,7 +4,7 @@ The engine times ``fwd`` (its forward), ``bwd`` (its backward), inside it ``bwd_
 (autograd, with the gradient hooks that launch the reductions) and ``bwd_allreduce`` (waiting
 for the reductions to finish), and ``step`` (norm, clip, optimizer, parameter all-gather).
 With a pipeline the schedule's instructions are timed too, under DeepSpeed's pipeline names
-(``PHASES``). Every ``steps_per_print`` steps rank 0 logs DeepSpeed's line with the mean per
+(``PHASES``). Every ``steps_per_print`` steps (every step when null) rank 0 logs DeepSpeed's line with the mean per
 optimizer step over those steps (micro-batches summed, as DeepSpeed's global timers do):
 
     time (ms) | fwd: 1.52 | bwd: 3.10 | bwd_inner: 2.71 | bwd_allreduce: 0.39 | step: 0.84

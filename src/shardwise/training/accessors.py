@@ -70,7 +70,7 @@ class EngineAccessors:
     def gradient_clipping(self) -> float:
         return self.config.gradient_clipping
 
-    def steps_per_print(self) -> int:
+    def steps_per_print(self) -> int | None:
         return self.config.steps_per_print
 
     def zero_optimization_stage(self) -> int:

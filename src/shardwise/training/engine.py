@@ -280,7 +280,8 @@ class Engine(EngineAccessors, nn.Module):
             self._write_events(loss.item())
             self.replicas.after_batch(self.parts)
             self.autosave.after_step(self)
-        if self.mesh.rank == 0 and self.global_steps % self.steps_per_print() == 0:
+        every = self.steps_per_print()
+        if self.mesh.rank == 0 and every and self.global_steps % every == 0:
             took = time.perf_counter() - start
             logger.info(
                 progress_line(self.global_steps, loss.item(), took, self.train_batch_size())
