@@ -320,9 +320,12 @@ class Engine(EngineAccessors, nn.Module):
         save_latest: bool = True,
         exclude_frozen_parameters: bool = False,
         async_save: bool = False,
+        format: str = "shardwise",  # noqa: A002 - the public argument's name
     ) -> bool | SaveHandle:
         """Write ``save_dir/<tag>`` (default ``global_step<N>``); every rank must call it.
-        ``async_save``: copy now, write in the background; returns the save's handle."""
+        ``async_save``: copy now, write in the background; returns the save's handle.
+        ``format``: "shardwise" (default), "deepspeed" (DeepSpeed 0.19's files, resumed by its
+        ``load_checkpoint`` at the same data-parallel size) or "dcp" (torch DCP)."""
         return save.save_checkpoint(
             self.parts,
             self.autosave,
@@ -332,6 +335,7 @@ class Engine(EngineAccessors, nn.Module):
             save_latest,
             exclude_frozen_parameters,
             async_save,
+            format,
         )
 
     def wait_for_checkpoint(self) -> None:
