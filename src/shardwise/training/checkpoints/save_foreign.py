@@ -8,6 +8,8 @@ no rank ever holds more than its own files. Formats:
 
     deepspeed   checkpoint/foreign/deepspeed_write.py: what DeepSpeed 0.19's
                 ``load_checkpoint`` resumes at the same data-parallel size
+    dcp         checkpoint/foreign/dcp_write.py: a torch.distributed.checkpoint directory
+                with torchtitan's keys, written by torch's own ``dcp.save``
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 
 from shardwise import comm
 from shardwise.checkpoint import storage
+from shardwise.checkpoint.foreign import dcp_write
 from shardwise.checkpoint.foreign import deepspeed_write as dsw
 from shardwise.checkpoint.foreign.deepspeed import DS_KEYS
 from shardwise.checkpoint.gather import all_gather_json
@@ -34,7 +37,7 @@ from shardwise.training.checkpoints.held import layout, tied_aliases
 if TYPE_CHECKING:  # annotations only
     from shardwise.training.parts import TrainParts
 
-FORMATS = ("shardwise", "deepspeed")
+FORMATS = ("shardwise", "deepspeed", "dcp")
 
 
 def check_format(fmt: str, async_save: bool) -> None:
@@ -84,13 +87,38 @@ def save_foreign(
     with staged(save_dir, tag, contents, int(parts.counters.global_steps)) as reader:
         path = os.path.join(save_dir, tag)
         os.makedirs(path, exist_ok=True)
-        _write_deepspeed(parts, deepspeed_spec(parts, reader), reader, path, client)
+        if fmt == "deepspeed":
+            _write_deepspeed(parts, deepspeed_spec(parts, reader), reader, path, client)
+        else:
+            _write_dcp(parts, reader, path)
     comm.barrier()
     if save_latest and comm.get_rank() == 0:
         with open(os.path.join(save_dir, "latest"), "w") as f:
             f.write(tag)
     comm.barrier()
     return True
+
+
+def _write_dcp(parts: TrainParts, reader: CheckpointReader, path: str) -> None:
+    """This rank's share of the tensors, whole, and rank 0's objects, through ``dcp.save``."""
+    rank, world = comm.get_rank(), comm.get_world_size()
+    tensors, targets = dcp_write.targets(reader, rank, world)
+    fill(reader, targets)
+    objects = None
+    opt = parts.optimizer
+    names = [n for n, _ in parts.module.named_parameters()]
+    groups = _group_names(parts, names) if opt is not None else []  # collective: every rank
+    if rank == 0:
+        hyper = [
+            {k: v for k, v in g.items() if k != "params"} for g in (opt.param_groups if opt else [])
+        ]
+        sched = parts.lr_scheduler
+        objects = {
+            "param_groups": [h | {"params": g} for h, g in zip(hyper, groups, strict=True)],
+            "lr_scheduler": sched.state_dict() if sched is not None else {},
+            "train_state": {"step": int(parts.counters.global_steps)},
+        }
+    dcp_write.write(dcp_write.state_dict(tensors, objects), path)
 
 
 # ------------------------------------------------------------------ DeepSpeed
