@@ -371,9 +371,15 @@ class Engine(EngineAccessors, nn.Module):
             self.parts, state, save_dir, save_filename, exclude_frozen_parameters
         )
 
-    def load_module_state_dict(self, checkpoint: dict, strict: bool = True) -> None:
-        """Load a whole-model state dict (the user's keys) into this layout."""
+    def load_module_state_dict(self, checkpoint: dict | str, strict: bool = True) -> Any:
+        """Load a whole-model state dict (the user's keys) into this layout; or Hugging Face
+        safetensors weights (a directory with ``model.safetensors.index.json`` and its shards,
+        or a ``.safetensors`` file), each rank reading only the slices it holds: returns that
+        reader then (its ``bytes_read``)."""
+        if isinstance(checkpoint, (str, os.PathLike)):
+            return held.load_safetensors(self.parts, os.fspath(checkpoint), strict)
         held.load_module_state_dict(self.parts, checkpoint, strict)
+        return None
 
     def destroy(self) -> None:
         """DeepSpeed's: take the engine's hooks off the model, so another engine can train it."""
