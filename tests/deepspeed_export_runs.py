@@ -16,7 +16,6 @@ import os
 import torch
 from deepspeed_runs import (
     _deepspeed,
-    _ds_engine,
     _ds_loaded_state,
     _ds_weights,
     _shardwise_loaded_state,
@@ -27,14 +26,36 @@ from deepspeed_runs import (
 )
 
 
-def _shardwise_side(stage: int, dtype: str, path: str, before: int, after: int) -> dict:
+def grouped_adamw(module: torch.nn.Module) -> torch.optim.Optimizer:
+    """Two parameter groups, weights then biases (weight decay on the weights only)."""
+    named = list(module.named_parameters())
+    weights = [p for n, p in named if n.endswith("weight")]
+    biases = [p for n, p in named if n.endswith("bias")]
+    groups = [{"params": weights, "weight_decay": 0.01}, {"params": biases, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=0.01)
+
+
+def setup(cell: tuple, seed: int) -> tuple:
+    """Model, optimizer and config of ``cell`` (stage, dtype, variant). Variant "groups": two
+    parameter groups and, under ZeRO-3, ``sub_group_size`` 15, so that a group's parameters
+    are cut into several sub-groups (partitions of 24, 12, 4 and 2 elements on 2 ranks)."""
     import torch.distributed as dist
 
+    stage, dtype, variant = cell
+    m = model(seed)
+    cfg = config(stage, dtype, dist.get_world_size())
+    if variant == "groups":
+        cfg["zero_optimization"]["sub_group_size"] = 15
+        return m, grouped_adamw(m), cfg
+    return m, adamw(m), cfg
+
+
+def _shardwise_side(cell: tuple, path: str, before: int, after: int) -> dict:
     import shardwise
 
-    m = model(seed=0)
-    cfg = config(stage, dtype, dist.get_world_size())
-    engine, *_ = shardwise.initialize(model=m, optimizer=adamw(m), config=cfg)
+    stage, dtype, _ = cell
+    m, opt, cfg = setup(cell, seed=0)
+    engine, *_ = shardwise.initialize(model=m, optimizer=opt, config=cfg)
     saved_losses = train(engine, 0, before, dtype)
     engine.save_checkpoint(path, client_state={"note": "from shardwise"}, format="deepspeed")
     held = _shardwise_loaded_state(engine, path + "-own")
@@ -43,10 +64,10 @@ def _shardwise_side(stage: int, dtype: str, path: str, before: int, after: int) 
     return {"saved_losses": saved_losses, "held": held, "losses": losses, "params": params}
 
 
-def _deepspeed_side(ds, stage: int, dtype: str, path: str, before: int, after: int) -> dict:
-    import torch.distributed as dist
-
-    engine = _ds_engine(ds, config(stage, dtype, dist.get_world_size()), seed=5)
+def _deepspeed_side(ds, cell: tuple, path: str, before: int, after: int) -> dict:
+    stage, dtype, _ = cell
+    m, opt, cfg = setup(cell, seed=5)
+    engine, *_ = ds.initialize(model=m, optimizer=opt, config=cfg)
     load_path, client = engine.load_checkpoint(path)
     counters = (engine.global_steps, engine.global_samples, engine.get_lr())
     loaded = _ds_loaded_state(engine, stage)
@@ -57,13 +78,13 @@ def _deepspeed_side(ds, stage: int, dtype: str, path: str, before: int, after: i
 
 
 def export_and_resume(cells: list, root: str, before: int = 3, after: int = 3) -> dict:
-    """{cell: {"shardwise": ..., "deepspeed": ...}} (module docstring)."""
+    """{cell: {"shardwise": ..., "deepspeed": ...}} (module docstring); a cell is (ZeRO
+    stage, dtype, variant): "" or "groups" (``setup``)."""
     ds = _deepspeed()
     out = {}
-    for stage, dtype in cells:
-        path = os.path.join(root, f"z{stage}-{dtype}")
-        sw = _shardwise_side(stage, dtype, path, before, after)
-        resumed = _deepspeed_side(ds, stage, dtype, path, before, after)
-        out[(stage, dtype)] = {"shardwise": sw, "deepspeed": resumed}
+    for cell in cells:
+        path = os.path.join(root, "z{}-{}-{}".format(*cell))
+        sw = _shardwise_side(cell, path, before, after)
+        out[cell] = {"shardwise": sw, "deepspeed": _deepspeed_side(ds, cell, path, before, after)}
     torch.distributed.barrier()
     return out

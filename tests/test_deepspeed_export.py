@@ -16,7 +16,9 @@ going on) is the reference (deepspeed_export_runs.py). Compared:
           and shardwise round the bf16 gradients of another reduction order differently
           (the bound of test_deepspeed_import.py).
 
-Counters, learning rate and client state arrive too. The files hold no class of shardwise's:
+Counters, learning rate and client state arrive too. Two more cells: two parameter groups
+(weights, biases) under ZeRO-1 bf16, and under ZeRO-3 fp32 with a ``sub_group_size`` that cuts
+the groups into several flat sub-groups. The files hold no class of shardwise's:
 they load with torch's weights-only unpickler (and shardwise's own allow-list).
 """
 
@@ -27,19 +29,12 @@ from harness import run_distributed
 
 import shardwise
 from shardwise.checkpoint.foreign.detect import open_checkpoint
+from shardwise.launch.cli import main
 
 pytest.importorskip("deepspeed", reason="DeepSpeed 0.19 (pip install -e '.[bench]')")
 
-CELLS = [
-    (0, "fp32"),
-    (1, "fp32"),
-    (2, "fp32"),
-    (3, "fp32"),
-    (0, "bf16"),
-    (1, "bf16"),
-    (2, "bf16"),
-    (3, "bf16"),
-]
+CELLS = [(stage, dtype, "") for dtype in ("fp32", "bf16") for stage in (0, 1, 2, 3)]
+CELLS += [(1, "bf16", "groups"), (3, "fp32", "groups")]  # 2 parameter groups; ZeRO-3 sub-groups
 
 
 @pytest.fixture(scope="module")
@@ -52,10 +47,15 @@ def _within_bf16_ulps(got: torch.Tensor, want: torch.Tensor, ulps: int = 2) -> t
     return (got - want).abs() <= ulps * 2.0**-7 * want.abs() + 1e-6
 
 
-@pytest.mark.parametrize("stage, dtype", CELLS, ids=[f"sw-z{s}-{d}-2r->ds" for s, d in CELLS])
-def test_deepspeed_resumes_a_shardwise_save_as_shardwise_goes_on(runs, stage, dtype):
-    tag = f"shardwise z{stage} {dtype} 2 ranks -> DeepSpeed"
-    cell = runs[1][(stage, dtype)]
+def _id(cell: tuple) -> str:
+    return "sw-z{}-{}{}-2r->ds".format(*cell[:2], f"-{cell[2]}" if cell[2] else "")
+
+
+@pytest.mark.parametrize("cell", CELLS, ids=[_id(c) for c in CELLS])
+def test_deepspeed_resumes_a_shardwise_save_as_shardwise_goes_on(runs, cell):
+    stage, dtype, variant = cell
+    tag = f"shardwise z{stage} {dtype} {variant or '1 group'} 2 ranks -> DeepSpeed"
+    cell = runs[1][cell]
     sw, ds = cell["shardwise"], cell["deepspeed"]
     assert ds["load_path"] is not None, f"{tag}: DeepSpeed found nothing to load"
     assert ds["loaded"].keys() == sw["held"].keys(), tag
@@ -63,7 +63,8 @@ def test_deepspeed_resumes_a_shardwise_save_as_shardwise_goes_on(runs, stage, dt
         assert torch.equal(ds["loaded"][name].float(), want), f"{tag}: {name} loaded differently"
     steps, samples, lr = ds["counters"]
     assert (steps, samples) == (3, 12), tag
-    assert lr == pytest.approx([0.01 * 0.79248125], rel=1e-6), tag  # WarmupLR after 3 steps
+    groups = 2 if variant == "groups" else 1  # WarmupLR after 3 steps, every group
+    assert lr == pytest.approx([0.01 * 0.79248125] * groups, rel=1e-6), tag
     assert ds["client"]["note"] == "from shardwise", tag  # DeepSpeed's client state: every
     # key of the model file it does not restore itself (buffer_names, ds_config, ...) too
     assert ds["losses"][0] == pytest.approx(sw["losses"][0], abs=1e-6), tag
@@ -85,13 +86,21 @@ def test_the_files_hold_plain_values_and_shardwise_reads_them_back(runs):
     """torch's weights-only unpickler opens the model files (no class at all) and shardwise's
     reader the whole tag (ZeRO-3's loss scaler by DeepSpeed's name, on its allow-list)."""
     root = runs[0]
-    for stage, dtype in CELLS:
-        tag = f"{root}/z{stage}-{dtype}/global_step3"
+    for stage, dtype, variant in CELLS:
+        tag = f"{root}/z{stage}-{dtype}-{variant}/global_step3"
         name = "zero_pp_rank_0_mp_rank_00" if stage == 3 else "mp_rank_00"
         state = torch.load(f"{tag}/{name}_model_states.pt", weights_only=True)
         assert state["global_steps"] == 3 and state["note"] == "from shardwise", tag
         with open_checkpoint(tag) as reader:
             assert reader.meta["counters"]["global_steps"] == 3, tag
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_inspect_reads_a_shardwise_save_for_deepspeed(runs, stage, capsys):
+    assert main(["checkpoint", "inspect", f"{runs[0]}/z{stage}-fp32-"]) == 0
+    out = capsys.readouterr().out
+    assert f"source layout: zero_stage {stage}, data_parallel 2, tensor_parallel 1" in out, out
+    assert "client state: keys ['note']" in out, out
 
 
 @pytest.mark.parametrize(
