@@ -56,3 +56,13 @@ def test_shardwise_loads_its_dcp_save_at_another_layout(saved, tmp_path):
         where = f"zero3 x2 -> dcp -> zero1 x2, rank {rank}"
         assert r["counters"] == (3, 12) and r["lr"] == pytest.approx([0.0079248125]), where
         assert r["losses"] == pytest.approx(sw["losses"], abs=1e-6), where
+
+
+def test_inspect_reads_a_shardwise_save_as_dcp(saved, capsys):
+    from shardwise.launch.cli import main
+
+    root, _ = saved
+    assert main(["checkpoint", "inspect", root]) == 0  # root/latest names step-3
+    out = capsys.readouterr().out
+    assert f"format: torch.distributed.checkpoint (DCP) at {root}/step-3" in out, out
+    assert "optimizer states: exp_avg, exp_avg_sq, step (12 tensors)" in out, out
