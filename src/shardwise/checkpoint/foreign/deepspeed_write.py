@@ -189,8 +189,8 @@ class RankFiles:
         for i, (_, shapes) in enumerate(subs):
             frags = flat.zero3_fragments(shapes, self.spec.world, self.rank)
             length = flat.zero3_numel(shapes, self.spec.world)
-            masters.append(None)
-            masters[i], state[i] = self._states(frags, length, next(iter(shapes)))
+            master, state[i] = self._states(frags, length, next(iter(shapes)))
+            masters.append(master)
         members = [
             [i for i, (g, _) in enumerate(subs) if g == group]
             for group in range(len(self.spec.groups))
