@@ -109,11 +109,17 @@ def test_inspect_reads_a_shardwise_save_for_deepspeed(runs, stage, capsys):
         ({"format": "torch"}, "format='torch'.*one of shardwise, deepspeed"),
         ({"format": "deepspeed", "async_save": True}, "async_save=True with format='deepspeed'"),
         ({"format": "deepspeed", "client_state": {"module": 1}}, "client_state key 'module'"),
+        (
+            {"format": "deepspeed", "zero": {"stage": 2, "round_robin_gradients": True}},
+            "zero_optimization.round_robin_gradients",
+        ),  # fmt: skip
     ],
 )
 def test_a_format_it_cannot_write_is_refused_naming_the_argument(tmp_path, kwargs, message):
     m = torch.nn.Linear(2, 2)
     cfg = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {}}}
+    if "zero" in kwargs:
+        cfg["zero_optimization"] = kwargs.pop("zero")
     engine, *_ = shardwise.initialize(model=m, config=cfg)
     with pytest.raises(ValueError, match=message):
         engine.save_checkpoint(str(tmp_path), **kwargs)

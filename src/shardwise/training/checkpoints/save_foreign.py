@@ -140,6 +140,13 @@ def check_deepspeed(parts: TrainParts) -> None:
         )
     if parts.optimizer is None:
         raise ValueError("format='deepspeed' needs an optimizer: DeepSpeed's files hold its state")
+    zero = parts.config.zero_optimization
+    for key in ("round_robin_gradients", "parameter_alignment"):  # DeepSpeed reorders or pads
+        if getattr(zero, key):  # its flat groups then: the layout written here would not fit
+            raise ValueError(
+                f"format='deepspeed' writes DeepSpeed's flat layout with zero_optimization.{key} "
+                "false (its default) only; save with it false on both sides"
+            )
 
 
 def deepspeed_spec(parts: TrainParts, reader: CheckpointReader) -> dsw.Spec:
