@@ -321,9 +321,12 @@ class Engine(EngineAccessors, nn.Module):
         save_latest: bool = True,
         exclude_frozen_parameters: bool = False,
         async_save: bool = False,
+        format: str = "shardwise",  # noqa: A002 - the public argument's name
     ) -> bool | SaveHandle:
         """Write ``save_dir/<tag>`` (default ``global_step<N>``); every rank must call it.
-        ``async_save``: copy now, write in the background; returns the save's handle."""
+        ``async_save``: copy now, write in the background; returns the save's handle.
+        ``format``: "shardwise" (default), "deepspeed" (DeepSpeed 0.19's files, resumed by its
+        ``load_checkpoint`` at the same data-parallel size) or "dcp" (torch DCP)."""
         return save.save_checkpoint(
             self.parts,
             self.autosave,
@@ -333,6 +336,7 @@ class Engine(EngineAccessors, nn.Module):
             save_latest,
             exclude_frozen_parameters,
             async_save,
+            format,
         )
 
     def wait_for_checkpoint(self) -> None:
@@ -368,9 +372,14 @@ class Engine(EngineAccessors, nn.Module):
             self.parts, state, save_dir, save_filename, exclude_frozen_parameters
         )
 
-    def load_module_state_dict(self, checkpoint: dict, strict: bool = True) -> None:
-        """Load a whole-model state dict (the user's keys) into this layout."""
-        held.load_module_state_dict(self.parts, checkpoint, strict)
+    def load_module_state_dict(self, checkpoint: dict | str, strict: bool = True) -> Any:
+        """Load a whole-model state dict (the user's keys) into this layout; or Hugging Face
+        safetensors weights (a directory with ``model.safetensors.index.json`` and its shards,
+        or a ``.safetensors`` file), each rank reading only the slices it holds: returns that
+        reader then (its ``bytes_read``)."""
+        if isinstance(checkpoint, (str, os.PathLike)):
+            return held.load_safetensors(self.parts, os.fspath(checkpoint), strict)
+        return held.load_module_state_dict(self.parts, checkpoint, strict)
 
     def destroy(self) -> None:
         """DeepSpeed's: take the engine's hooks off the model, so another engine can train it."""

@@ -4,6 +4,9 @@
     mp_rank_00_model_states.pt, zero_pp_rank_*,   DeepSpeed's tag directory (deepspeed.py)
       layer_*-model_states.pt
     .metadata, __R_0.distcp                       torch.distributed.checkpoint (dcp.py)
+    model.safetensors.index.json (+ shards),      Hugging Face weights (hf_safetensors.py):
+      model.safetensors                             weights only, loaded by
+                                                    ``engine.load_module_state_dict(path)``
 
 A save directory (``latest`` naming a tag) is resolved first, as ``load_checkpoint`` does;
 a Hugging Face Trainer's ``checkpoint-N/`` is such a save directory (DeepSpeed writes
@@ -19,11 +22,12 @@ from shardwise.checkpoint import manifest as mf
 from shardwise.checkpoint.foreign.dcp import DcpReader, is_dcp
 from shardwise.checkpoint.foreign.deepspeed import DeepSpeedReader
 from shardwise.checkpoint.foreign.deepspeed_files import is_deepspeed
+from shardwise.checkpoint.foreign.hf_safetensors import is_hf
 from shardwise.checkpoint.manifest import CheckpointError
 from shardwise.checkpoint.reader import CheckpointReader
 from shardwise.checkpoint.tags import check_tag, latest_tag
 
-SHARDWISE, DEEPSPEED, DCP = "shardwise", "deepspeed", "dcp"
+SHARDWISE, DEEPSPEED, DCP, HUGGINGFACE = "shardwise", "deepspeed", "dcp", "huggingface"
 
 
 def detect(path: str) -> str | None:
@@ -34,6 +38,8 @@ def detect(path: str) -> str | None:
         return DEEPSPEED
     if is_dcp(path):
         return DCP
+    if os.path.isdir(path) and is_hf(path):
+        return HUGGINGFACE
     return None
 
 
@@ -68,6 +74,11 @@ def open_checkpoint(
         return DeepSpeedReader(path, param_order)
     if found == DCP:
         return DcpReader(path, samples_per_step)
+    if found == HUGGINGFACE:
+        raise CheckpointError(
+            f"{path} holds Hugging Face weights only (no optimizer, counters or scheduler): load "
+            "them with engine.load_module_state_dict(path), each rank reading its slices"
+        )
     if found is None and os.path.isdir(path):
         held = ", ".join(sorted(os.listdir(path))[:6])
         raise CheckpointError(

@@ -9,7 +9,14 @@ import math
 from typing import Any
 
 from shardwise.checkpoint.export import inspect as inspect_own
-from shardwise.checkpoint.foreign.detect import SHARDWISE, detect, open_checkpoint, resolve
+from shardwise.checkpoint.foreign.detect import (
+    HUGGINGFACE,
+    SHARDWISE,
+    detect,
+    open_checkpoint,
+    resolve,
+)
+from shardwise.checkpoint.foreign.hf_safetensors import HfSafetensorsReader
 from shardwise.checkpoint.manifest import CheckpointError
 
 
@@ -20,6 +27,9 @@ def summary(path: str, tag: str | None = None) -> str:
     found = detect(where)
     if found == SHARDWISE:
         return f"format: shardwise checkpoint (loads whole into any layout)\n{inspect_own(where)}"
+    if found == HUGGINGFACE:
+        with HfSafetensorsReader(where) as reader:
+            return "\n".join(_weights_lines(reader, where))
     try:
         reader = open_checkpoint(where)
     except CheckpointError as e:
@@ -69,6 +79,26 @@ def _lines(reader: Any, where: str) -> list[str]:
     lines.append(f"tensors ({len(rows)}):")
     lines += ["  " + "  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip()
               for r in [("tensor", "dtype", "shape", "pieces"), *rows]]  # fmt: skip
+    return lines
+
+
+def _weights_lines(reader: Any, where: str) -> list[str]:
+    """A weights-only directory (Hugging Face safetensors): what it holds and how it loads."""
+    info, names = reader.describe(), reader.names()
+    layout = ", ".join(f"{k} {v}" for k, v in info["layout"].items())
+    lines = [
+        f"format: {info['format']} at {where}",
+        f"source layout: {layout}",
+        "loads with engine.load_module_state_dict(path), into any layout, each rank reading",
+        f"only its slices: weights: {len(names)} tensors ({_numel(reader, names)} elements)",
+        "dropped:",
+    ]
+    lines += [f"  {k}: {why}" for k, why in sorted(info["dropped"].items())]
+    lines.append(f"tensors ({len(names)}):")
+    for n in names:
+        p = reader.pieces(n)[0]
+        shape = "x".join(map(str, p.global_shape)) or "scalar"
+        lines.append(f"  {n}  {str(p.dtype).removeprefix('torch.')}  {shape}")
     return lines
 
 

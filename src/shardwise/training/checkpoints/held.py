@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from torch import nn
 
 from shardwise.checkpoint.export import MODEL
+from shardwise.checkpoint.foreign.hf_safetensors import HfSafetensorsReader
 from shardwise.checkpoint.optim_state import optim_pieces
 from shardwise.checkpoint.pieces import Piece
 from shardwise.checkpoint.rank_pieces import Layout, layout_of
@@ -89,3 +90,13 @@ def check_unexpected(parts: TrainParts, reader: CheckpointReader) -> None:
 def load_module_state_dict(parts: TrainParts, state_dict: dict, strict: bool = True) -> None:
     """Load a whole-model state dict (the user's keys) into any layout; fp32 masters follow."""
     load_model(parts, PieceReader.from_state_dict(state_dict), layout(parts), strict)
+
+
+def load_safetensors(parts: TrainParts, path: str, strict: bool = True) -> HfSafetensorsReader:
+    """Hugging Face safetensors weights (checkpoint/foreign/hf_safetensors.py) into any layout,
+    each rank reading only the slices its pieces hold; all or nothing, as any load (the
+    reads are planned and checked before a tensor is assigned). Returns the reader (its
+    counts of what this rank read)."""
+    with HfSafetensorsReader(path) as reader:
+        load_model(parts, reader, layout(parts), strict)
+    return reader

@@ -32,6 +32,7 @@ from shardwise.checkpoint.rank_state import data_state, rng_state
 from shardwise.checkpoint.reshard import plain_pieces
 from shardwise.precision import compute_dtype
 from shardwise.training.checkpoints.held import frozen_names, layout, tied_aliases
+from shardwise.training.checkpoints.save_foreign import check_format, save_foreign
 
 if TYPE_CHECKING:  # annotations only
     from shardwise.checkpoint.pieces import Piece
@@ -50,15 +51,21 @@ def save_checkpoint(
     save_latest: bool = True,
     exclude_frozen_parameters: bool = False,
     async_save: bool = False,
+    format: str = "shardwise",  # noqa: A002 - the argument's name in the public call
 ) -> bool | SaveHandle:
     """Write ``save_dir/<tag>`` (default tag ``global_step<N>``); every rank must call it.
     With ``async_save``: the handle of a save written in the background (async_save.py).
-    ``autosave`` holds the writer of asynchronous saves and the directory last loaded."""
+    ``autosave`` holds the writer of asynchronous saves and the directory last loaded.
+    ``format``: "shardwise" (its own), "deepspeed" or "dcp" (save_foreign.py)."""
+    check_format(format, async_save)
     if autosave.writer is not None:
         autosave.writer.wait()  # at most one save in flight, a blocking one included
     steps = parts.counters.global_steps
     tag = f"global_step{steps}" if tag is None else str(tag)
     pieces, rank_state, meta = contents(parts, client_state, exclude_frozen_parameters)
+    if format != "shardwise":
+        whole = (pieces, rank_state, meta)
+        return save_foreign(parts, format, save_dir, tag, whole, client_state, save_latest)
     options = parts.config.checkpoint
     loaded_here = autosave.loaded_from == os.path.abspath(save_dir)
     plan = storage.begin_save(
