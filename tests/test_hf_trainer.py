@@ -16,10 +16,10 @@ than a plain one, with DeepSpeed as here.
 
 Tolerances. fp32: losses and the saved weights within 1e-5 of the one-process run: two
 half-batch gradients averaged equal the whole batch's up to float32 rounding (~1e-7), and
-4 Adam steps at lr 1e-3 leave that far below 1e-5 (measured: losses 3e-7, weights 5e-8).
+4 Adam steps at lr 1e-3 leave that far below 1e-5 (measured: losses 2.4e-7, weights 3.2e-7).
 bf16: DeepSpeed's bf16 keeps bf16 weights (8 significant bits, 2**-9 relative rounding), so
-against the fp32 reference the losses are held to 2e-3 (measured 4e-4) and the saved bf16
-weights, which round values near 1 to steps of 2**-7, to 1e-2 (measured 2.5e-3). A resume
+against the fp32 reference the losses are held to 2e-3 (measured 3.2e-4) and the saved bf16
+weights, which round values near 1 to steps of 2**-7, to 1e-2 (measured 3.5e-3). A resume
 repeats the uninterrupted run's steps 3-4 bit for bit: the checkpoint holds weights, Adam,
 the schedule, the data position and each rank's RNG.
 """
