@@ -15,10 +15,10 @@ import json
 import shutil
 import subprocess
 import sys
-import sysconfig
 from pathlib import Path
 
 import pytest
+from shim_env import make_shim_env
 from waits import scaled
 
 SHIM = Path(__file__).resolve().parents[1] / "integrations" / "deepspeed-shim"
@@ -67,19 +67,7 @@ print(json.dumps({
 
 
 def test_the_shim_gives_transformers_a_deepspeed_that_is_shardwise(tmp_path):
-    venv = tmp_path / "venv"
-    assert _run([sys.executable, "-m", "venv", str(venv)]).returncode == 0
-    python = str(venv / "bin" / "python")
-    # Installed while the fresh environment sees nothing else (pip would otherwise find this
-    # environment's DeepSpeed and uninstall it); then this environment's packages are added
-    # behind it (torch, transformers, shardwise), so the shim's `deepspeed` comes first.
-    proc = _run([python, "-m", "pip", "install", "-q", "--no-deps", _copy(tmp_path)])
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    purelib = _run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"])
-    ours = sysconfig.get_paths()["purelib"]
-    Path(purelib.stdout.strip(), "zz-shardwise-env.pth").write_text(
-        f"import site; site.addsitedir({ours!r})\n"
-    )
+    python = make_shim_env(tmp_path)  # pip-installed into a fresh venv (shim_env.py)
     proc = _run([python, "-c", CHECK])
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])

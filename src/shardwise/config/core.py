@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import os
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -104,6 +106,11 @@ class Config:
     ignored: dict[str, Any] = field(default_factory=dict, metadata=_INTERNAL)
     auto_defaults: tuple[str, ...] = field(default=(), metadata=_INTERNAL)
 
+    def get(self, key: str, default: Any = None) -> Any:
+        """The source dict's ``key``: DeepSpeed's ``engine.config`` is that dict, and the
+        Trainer reads it so (``engine.config.get("zero_optimization", {}).get("stage")``)."""
+        return self.raw.get(key, default)
+
     def resolve_batch(self, dp_world_size: int) -> BatchSizes:
         """The batch triplet for ``dp_world_size`` data-parallel ranks (rules: :mod:`.batch`)."""
         return resolve_batch(
@@ -152,6 +159,10 @@ def parse_config(source: dict[str, Any] | str | os.PathLike[str] | None) -> Conf
     raw = load_source(source)
     notes = Notes()
     data, ignored = _screen_top_level(raw, notes)
+    if data.get("steps_per_print") == math.inf:
+        # Accelerate (and so the Trainer) writes float("inf") to silence the step lines, as
+        # DeepSpeed's `global_steps % inf` never reaches 0: the largest integer does the same.
+        data["steps_per_print"] = sys.maxsize
     blocks = {}
     for key, parser in _BLOCK_PARSERS.items():
         value = data.pop(key, None)

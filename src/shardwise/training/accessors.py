@@ -52,6 +52,8 @@ class EngineAccessors:
 
     parts: TrainParts
     pipeline: Any
+    module: torch.nn.Module
+    consolidated_state_dict: Any  # the engine's
 
     optimizer, lr_scheduler, strategy = PartField(), PartField(), PartField()
     mesh, config, batch, scaler = PartField(), PartField(), PartField(), PartField()
@@ -78,6 +80,23 @@ class EngineAccessors:
 
     def fp16_enabled(self) -> bool:
         return self.config.fp16.enabled
+
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        """Accelerate saves a ZeRO-3 model through ``_zero3_consolidated_16bit_state_dict``
+        only when this is true (else it asks for ``save_checkpoint``), as with DeepSpeed."""
+        return self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save
+
+    def _zero3_consolidated_16bit_state_dict(
+        self, exclude_frozen_parameters: bool = False
+    ) -> dict[str, torch.Tensor]:
+        """The whole model's state dict in the training dtype (DeepSpeed's name, which
+        Accelerate and the Trainer call to save a ZeRO-3 model); every rank must call it, and
+        every rank gets it (DeepSpeed returns it on rank 0 only)."""
+        state = self.consolidated_state_dict()
+        if exclude_frozen_parameters:
+            frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
+            state = {k: v for k, v in state.items() if k not in frozen}
+        return state
 
     def bfloat16_enabled(self) -> bool:
         return self.config.bf16.enabled

@@ -291,6 +291,15 @@ def _gathered_apply(self: nn.Module, fn: Callable[..., Any]) -> nn.Module:
     return self
 
 
+def zero_wrapper_for_fp_tensor_constructor(
+    fn: Callable[..., Any], target_fp_dtype: torch.dtype | None = None, target_device: Any = None
+) -> Callable[..., Any]:
+    """DeepSpeed's hook for wrapping tensor constructors under ``zero.Init``. This ``Init``
+    wraps none (a tensor is built where, and in the dtype, the code asks), so ``fn`` comes back
+    unchanged; transformers swaps the name out and back around ``zero.Init``."""
+    return fn
+
+
 # ----------------------------------------------------------------------------- gathering
 class GatheredParameters:
     """DeepSpeed's ``zero.GatheredParameters``: inside the block the given parameters are
@@ -306,7 +315,9 @@ class GatheredParameters:
         enabled: bool = True,
     ) -> None:
         params = [params] if isinstance(params, torch.Tensor) else list(params or [])
-        self.params = list({id(p): p for p in params}.values())
+        # None stands for an absent parameter (transformers passes a missing bias): skipped,
+        # as DeepSpeed skips anything that is not a ZeRO parameter
+        self.params = list({id(p): p for p in params if p is not None}.values())
         self.modifier_rank = modifier_rank
         self.enabled = enabled
 

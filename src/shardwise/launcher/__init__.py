@@ -1,0 +1,1 @@
+"""``deepspeed.launcher``: the DeepSpeed launcher's import path; ``shardwise run`` is the launcher."""
