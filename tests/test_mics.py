@@ -15,6 +15,8 @@ stale or unreduced replica differs by whole gradient steps (lr 0.1 x gradients ~
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from equivalence import STEPS, assert_layout_matches, engine_run, setup
@@ -170,6 +172,12 @@ def test_a_mics_checkpoint_loads_into_a_flat_layout_and_back(saved, loaded, tmp_
     after = on_world(CKPT_LAYOUTS[loaded][0], train, cfg(loaded), 3, 0.0, None, str(tmp_path))
     for rank, r in enumerate(before):
         assert r["losses"] == pytest.approx(want["losses"][:3], rel=1e-5), f"{saved} rank {rank}"
+    manifest = json.loads((tmp_path / "global_step3" / "manifest.json").read_text())
+    for name, t in manifest["tensors"].items():
+        boxes = [json.dumps([p.get("box"), p.get("flat")]) for p in t["pieces"]]
+        assert len(boxes) == len(set(boxes)), f"{saved}: {name} has a piece stored twice"
+    sizes = [f["size"] for f in manifest["files"].values()]
+    assert min(sizes) > sum(sizes) / (3 * len(sizes)), f"{saved}: unbalanced files {sizes}"
     for rank, r in enumerate(after):
         tag = f"{saved} -> {loaded} rank {rank}"
         assert r["losses"] == pytest.approx(want["losses"][3:], rel=1e-5), tag
