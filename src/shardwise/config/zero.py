@@ -228,9 +228,9 @@ def _check_mics(zero: ZeroConfig) -> None:
             f"{zero.mics_shard_size} shards ZeRO states within groups of that many ranks and "
             'needs "stage": 1, 2 or 3 (stage is 0); set a stage or remove the key',
         )
-    if zero.mics_hierarchical_params_gather and not zero.mics_shard:
+    if zero.mics_hierarchical_params_gather and (not zero.mics_shard or zero.stage != 3):
         raise fail(
             join(path, "mics_hierarchical_params_gather"),
-            "gathers MiCS shard groups in two hops and needs mics_shard_size > 0; set it "
-            "or remove the key",
+            "gathers ZeRO-3 parameters of a MiCS shard group in two hops and needs "
+            '"stage": 3 and mics_shard_size > 0; set them or remove the key',
         )

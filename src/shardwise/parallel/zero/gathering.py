@@ -72,6 +72,8 @@ class Unit:
     # Where gathered parameters and gradients live; None: the shard's device. Differs from
     # the shard's under offload_param (shard in host memory, compute on the accelerator).
     device: torch.device | None = None
+    # (full, shard) -> handle: MiCS's two-hop gather (zero/mics.py); None: one over ``group``.
+    gather: Any = None
 
     @property
     def compute_device(self) -> torch.device:
@@ -94,7 +96,10 @@ class Unit:
         )
         # Offloaded: copy the shard up first (the collective runs on the compute device).
         shard = self.shard.to(self.compute_device, non_blocking=True)
-        self.work = comm.all_gather_into_tensor(self.full, shard, group=self.group, async_op=True)
+        gather = self.gather or partial(
+            comm.all_gather_into_tensor, group=self.group, async_op=True
+        )
+        self.work = gather(self.full, shard)
         self.live.elements += self.layout.padded
 
     def materialize(self) -> None:

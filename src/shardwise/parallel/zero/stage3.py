@@ -88,7 +88,8 @@ class Zero3Strategy:
     @classmethod
     def from_context(cls, ctx: StrategyContext) -> Zero3Strategy:
         opt, zero = require_optimizer(ctx), ctx.config.zero_optimization
-        device, groups = offload_device(ctx.config), ZeroGroups.from_mesh(ctx.mesh)
+        two_hop = zero.mics_hierarchical_params_gather
+        device, groups = offload_device(ctx.config), ZeroGroups.from_mesh(ctx.mesh, two_hop)
         return cls.from_config(ctx.model, opt, zero, groups.shard, device, groups)
 
     def checkpoint_layout(
@@ -239,6 +240,8 @@ class Zero3Strategy:
             shard = self._keep(shard)
         group = self.groups.data if persistent else self.group  # persistent: whole on all N
         u = Unit(layout, shard, persistent, group, self.rank, self.live, device=device)
+        if self.groups.nodes > 1:  # MiCS's two-hop gather (zero/mics.py)
+            u.gather = self.groups.all_gather
         for i, p in enumerate(params):
             for name in ("ds_tensor", "ds_group"):
                 if hasattr(p, name):
