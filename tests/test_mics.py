@@ -271,3 +271,30 @@ def test_a_two_hop_gather_within_one_node_is_refused():
     mesh = ProcessMesh(Topology(dp=4, zero_shard=4), rank=0)
     with pytest.raises(ConfigError, match="mics_hierarchical_params_gather.*at least 2 nodes"):
         _hop_groups(mesh, 4)
+
+
+def _changed_on_rank_0() -> dict:
+    """Rank 0 alone writes into every parameter under GatheredParameters(modifier_rank=0)."""
+    from equivalence import engine_config
+    from models import make_model
+
+    import shardwise
+    from shardwise import comm
+    from shardwise.parallel.zero.partition import GatheredParameters
+
+    config = engine_config(1, CLIP, "sgd", zero_optimization=zero(3, 2))
+    engine, *_ = shardwise.initialize(model=make_model(), config=config)
+    params = list(engine.module.parameters())
+    with GatheredParameters(params, modifier_rank=0), torch.no_grad():
+        if comm.get_rank() == 0:
+            for p in params:
+                p.fill_(0.5)
+    return engine.consolidated_state_dict()
+
+
+def test_a_change_on_one_rank_reaches_every_replica():
+    """GatheredParameters' broadcast runs over all data ranks, not one shard group: else the
+    other replica keeps the old values and the replicas drift apart silently."""
+    for rank, state in enumerate(run_distributed(_changed_on_rank_0, DP)):
+        for name, value in state.items():
+            assert torch.all(value == 0.5), f"rank {rank}: {name} kept its old values"

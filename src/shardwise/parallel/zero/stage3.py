@@ -242,6 +242,8 @@ class Zero3Strategy:
         u = Unit(layout, shard, persistent, group, self.rank, self.live, device=device)
         if self.groups.nodes > 1:  # MiCS's two-hop gather (zero/mics.py)
             u.gather = self.groups.all_gather
+        if self.groups.replicas > 1:  # GatheredParameters' changes reach every replica
+            u.data = self.groups.data
         for i, p in enumerate(params):
             for name in ("ds_tensor", "ds_group"):
                 if hasattr(p, name):
