@@ -48,6 +48,8 @@ LAYOUTS = [
     ("dp2-pp2-zero2-bf16", L(2, 1, 2, 2, 2, 2), "bf16"),
     ("tp2-pp2", L(1, 2, 2, 0, 2, 2), "fp32"),
     ("dp4-zero3-offload-bf16", L(4, 1, 1, 3, 1, 2, offload=True), "bf16"),
+    ("dp4-zero2-mics2", L(4, 1, 1, 2, 1, 2, mics=2), "fp32"),  # hierarchical-zero.md
+    ("dp4-zero3-mics2-bf16", L(4, 1, 1, 3, 1, 2, mics=2), "bf16"),
 ]
 STATES = ("params", "grads", "optimizer")
 

@@ -33,6 +33,7 @@ BUG_SCRIPT = REPO / "tests" / "scripts" / "verify_rms_norm.py"
         ("pp2xzero1x2", Layout("pp2xzero1x2", dp=2, pp=2, zero=1)),
         ("tp2xsp", Layout("tp2xsp", tp=2, sp=True)),
         ("dp2xcp2xulysses", Layout("dp2xcp2xulysses", dp=2, cp=2, ulysses=True)),
+        ("dp4xzero3xmics2", Layout("dp4xzero3xmics2", dp=4, zero=3, mics=2)),
     ],
 )
 def test_layout_names(text, want):
@@ -57,6 +58,8 @@ def nothing_starts(monkeypatch):
         (["--layouts", "zero3"], ["--layouts", "one data rank", "zero3x2"]),
         (["--layouts", "zero3x2xpp2"], ["--layouts", "ZeRO-3", "zero1"]),
         (["--layouts", "dp2,dp2"], ["--layouts", "twice"]),
+        (["--layouts", "dp4xmics2"], ["--layouts", "mics2", "zero1"]),
+        (["--layouts", "dp4xzero2xmics3"], ["--layouts", "multiple of 3"]),
         (["--layouts", "dp2xulysses"], ["--layouts", "context-parallel", "cp2"]),
         (["--layouts", "dp2", "--steps", "0"], ["--steps 0", "at least 1"]),
         (["--layouts", "pp2"], ["--layouts pp2", "'pipeline' builder"]),
@@ -215,6 +218,10 @@ def test_the_layout_name_decides_sizes_the_script_config_already_sets():
     cfg = layout_config(base, Layout("dp2", dp=2), global_batch=8)
     assert cfg["zero_optimization"]["stage"] == 0, f"dp2 runs without ZeRO: {cfg}"
     assert cfg["tensor_parallel"]["size"] == 1, f"dp2 runs without TP: {cfg}"
+    mics = layout_config(
+        {"zero_optimization": {"mics_shard_size": 2}}, Layout("x", dp=2, zero=1), 8
+    )
+    assert mics["zero_optimization"]["mics_shard_size"] == -1, f"no mics part: flat ZeRO {mics}"
 
 
 def test_a_layout_that_did_not_run_counts_as_diverged():

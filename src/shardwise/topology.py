@@ -13,6 +13,10 @@ Context-parallel ranks hold the same parameters and see other tokens of the same
 for parameters they are data-parallel ranks: gradients are reduced, and ZeRO shards, over the
 data x context ranks (``dp_cp``: the ranks that share the pipeline and tensor coordinates).
 
+MiCS / HSDP (``mics_shard_size`` = S) cuts each data x context group, in ``dp_cp_index`` order,
+into R = dp_cp / S replicas of S consecutive ranks: ZeRO shards over a replica's S ranks
+(``zero_shard``), each shard is all-reduced over the R ranks holding it (``zero_replicate``).
+
 ``Topology`` is pure arithmetic and needs no processes; ``ProcessMesh`` holds the live
 ``torch.distributed`` groups of one rank. Every group is created exactly once, by every rank,
 in the same order, as ``torch.distributed.new_group`` requires.
@@ -20,14 +24,15 @@ in the same order, as ``torch.distributed.new_group`` requires.
 
 from __future__ import annotations
 
-import datetime
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 import torch.distributed as dist
+
+from shardwise.launch.rank_table import rank_table
+from shardwise.launch.timeout import world_timeout
 
 
 class TopologyError(ValueError):
@@ -56,6 +61,7 @@ class Topology:
     pp: int = 1
     tp: int = 1
     cp: int = 1
+    zero_shard: int = 0  # MiCS: ranks per ZeRO shard group; 0: every data x context rank
 
     def __post_init__(self) -> None:
         for axis in AXES:
@@ -64,10 +70,21 @@ class Topology:
                 raise TopologyError(
                     f"{AXIS_NAMES[axis]}-parallel size {axis}={size!r} must be an integer >= 1"
                 )
+        if self.zero_shard and self.dp_cp % self.zero_shard:
+            raise TopologyError(
+                f"zero_optimization.mics_shard_size={self.zero_shard} does not divide the {self.dp_cp}"
+                f" data-parallel ranks: use a divisor of {self.dp_cp} (the ranks of one host), or -1"
+            )
 
     @classmethod
     def build(
-        cls, world_size: int, dp: int | None = None, pp: int = 1, tp: int = 1, cp: int = 1
+        cls,
+        world_size: int,
+        dp: int | None = None,
+        pp: int = 1,
+        tp: int = 1,
+        cp: int = 1,
+        zero_shard: int = 0,
     ) -> Topology:
         """Build the mesh for ``world_size`` processes; ``dp=None`` takes what the others leave.
 
@@ -84,7 +101,7 @@ class Topology:
                     "change pipeline.stages / tensor_parallel.size / context_parallel.size"
                 )
             dp = world_size // (pp * tp * cp)
-        topo = cls(dp=dp, pp=pp, tp=tp, cp=cp)
+        topo = cls(dp=dp, pp=pp, tp=tp, cp=cp, zero_shard=zero_shard)
         if topo.world_size != world_size:
             raise TopologyError(
                 f"{topo.describe()} processes, but the world size is {world_size}: the "
@@ -93,8 +110,10 @@ class Topology:
         return topo
 
     def describe(self) -> str:
-        """``data 2 x pipeline 1 x tensor 2 = 4`` (context shown when it is split)."""
+        """``data 2 x pipeline 1 x tensor 2 = 4`` (context when split; MiCS replicas x shard)."""
         ctx = f" x context {self.cp}" if self.cp > 1 else ""
+        if self.zero_shard:
+            ctx += f" ({self.replicas} replicas x shard {self.zero_shard})"
         return f"data {self.dp}{ctx} x pipeline {self.pp} x tensor {self.tp} = {self.world_size}"
 
     @property
@@ -105,6 +124,20 @@ class Topology:
     def dp_cp(self) -> int:
         """How many ranks hold each parameter slice: data x context (gradients average there)."""
         return self.dp * self.cp
+
+    @property
+    def replicas(self) -> int:
+        """R: how many copies of each ZeRO shard the data x context ranks hold (MiCS)."""
+        return self.dp_cp // (self.zero_shard or self.dp_cp)
+
+    def zero_groups(self, kind: str) -> list[list[int]]:
+        """MiCS: every "shard" group (S consecutive data x context ranks: ZeRO shards over them)
+        or "replicate" group (R ranks, one per shard group, holding the same shard)."""
+        s, out = self.zero_shard or self.dp_cp, []
+        for g in self.dp_cp_groups():
+            rows = [g[i : i + s] for i in range(0, len(g), s)]
+            out += rows if kind == "shard" else [list(c) for c in zip(*rows, strict=True)]
+        return out
 
     def size(self, axis: str) -> int:
         """Size of a named axis: 'dp', 'cp', 'pp' or 'tp'."""
@@ -170,22 +203,8 @@ class Topology:
         return [self.rank(**{**base, axis: i}) for i in range(self.size(axis))]
 
     def rank_table(self, hosts: Sequence[str] | None = None, nproc_per_node: int = 0) -> str:
-        """A printable table: rank, host, local rank and mesh coordinates of every process.
-
-        ``hosts`` names the node of each rank (``hosts[rank]``); with ``nproc_per_node`` and no
-        hosts, nodes are numbered ``node0``, ``node1``... as a launcher would fill them.
-        """
-        per_node = nproc_per_node or self.world_size
-        axes = [a for a in ("pp", "dp", "cp", "tp") if a != "cp" or self.cp > 1]
-        rows = [("rank", "host", "local_rank", *axes)]
-        for r in range(self.world_size):
-            c = self.coord(r)
-            host = hosts[r] if hosts else f"node{r // per_node}"
-            rows.append((str(r), host, str(r % per_node), *(str(getattr(c, a)) for a in axes)))
-        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-        lines = ["  ".join(v.rjust(w) for v, w in zip(row, widths, strict=True)) for row in rows]
-        header = f"Topology: {self.describe()} processes"
-        return "\n".join([header, *lines])
+        """Rank, host, local rank and mesh coordinates of every process (launch/rank_table.py)."""
+        return rank_table(self, hosts, nproc_per_node)
 
 
 @dataclass
@@ -219,24 +238,23 @@ class ProcessMesh:
         for axis in AXES:
             if axis == "cp" and topology.cp == 1:
                 continue  # no context groups to make: the layouts without one keep theirs
-            for members in topology.axis_groups(axis):
-                whole = len(members) == topology.world_size
-                group = None if whole else new_group(members, AXIS_NAMES[axis])
-                if rank in members:
-                    mesh.groups[axis] = group if group is not None else dist.group.WORLD
-        for members in topology.model_parallel_groups():
-            whole = len(members) == topology.world_size
-            group = None if whole else new_group(members, "model-parallel")
-            if rank in members:
-                mesh.groups["model_parallel"] = group if group is not None else dist.group.WORLD
+            mesh._join(axis, topology.axis_groups(axis), AXIS_NAMES[axis])
+        mesh._join("model_parallel", topology.model_parallel_groups(), "model-parallel")
         mesh.groups["dp_cp"] = mesh.groups["dp"]
         if topology.cp > 1:
-            for members in topology.dp_cp_groups():
-                whole = len(members) == topology.world_size
-                group = None if whole else new_group(members, "data-context")
-                if rank in members:
-                    mesh.groups["dp_cp"] = group if group is not None else dist.group.WORLD
+            mesh._join("dp_cp", topology.dp_cp_groups(), "data-context")
+        mesh.groups["zero_shard"] = mesh.groups["dp_cp"]  # MiCS: replaced by the shard group
+        for kind in ("shard", "replicate") if topology.zero_shard else ():
+            mesh._join(f"zero_{kind}", topology.zero_groups(kind), f"zero-{kind}")
         return mesh
+
+    def _join(self, key: str, groups: list[list[int]], name: str) -> None:
+        """Make every group of ``groups`` (all ranks, same order); keep this rank's as ``key``."""
+        for members in groups:
+            whole = len(members) == self.topology.world_size
+            group = dist.group.WORLD if whole else new_group(members, name)
+            if self.rank in members:
+                self.groups[key] = group
 
     @property
     def coord(self) -> Coord:
@@ -321,8 +339,7 @@ class ProcessMesh:
 
     def dp_cp_ranks(self) -> list[int]:
         """Global ranks of this rank's data x context group, in ``dp_cp_rank`` order."""
-        topo = self.topology
-        return next(g for g in topo.dp_cp_groups() if self.rank in g)
+        return next(g for g in self.topology.dp_cp_groups() if self.rank in g)
 
     @property
     def pp_group(self) -> Any:
@@ -356,19 +373,6 @@ class ProcessMesh:
     @property
     def cp_rank(self) -> int:
         return self.coord.cp
-
-
-def world_timeout() -> datetime.timedelta | None:
-    """The collective timeout the world group was created with (``init_distributed(timeout=)``,
-    ``$SHARDWISE_TIMEOUT_S``), or None when torch does not say."""
-    try:
-        default = dist.distributed_c10d._get_default_group()
-        backend = default._get_backend(
-            torch.device("cpu" if dist.get_backend() == "gloo" else "cuda")
-        )
-        return backend.options._timeout
-    except (AttributeError, RuntimeError, ValueError):
-        return None
 
 
 def new_group(

@@ -112,6 +112,7 @@ class _Namer:
         self.dp_rank, self.tp0 = mesh.dp_cp_rank, mesh.tp_rank == 0  # context ranks: replicas
         self.topology = mesh.topology
         self.loads = {kind: [0] * mesh.topology.dp_cp for kind in ("model", "slot")}
+        self.turns: dict[tuple[int, ...], int] = {}  # MiCS: pieces offered per set of holders
 
     def name(self, p: torch.Tensor) -> str:
         if id(p) not in self.names:
@@ -122,14 +123,26 @@ class _Namer:
         return self.names[id(p)]
 
     def offers(
-        self, pl: Placement, replicated_over_dp: bool, numel: int, kind: str, t: torch.Tensor
+        self,
+        pl: Placement,
+        replicated_over_dp: bool,
+        numel: int,
+        kind: str,
+        t: torch.Tensor,
+        holders: tuple[int, ...] = (),
     ) -> bool:
         """This rank offers a piece of this placement (one rank per set of replicas); a DP
         replica goes to the data-parallel rank with the fewest elements of ``kind`` so far
         among those holding it (an expert: each expert-data group, in turn, so that every
-        rank makes the same choices, data/replica_groups.py)."""
+        rank makes the same choices, data/replica_groups.py). A shard held by several data
+        ranks (``holders``: MiCS replicas) goes to each of them in turn, counted among those
+        holders only (they alone see that shard's pieces, so ``loads`` cannot be used)."""
         if not (self.tp0 or not pl.tp_replicated):
             return False
+        if not replicated_over_dp and len(holders) > 1:
+            turn = self.turns.get(holders, 0)
+            self.turns[holders] = turn + 1
+            return holders[turn % len(holders)] == self.dp_rank
         if not replicated_over_dp:
             return True
         loads, mine = self.loads[kind], False
@@ -202,6 +215,7 @@ class FlatShard:
     separate: bool  # the master is its own storage (16-bit or offloaded), saved as "master/"
     replicated: bool
     model: torch.Tensor | None = None
+    holders: tuple[int, ...] = ()  # MiCS: the data indices holding this same shard (one saves)
 
 
 def flat_layout(module: nn.Module, mesh: ProcessMesh, shards: list[FlatShard]) -> Layout:
@@ -211,7 +225,7 @@ def flat_layout(module: nn.Module, mesh: ProcessMesh, shards: list[FlatShard]) -
     model, slots, managed = [], [], set()
     for sh in shards:
         lay = sh.layout
-        found = _flat_slots(namer, lay, sh.part, sh.master, sh.separate, sh.replicated)
+        found = _flat_slots(namer, lay, sh, () if sh.replicated else sh.holders)
         if sh.model is not None:
             managed.update(id(p) for p in lay.params)
             for s in found:  # the model shard covers exactly what the master shard does
@@ -236,15 +250,11 @@ def _overlaps(
 
 
 def _flat_slots(
-    namer: _Namer,
-    lay: FlatLayout,
-    part: int,
-    master: torch.Tensor,
-    separate: bool,
-    replicated_over_dp: bool,
+    namer: _Namer, lay: FlatLayout, sh: FlatShard, holders: tuple[int, ...]
 ) -> list[Slot]:
-    """Slots of the parameters overlapping shard ``part`` of a flat buffer laid out by ``lay``,
-    whose optimizer state lives on ``master`` (this rank's shard)."""
+    """Slots of the parameters overlapping shard ``sh.part`` of a flat buffer laid out by
+    ``lay``, whose optimizer state lives on ``sh.master`` (this rank's shard)."""
+    part, master, separate, replicated_over_dp = sh.part, sh.master, sh.separate, sh.replicated
     out = []
     numels = [math.prod(s) for s in lay.shapes]
     lo = part * lay.shard_numel
@@ -253,7 +263,7 @@ def _flat_slots(
         values = master.detach()[at : at + n] if separate else None
         name, save = (
             namer.name(lay.params[i]),
-            namer.offers(pl, replicated_over_dp, n, "slot", lay.params[i]),
+            namer.offers(pl, replicated_over_dp, n, "slot", lay.params[i], holders),
         )
         flat = (start, start + n)
         out.append(Slot(name, pl.global_shape, pl.box, flat, master, at, values, save, pl.packed))

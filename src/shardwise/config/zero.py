@@ -111,7 +111,7 @@ class ZeroConfig:
     zero_quantized_nontrainable_weights: bool = False
     zero_quantized_gradients: bool = False
     zeropp_loco_param: dict[str, Any] | None = None
-    mics_shard_size: int = -1
+    mics_shard_size: int = -1  # MiCS / HSDP: ranks per shard group; <= 0 off (DeepSpeed: > 0)
     mics_hierarchical_params_gather: bool = False
     memory_efficient_linear: bool = True
     pipeline_loading_checkpoint: bool = False
@@ -125,6 +125,12 @@ class ZeroConfig:
     save_muon_momentum_buffer_in_memory: bool = False
     leaf_module: dict[str, Any] = field(default_factory=dict)
     zenflow: dict[str, Any] | None = None
+
+    @property
+    def mics_shard(self) -> int:
+        """Ranks per ZeRO shard group under MiCS (topology.py cuts the data ranks into them);
+        0 when off: ZeRO shards over every data rank."""
+        return max(self.mics_shard_size, 0)
 
 
 def parse_zero(raw: object, notes: Notes) -> ZeroConfig:
@@ -200,6 +206,7 @@ def _check_zero(zero: ZeroConfig) -> None:
     for key, (feature, default) in _UNSUPPORTED_WHEN_SET.items():
         if getattr(zero, key) != default:
             raise fail(join(path, key), f"{feature} is not supported by shardwise; remove the key")
+    _check_mics(zero)
     if zero.offload_param is not None and zero.stage != 3:
         raise fail(join(path, "offload_param"), f"needs ZeRO stage 3 (stage is {zero.stage})")
     if zero.offload_optimizer is not None:
@@ -210,3 +217,20 @@ def _check_zero(zero: ZeroConfig) -> None:
                 join(path, "offload_optimizer.ratio"),
                 f"partial offloading is only supported with ZeRO stage 3 (stage is {zero.stage})",
             )
+
+
+def _check_mics(zero: ZeroConfig) -> None:
+    """MiCS shards ZeRO's states within groups of ``mics_shard_size`` ranks: stage 0 has none."""
+    path = "zero_optimization"
+    if zero.mics_shard and zero.stage == 0:
+        raise fail(
+            join(path, "mics_shard_size"),
+            f"{zero.mics_shard_size} shards ZeRO states within groups of that many ranks and "
+            'needs "stage": 1, 2 or 3 (stage is 0); set a stage or remove the key',
+        )
+    if zero.mics_hierarchical_params_gather and (not zero.mics_shard or zero.stage != 3):
+        raise fail(
+            join(path, "mics_hierarchical_params_gather"),
+            "gathers ZeRO-3 parameters of a MiCS shard group in two hops and needs "
+            '"stage": 3 and mics_shard_size > 0; set them or remove the key',
+        )

@@ -97,6 +97,15 @@ def _add_topo_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--ep", type=int, default=1, help="expert-parallel size (MoE ep_size, divides dp)"
     )
+    p.add_argument(
+        "--mics-shard-size",
+        "--mics_shard_size",
+        dest="mics_shard_size",
+        type=int,
+        default=-1,
+        help="zero_optimization.mics_shard_size: ZeRO shards within groups of this many data "
+        "ranks and replicates across them (MiCS / HSDP); <= 0: off",
+    )
     p.add_argument("--nnodes", "--num_nodes", dest="nnodes", type=int, default=None)
     p.add_argument(
         "--nproc-per-node", "--nproc_per_node", dest="nproc_per_node", type=int, default=None
@@ -200,11 +209,15 @@ def topo_command(args: argparse.Namespace) -> str:
     per_node = args.nproc_per_node or 0
     if args.subgroup is not None:
         return subgroup_table(parse_subgroup(args.subgroup, world), world, per_node)
-    topo = Topology.build(world, dp=args.dp, pp=args.pp, tp=args.tp, cp=args.cp)
+    shard = max(args.mics_shard_size, 0)
+    topo = Topology.build(world, dp=args.dp, pp=args.pp, tp=args.tp, cp=args.cp, zero_shard=shard)
     groups = _format_groups(topo, args.ep)
     if topo.cp > 1:  # gradients average, and ZeRO shards, over data x context
         listed = " ".join(str(g) for g in topo.dp_cp_groups())
         groups.append(f"data-context groups (dp x cp={topo.dp_cp}): {listed}")
+    for kind, size in (("shard", shard), ("replicate", topo.replicas)) if shard else ():
+        listed = " ".join(str(g) for g in topo.zero_groups(kind))
+        groups.append(f"ZeRO {kind} groups (MiCS, {size} ranks each): {listed}")
     return "\n".join([topo.rank_table(nproc_per_node=per_node), "", *groups])
 
 

@@ -4,6 +4,9 @@
     world = dp x tp x pp   (tensor parallelism inside a node: its ranks are neighbours)
     global batch (sequences) = dp x micro_batch x grad_accum
 
+MiCS (``mics``: ZeRO shards within groups of that many data ranks, replicated across them) is
+weighed at the data ranks of one node (procs_per_node / tp) when the data ranks span nodes.
+
 A pipeline runs ``grad_accum`` micro-batches per step through its stages under a schedule:
 1F1B, or a zero-bubble one (ZB-H1; ZBV and DualPipeV, two chunks per stage in a V, when the
 model has layers for 2 pp virtual stages; DualPipeV with at least 2 pp micro-batches).
@@ -14,7 +17,7 @@ writes the DeepSpeed-style config that runs one as is.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from shardwise.parallel.pipeline.schedule import V_SCHEDULES
 from shardwise.parallel.tensor.heads import heads_to_divide
@@ -36,6 +39,12 @@ class Layout:
     offload: bool = False
     sequence_parallel: bool = False
     schedule: str = "1f1b"
+    mics: int = 0  # ZeRO shard group size (MiCS); 0: ZeRO shards over all dp ranks
+
+    @property
+    def shard(self) -> int:
+        """The ranks ZeRO shards over: the MiCS group, else every data rank."""
+        return self.mics or self.dp
 
     @property
     def world(self) -> int:
@@ -51,6 +60,7 @@ class Layout:
         parts += ["ckpt"] if self.activation_checkpointing else []
         parts += ["offload"] if self.offload else []
         parts += [self.schedule] if self.pp > 1 and self.schedule != "1f1b" else []
+        parts += [f"mics{self.mics}"] if self.mics else []
         return " ".join(parts)
 
     def as_dict(self) -> dict:
@@ -110,7 +120,17 @@ def candidates(
             if global_batch % dp:
                 continue
             layers = len(shape.layers)
-            yield from _per_mesh(dp, tp, pp, global_batch // dp, micro_batches, layers)
+            for lay in _per_mesh(dp, tp, pp, global_batch // dp, micro_batches, layers):
+                yield lay
+                if lay.zero_stage and _mics_size(dp, tp, per_node):
+                    yield replace(lay, mics=_mics_size(dp, tp, per_node))
+
+
+def _mics_size(dp: int, tp: int, per_node: int) -> int:
+    """MiCS's shard group: the data ranks of one node, when the data ranks span several
+    (0: no MiCS layout; one node's data ranks are already one group)."""
+    local = per_node // tp if per_node % tp == 0 else 0
+    return local if 1 < local < dp and dp % local == 0 else 0
 
 
 def _schedules(pp: int, grad_accum: int, layers: int) -> tuple[str, ...]:
@@ -164,6 +184,8 @@ def to_config(layout: Layout, precision: str, shape: ModelShape | None = None) -
     }
     if layout.offload:
         cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    if layout.mics:
+        cfg["zero_optimization"]["mics_shard_size"] = layout.mics
     is_pipe = shape is not None and shape.module_is_pipeline
     if layout.tp > 1:
         cfg["tensor_parallel"] = {"size": layout.tp, "sequence_parallel": layout.sequence_parallel}

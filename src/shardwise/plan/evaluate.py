@@ -6,7 +6,8 @@ are plain dicts (the JSON of ``shardwise plan --json``), bytes per rank and seco
     dp, tp, pp, zero_stage, micro_batch, grad_accum, activation_checkpointing, offload,
     sequence_parallel, schedule, feasible, reason,
     memory {params, grads, optimizer, activations, buffers, peak, host, checkpoint_staging},
-    comm_bytes {data, tensor, pipeline}, comm_ops {op: {calls, bytes, sent_bytes}},
+    mics, comm_bytes {data, tensor, pipeline}, link_bytes {intra_node, inter_node},
+    comm_ops {op: {calls, bytes, sent_bytes}},
     bubble, step_time_s, time {compute, exposed_comm, bubble}, tokens_per_s, mfu, stage
 
 The numbers are the worst rank's: the stage with the highest device memory (memory and
@@ -43,7 +44,7 @@ from shardwise.plan.memory import (
     stage_bounds,
 )
 from shardwise.plan.shape import ModelShape
-from shardwise.plan.timing import StageWork, step_time
+from shardwise.plan.timing import StageWork, by_link, step_time
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -120,6 +121,7 @@ class Planner:
         """(params, isolated, model states, data-parallel calls), cached: they do not depend
         on the micro-batch or on checkpointing."""
         key = (layout.tp, layout.pp, layout.dp, layout.zero_stage, layout.offload, stage)
+        key += (layout.mics,)
         key += (layout.grad_accum, layout.schedule in V_SCHEDULES)
         if key not in self._states:
             ranges = self.ranges(layout, stage)
@@ -195,6 +197,7 @@ class Planner:
         worst = max(views, key=lambda v: v.peak)
         time = step_time([v.work for v in views], layout, self.cluster, self.precision)
         rec = _record(layout, worst, time)
+        rec["link_bytes"] = by_link(worst.calls, layout, self.cluster.procs_per_node)
         tokens = layout.global_batch * self.seq
         rec["tokens_per_s"] = tokens / time.total if time.total > 0 else 0.0
         flops = 3 * sum(a.flops for a in self.trace(layout.micro_batch).layers)

@@ -177,7 +177,7 @@ def _states(
         return ModelStates(4 * n, 4 * trained, k * trained)
     if layout.zero_stage == 3:
         return _zero3(params, layout, c, k, master, opts)
-    parts = layout.dp if layout.zero_stage >= 1 else 1
+    parts = layout.shard if layout.zero_stage >= 1 else 1
     lays = buckets([p for p in params if p.trainable], tp, parts, opts.bucket_elements, isolate)
     padded = sum(lay.padded for lay in lays)
     shard = sum(lay.shard_numel for lay in lays)
@@ -194,7 +194,7 @@ def _zero3(
     params: list[ParamInfo], layout: Layout, c: int, k: int, master: int, opts: Options
 ) -> ModelStates:
     units = zero3_units(
-        params, layout.dp, opts.persistence_threshold, opts.model_persistence_threshold
+        params, layout.shard, opts.persistence_threshold, opts.model_persistence_threshold
     )
     held = sum(u.padded if persistent else u.shard_numel for u, persistent in units)
     frozen = sum(p.numel for p in params if not p.trainable)

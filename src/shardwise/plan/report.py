@@ -11,7 +11,7 @@ COLUMNS = (
     ("dp", lambda i, r: str(r["dp"])),
     ("tp", lambda i, r: f"{r['tp']}{'+sp' if r['sequence_parallel'] else ''}"),
     ("pp", lambda i, r: str(r["pp"]) + ("" if r["schedule"] == "1f1b" else f" {r['schedule']}")),
-    ("zero", lambda i, r: str(r["zero_stage"])),
+    ("zero", lambda i, r: str(r["zero_stage"]) + (f" mics{r['mics']}" if r.get("mics") else "")),
     ("mb x gas", lambda i, r: f"{r['micro_batch']}x{r['grad_accum']}"),
     ("ckpt", lambda i, r: "yes" if r["activation_checkpointing"] else "-"),
     ("offload", lambda i, r: "cpu" if r["offload"] else "-"),

@@ -52,10 +52,23 @@ class StepTime:
         return self.compute + self.exposed_comm + self.bubble
 
 
-def _spans_nodes(axis: str, layout: Layout, cluster: Cluster) -> bool:
-    """Does a group of ``axis`` reach across nodes? (tp innermost, then dp, then pp.)"""
-    inner = {"tensor": layout.tp, "data": layout.tp * layout.dp, "pipeline": layout.world}[axis]
-    return inner > cluster.procs_per_node
+def spans_nodes(axis: str, layout: Layout, procs_per_node: int) -> bool:
+    """Does a group of ``axis`` reach across nodes? (tp innermost, then dp, then pp; under
+    MiCS "data" is the shard group and "replicate" spans the data ranks.)"""
+    spans = {
+        "tensor": layout.tp,
+        "data": layout.tp * layout.shard,
+        "replicate": layout.tp * layout.dp,
+    }
+    return spans.get(axis, layout.world) > procs_per_node
+
+
+def by_link(calls: list[Call], layout: Layout, procs_per_node: int) -> dict[str, int]:
+    """Bytes a rank sends per step over links inside its node and across nodes."""
+    out = {"intra_node": 0, "inter_node": 0}
+    for c in calls:
+        out["inter_node" if spans_nodes(c.axis, layout, procs_per_node) else "intra_node"] += c.sent
+    return out
 
 
 def _comm(calls: list[Call], layout: Layout, cluster: Cluster, axis: str) -> float:
@@ -63,7 +76,7 @@ def _comm(calls: list[Call], layout: Layout, cluster: Cluster, axis: str) -> flo
     total = 0.0
     for c in calls:
         if c.axis == axis and c.op != "recv":
-            inter = _spans_nodes(axis, layout, cluster)
+            inter = spans_nodes(axis, layout, cluster.procs_per_node)
             total += c.count * cluster.collective_time(c.op, c.payload, c.n, inter)
     return total
 
@@ -106,7 +119,7 @@ def step_time(
     gas = layout.grad_accum
     compute = gas * compute_time(w, cluster, precision)
     on_path = per_mb[slow] * gas - compute
-    data = _comm(w.calls, layout, cluster, "data")
+    data = _comm(w.calls, layout, cluster, "data") + _comm(w.calls, layout, cluster, "replicate")
     exposed = on_path + (1.0 - cluster.overlap) * data
     compute += optimizer_time(w.states, layout, cluster)
     f, wgt = shares(w.flops, w.recompute_flops)

@@ -8,7 +8,10 @@ all-reduce 2 (n-1)/n S, reduce-scatter / all-gather / broadcast (n-1)/n S, send 
     data       DP: one all-reduce per bucket per step (on the accumulation boundary);
                ZeRO-1: reduce-scatter + all-gather per bucket per step; ZeRO-2: reduce-scatter
                every micro-batch; ZeRO-3: per unit and micro-batch an all-gather in forward,
-               another in backward and a reduce-scatter, persistent units all-reduced per step
+               another in backward and a reduce-scatter, persistent units all-reduced per step;
+               MiCS (zero/mics.py): gathers and reduce-scatters over the S ranks of a shard
+               group, and per step one all-reduce of each bucket's (unit's) shard over the R
+               replicas (axis "replicate", counted with data in ``by_axis``)
     tensor     per micro-batch, at each site the trace found (activations.py): without
                sequence parallelism a column layer all-reduces its input's gradient, a row
                layer its output, the vocabulary embedding its output; with it, all-gather /
@@ -70,7 +73,7 @@ def by_op(calls: list[Call]) -> dict[str, dict[str, int]]:
 def by_axis(calls: list[Call]) -> dict[str, int]:
     out = {"data": 0, "tensor": 0, "pipeline": 0}
     for c in calls:
-        out[c.axis] += c.sent
+        out["data" if c.axis == "replicate" else c.axis] += c.sent
     return out
 
 
@@ -84,31 +87,37 @@ def data_calls(
     trained = [p for p in params if p.trainable]
     if layout.zero_stage == 3:
         return _zero3_calls(trained, layout, c, opts)
-    stage = layout.zero_stage
+    stage, s = layout.zero_stage, layout.shard
     plain = stage == 0 and c == 4 and not layout.offload
-    parts = dp if stage >= 1 else 1
+    parts = s if stage >= 1 else 1
     calls = []
     for lay in buckets(trained, layout.tp, parts, opts.bucket_elements, isolate):
         size = (4 if plain else c) * lay.padded
         if stage == 0:
             calls.append(Call("all_reduce", "data", size, dp))
-        else:
-            calls.append(Call("reduce_scatter", "data", size, dp, gas if stage == 2 else 1))
-            calls.append(Call("all_gather", "data", size, dp))
+            continue
+        if s > 1:
+            calls.append(Call("reduce_scatter", "data", size, s, gas if stage == 2 else 1))
+            calls.append(Call("all_gather", "data", size, s))
+        if s < dp:  # MiCS: the shard, summed over its replicas once per step
+            calls.append(Call("all_reduce", "replicate", c * lay.shard_numel, dp // s))
     return calls
 
 
 def _zero3_calls(params: list[ParamInfo], layout: Layout, c: int, opts: Options) -> list[Call]:
-    dp, gas = layout.dp, layout.grad_accum
-    units = zero3_units(params, dp, opts.persistence_threshold, opts.model_persistence_threshold)
+    dp, gas, s = layout.dp, layout.grad_accum, layout.shard
+    units = zero3_units(params, s, opts.persistence_threshold, opts.model_persistence_threshold)
     calls = []
     for lay, persistent in units:
         size = c * lay.padded
-        if persistent:
-            calls.append(Call("all_reduce", "data", size, dp))
-        else:
-            calls.append(Call("all_gather", "data", size, dp, 2 * gas))
-            calls.append(Call("reduce_scatter", "data", size, dp, gas))
+        if persistent:  # over all data ranks: with MiCS they span the replicas' links too
+            calls.append(Call("all_reduce", "replicate" if s < dp else "data", size, dp))
+            continue
+        if s > 1:
+            calls.append(Call("all_gather", "data", size, s, 2 * gas))
+            calls.append(Call("reduce_scatter", "data", size, s, gas))
+        if s < dp:  # MiCS: the shard, summed over its replicas once per step
+            calls.append(Call("all_reduce", "replicate", c * lay.shard_numel, dp // s))
     return calls
 
 
@@ -198,8 +207,8 @@ def scalar_calls(layout: Layout, stage: int, precision: str, norm: bool) -> list
         calls.append(Call("all_reduce", "data", 4, dp))
     if layout.pp > 1:
         calls.append(Call("broadcast", "pipeline", 4, layout.pp))
-    if norm and dp > 1 and layout.zero_stage >= 1:  # ZeRO: each rank holds a shard's part
-        calls.append(Call("all_reduce", "data", 4, dp))
+    if norm and layout.shard > 1 and layout.zero_stage >= 1:  # ZeRO: each rank a shard's part
+        calls.append(Call("all_reduce", "data", 4, layout.shard))  # MiCS: its shard group
     if norm and mp > 1:
         calls.append(Call("all_reduce", "pipeline" if layout.pp > 1 else "tensor", 4, mp))
     return calls

@@ -178,7 +178,9 @@ def _build_mesh(cfg: Config, stages: int) -> ProcessMesh:
             key="context_parallel.size",
         )
     world = comm.get_world_size()
-    return ProcessMesh.create(Topology.build(world, pp=stages, tp=cfg.tensor_parallel.size, cp=cp))
+    shard = cfg.zero_optimization.mics_shard  # MiCS: ZeRO shards within groups of this size
+    topo = Topology.build(world, pp=stages, tp=cfg.tensor_parallel.size, cp=cp, zero_shard=shard)
+    return ProcessMesh.create(topo)
 
 
 def _configure_comms(cfg: Config) -> None:

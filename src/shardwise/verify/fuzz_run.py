@@ -156,7 +156,7 @@ def precheck(case: Case, setup: VerifySetup) -> dict:
     config = layout_config(setup.config, case_layout(case), case.rows)
     cfg = parse_config(config)
     refuse_unimplemented(cfg, None)
-    Topology.build(case.world, pp=case.pp, tp=case.tp, cp=case.cp)
+    Topology.build(case.world, pp=case.pp, tp=case.tp, cp=case.cp, zero_shard=case.mics)
     cfg.resolve_batch(case.dp)
     return config
 

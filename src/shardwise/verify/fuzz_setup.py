@@ -40,8 +40,10 @@ def default_script() -> Path:
 def case_layout(case: Case) -> Layout:
     """The case's sizes as a verify Layout (named for the result directory)."""
     name = f"dp{case.dp}xtp{case.tp}xpp{case.pp}xcp{case.cp}xzero{case.zero}"
+    name += f"xmics{case.mics}" if case.mics else ""
     ulysses = case.cp > 1 and case.cp_method == "ulysses"
-    return Layout(name, case.dp, case.tp, case.pp, case.zero, case.sp, case.cp, ulysses)
+    sizes = (case.dp, case.tp, case.pp, case.zero, case.sp, case.cp, ulysses)
+    return Layout(name, *sizes, mics=case.mics)
 
 
 def _model_options(case: Case, layout_side: bool) -> dict:

@@ -77,6 +77,7 @@ class Case:
     scheduler: str | None = None
     moe: dict = field(default_factory=dict)  # MoE arguments: k, noisy_gate_policy, ...
     ep: int = 1
+    mics: int = 0  # MiCS: ZeRO shard groups of this many data x context ranks; 0: all
 
     @property
     def world(self) -> int:
@@ -96,6 +97,7 @@ class Case:
     def summary(self) -> str:
         """One short line: model, layout, config."""
         layout = f"dp{self.dp} tp{self.tp} pp{self.pp} cp{self.cp} zero{self.zero}"
+        layout += f" mics{self.mics}" if self.mics else ""
         extra = [k for k in ("offload_optimizer", "offload_param", "sp") if getattr(self, k)]
         if self.cp > 1:
             extra.append(self.cp_method)
@@ -171,7 +173,19 @@ def draw_case(rng: random.Random) -> Case:
         case = replace(case, moe=_moe(rng), ep=rng.choice([e for e in (1, 2, 4) if dp % e == 0]))
     if case.world == 1 and not (zero or case.offload_optimizer):
         case = replace(case, dp=2)  # one plain process is the reference itself
-    return case
+    return replace(case, mics=_mics(case))
+
+
+def _mics(case: Case) -> int:
+    """A MiCS shard size for a sharded case over several data ranks, 1 time in 3: a proper
+    divisor of dp x cp. Drawn from the case itself, not from the shared stream, so that the
+    draws made before MiCS joined the space (tests/test_verify_fuzz.py's CI_DRAWS) are kept."""
+    sizes = [s for s in range(1, case.dp * case.cp) if (case.dp * case.cp) % s == 0]
+    rng = random.Random(case.to_json())
+    moe = case.model == "gpt-moe"  # refused with MiCS (experts have groups of their own)
+    if not case.zero or moe or not sizes or rng.random() >= 1 / 3:
+        return 0
+    return rng.choice(sizes)
 
 
 def draw_cases(seed: int, n: int) -> list[Case]:
@@ -183,6 +197,8 @@ def draw_cases(seed: int, n: int) -> list[Case]:
 def layout_blocks(case: Case) -> dict:
     """The config blocks the layout sets (left out of the reference's config)."""
     zero: dict = {"stage": case.zero}
+    if case.mics:
+        zero["mics_shard_size"] = case.mics
     if case.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu"}
     if case.offload_param:

@@ -1,7 +1,8 @@
 """Layout names of ``shardwise verify --layouts`` and the config each one trains with.
 
 A layout is parts joined by ``x``: ``dpN`` (data-parallel ranks), ``tpN`` (tensor-parallel
-ranks), ``ppN`` (pipeline stages), ``zeroS`` (ZeRO stage S over the data ranks), ``sp``
+ranks), ``ppN`` (pipeline stages), ``zeroS`` (ZeRO stage S over the data ranks), ``micsN``
+(with ``zeroS``: ZeRO sharded within groups of N data ranks, replicated across them), ``sp``
 (sequence parallelism, with ``tpN``), ``cpN`` (context-parallel ranks, ring attention;
 ``ulysses`` for DeepSpeed-Ulysses), a pipeline schedule's name (``pp2xzbv``: ``1f1b``, ``gpipe``,
 ``interleaved``, ``zb-h1``, ``zbv``, ``dualpipev``; otherwise the script's config decides; the
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 from shardwise.parallel.pipeline.schedule import SCHEDULES, V_SCHEDULES
 
 GRAMMAR = (
-    "dpN, tpN, ppN, cpN, zeroS (S = 1, 2, 3), sp, ulysses, a pipeline schedule "
+    "dpN, tpN, ppN, cpN, zeroS (S = 1, 2, 3), micsN, sp, ulysses, a pipeline schedule "
     f"({', '.join(SCHEDULES)}), or a bare N (data ranks), joined by x"
 )
 EXAMPLE = "dp2,zero3x2,tp2,pp2,dp2xtp2"
@@ -52,6 +53,7 @@ class Layout:
     ulysses: bool = False
     split: int = 1  # one process only: each step's rows as dp ranks hold them (module doc)
     schedule: str | None = None  # the pipeline schedule; None: the script's config decides
+    mics: int = 0  # MiCS: ZeRO shard groups of this many data ranks; 0: shard over all
 
     @property
     def world(self) -> int:
@@ -75,7 +77,7 @@ def _part(layout: str, part: str, sizes: dict) -> None:
             raise LayoutError(f"--layouts: {layout!r} gives two schedules; give one")
         sizes["schedule"] = part
         return
-    m = re.fullmatch(r"(dp|tp|pp|cp|zero)?(\d+)|sp|ulysses", part)
+    m = re.fullmatch(r"(dp|tp|pp|cp|zero|mics)?(\d+)|sp|ulysses", part)
     if m is None:
         raise LayoutError(f"--layouts: unknown part {part!r} in {layout!r}: use {GRAMMAR}")
     flag = part in ("sp", "ulysses")
@@ -99,6 +101,12 @@ def parse_layout(text: str) -> Layout:
         raise LayoutError(
             f"--layouts: {text!r} shards ZeRO state over one data rank, which splits nothing: "
             f"give the data ranks, e.g. zero{layout.zero}x2"
+        )
+    if layout.mics and (not layout.zero or (layout.dp * layout.cp) % layout.mics):
+        raise LayoutError(
+            f"--layouts: {text!r}: mics{layout.mics} cuts the ZeRO shards into groups of "
+            f"{layout.mics} data ranks: add zero1, zero2 or zero3 and a multiple of "
+            f"{layout.mics} data ranks"
         )
     if layout.zero == 3 and layout.pp > 1:
         raise LayoutError(f"--layouts: {text!r}: ZeRO-3 does not combine with pipelines; use zero1")
@@ -143,7 +151,10 @@ def layout_config(base: dict, layout: Layout, global_batch: int) -> dict:
     # The layout's name decides each size, also over blocks the script's config already has
     # (a script written for tp2 still runs "dp2" and the reference with one TP rank).
     if layout.zero or "zero_optimization" in cfg:
-        cfg["zero_optimization"] = {**_block(cfg, "zero_optimization"), "stage": layout.zero}
+        zero = {**_block(cfg, "zero_optimization"), "stage": layout.zero}
+        if layout.mics or "mics_shard_size" in zero:
+            zero["mics_shard_size"] = layout.mics or -1
+        cfg["zero_optimization"] = zero
     if layout.tp > 1 or "tensor_parallel" in cfg:
         tp = {"size": layout.tp, "sequence_parallel": layout.sp}
         cfg["tensor_parallel"] = {**_block(cfg, "tensor_parallel"), **tp}

@@ -72,6 +72,14 @@ class Unit:
     # Where gathered parameters and gradients live; None: the shard's device. Differs from
     # the shard's under offload_param (shard in host memory, compute on the accelerator).
     device: torch.device | None = None
+    # (full, shard) -> handle: MiCS's two-hop gather (zero/mics.py); None: one over ``group``.
+    gather: Any = None
+    data: Any = None  # MiCS: all data ranks (``group`` is one replica's); None: ``group``
+
+    @property
+    def data_group(self) -> Any:
+        """Every rank holding this unit: a change broadcast over it reaches every replica."""
+        return self.group if self.data is None else self.data
 
     @property
     def compute_device(self) -> torch.device:
@@ -94,7 +102,10 @@ class Unit:
         )
         # Offloaded: copy the shard up first (the collective runs on the compute device).
         shard = self.shard.to(self.compute_device, non_blocking=True)
-        self.work = comm.all_gather_into_tensor(self.full, shard, group=self.group, async_op=True)
+        gather = self.gather or partial(
+            comm.all_gather_into_tensor, group=self.group, async_op=True
+        )
+        self.work = gather(self.full, shard)
         self.live.elements += self.layout.padded
 
     def materialize(self) -> None:
@@ -149,7 +160,7 @@ class Unit:
         """After an in-place change on global rank ``src`` (GatheredParameters): broadcast it,
         re-cut this rank's shard and refresh the fp32 master."""
         whole = self.shard if self.persistent else self.full
-        comm.broadcast(whole, src=src, group=self.group)
+        comm.broadcast(whole, src=src, group=self.data_group)
         if not self.persistent:
             self.shard.copy_(self.layout.shard(whole, self.rank))
         if self.master is not None and self.master.data_ptr() != self.shard.data_ptr():

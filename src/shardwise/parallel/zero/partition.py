@@ -343,7 +343,7 @@ class GatheredParameters:
         with torch.no_grad():
             for u in self.units:
                 if modify:
-                    u.absorb(comm.get_global_rank(u.group, self.modifier_rank))
+                    u.absorb(comm.get_global_rank(u.data_group, self.modifier_rank))
                 u.users -= 1
                 u.release()
             for p in self.loose:

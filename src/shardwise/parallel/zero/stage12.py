@@ -30,8 +30,7 @@ compute exactly what they compute unsharded.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -48,7 +47,9 @@ from shardwise.parallel.strategy_contract import (
     offload_device,
     require_optimizer,
 )
+from shardwise.parallel.zero.buckets import Bucket, Where
 from shardwise.parallel.zero.masters import rebuild_optimizer, shares_storage
+from shardwise.parallel.zero.mics import ZeroGroups
 from shardwise.precision import master_dtype
 
 if TYPE_CHECKING:  # annotations only
@@ -58,31 +59,6 @@ if TYPE_CHECKING:  # annotations only
     from shardwise.topology import ProcessMesh
 
 _IN_FLIGHT = 2  # stage 2: reduce-scatters in flight before the oldest is waited for
-
-
-@dataclass(frozen=True)
-class _Where:
-    """The data ranks holding a bucket's parameters (all of them, or an expert-data group:
-    data/replica_groups.py): their group, its size, this rank's shard index and the shard count."""
-
-    group: Group
-    size: int
-    shard: int  # this rank's shard (0 when not sharded)
-    parts: int
-
-
-@dataclass
-class _Bucket:
-    where: _Where
-    layout: FlatLayout
-    params_flat: torch.Tensor  # the whole bucket's parameters (compute dtype); params are views
-    master: torch.nn.Parameter  # this rank's shard in fp32 (a view of params_flat when it can be)
-    grads_flat: torch.Tensor | None = None  # stage 1: persistent; stage 2: transient send buffer
-    grad_shard: torch.Tensor | None = None  # this rank's reduced gradient shard
-    work: Any = None
-    out: torch.Tensor | None = None
-    ready: set = field(default_factory=set)
-    sent: bool = False  # launched during this backward (stage 2 drains some early)
 
 
 class ZeroStrategy:
@@ -99,11 +75,14 @@ class ZeroStrategy:
         master_dtype: torch.dtype = torch.float32,
         norm_skip: frozenset[int] = frozenset(),
         ranks: list[int] | None = None,
+        groups: ZeroGroups | None = None,
     ) -> None:
         """``isolate``: parameters that get a bucket each, laid out alike on every rank that
         holds them (a weight tied across pipeline stages: shard r covers the same elements
         on each stage, so the stages can sum their shards; see ``reduced_grads``).
-        ``master_dtype``: fp16 under ``fp16_master_weights_and_grads`` (precision.py)."""
+        ``master_dtype``: fp16 under ``fp16_master_weights_and_grads`` (precision.py).
+        ``groups``: MiCS (zero/mics.py), ``group`` and ``ranks`` being its shard group's."""
+        self.groups = groups or ZeroGroups.flat(group, ranks)
         self.stage = stage
         self.norm_skip = norm_skip
         self.master_dtype = master_dtype
@@ -117,7 +96,7 @@ class ZeroStrategy:
         # backward through this model run by another engine (a GAN's generator step through
         # the discriminator) leaves its gradients in p.grad, for zero_grad to drop.
         self._armed = False
-        self._in_flight: list[_Bucket] = []
+        self._in_flight: list[Bucket] = []
         group_of = {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]}
         alone = {id(p): i for i, p in enumerate(isolate)}
         params = [p for g in optimizer.param_groups for p in g["params"]]
@@ -147,13 +126,13 @@ class ZeroStrategy:
         self.zero_grad()
 
     # ------------------------------------------------------------------ construction
-    def _where(self, group: Group, ranks: tuple[int, ...]) -> _Where:
+    def _where(self, group: Group, ranks: tuple[int, ...]) -> Where:
         size = len(ranks) if self.world > 1 else 1
         parts = size if self.stage >= 1 else 1
         mine = ranks.index(comm.get_rank()) if size > 1 else 0
-        return _Where(group, size, mine if parts > 1 else 0, parts)
+        return Where(group, size, mine if parts > 1 else 0, parts)
 
-    def _make_bucket(self, layout: FlatLayout, where: _Where) -> _Bucket:
+    def _make_bucket(self, layout: FlatLayout, where: Where) -> Bucket:
         flat = layout.new_buffer()
         layout.gather_into(flat, "data")
         for i, p in enumerate(layout.params):
@@ -164,7 +143,7 @@ class ZeroStrategy:
         else:
             device = self.offload_device or shard.device
             master = torch.nn.Parameter(shard.detach().to(device, self.master_dtype, copy=True))
-        return _Bucket(where=where, layout=layout, params_flat=flat, master=master)
+        return Bucket(where=where, layout=layout, params_flat=flat, master=master)
 
     # ------------------------------------------------------------------ backward
     def before_backward(self, sync: bool) -> None:
@@ -187,7 +166,7 @@ class ZeroStrategy:
         if len(b.ready) == len(b.layout.params):
             self._launch(b)
 
-    def _launch(self, b: _Bucket) -> None:
+    def _launch(self, b: Bucket) -> None:
         b.sent = True
         if self.stage >= 2:
             if b.grads_flat is None:  # no parameter of this bucket was used this micro-step
@@ -196,7 +175,7 @@ class ZeroStrategy:
             self._bind_grads(b)
         # Divide before summing: N partial gradients of 16-bit values may overflow where their
         # mean does not (N a power of two divides exactly).
-        b.grads_flat.div_(self.world)
+        b.grads_flat.div_(self.groups.scale)
         w = b.where
         if w.size == 1:  # no other copy: the local gradient, divided, is the reduced one
             b.out, b.work = b.grads_flat, Finished()
@@ -219,7 +198,7 @@ class ZeroStrategy:
             while len(self._in_flight) > _IN_FLIGHT:
                 self._drain(self._in_flight.pop(0))
 
-    def _drain(self, b: _Bucket) -> None:
+    def _drain(self, b: Bucket) -> None:
         """Wait for a bucket's reduction and fold it into this rank's gradient shard."""
         b.work.wait()
         if self.stage >= 2:
@@ -246,6 +225,8 @@ class ZeroStrategy:
                 self._drain(b)
             b.sent = False
         self._in_flight.clear()
+        if sync:  # MiCS: each shard summed over its replicas, once per step
+            self.groups.allreduce([b.grad_shard for b in self.buckets])
 
     # ------------------------------------------------------------------ step
     def owned_grads(self) -> list[torch.Tensor]:
@@ -266,7 +247,7 @@ class ZeroStrategy:
             if id(b.layout.params[i]) not in self.norm_skip
         ]
 
-    def _first(self, b: _Bucket) -> bool:
+    def _first(self, b: Bucket) -> bool:
         """This rank is the first of those holding the bucket's (replicated) parameters."""
         return b.where.size == 1 or comm.get_rank(b.where.group) == 0
 
@@ -320,7 +301,7 @@ class ZeroStrategy:
                 b.grads_flat.zero_()
                 self._bind_grads(b)
 
-    def _bind_grads(self, b: _Bucket) -> None:
+    def _bind_grads(self, b: Bucket) -> None:
         """Stage 1 / 0: every ``p.grad`` is a view of the bucket's full gradient buffer."""
         for i, p in enumerate(b.layout.params):
             view = b.layout.view(b.grads_flat, i)
@@ -363,17 +344,18 @@ class ZeroStrategy:
 
     @classmethod
     def from_context(cls, ctx: StrategyContext) -> ZeroStrategy:
-        cfg, opt = ctx.config, require_optimizer(ctx)
+        cfg, opt, groups = ctx.config, require_optimizer(ctx), ZeroGroups.from_mesh(ctx.mesh)
         return cls(
             opt,
             cfg.zero_optimization.stage,
-            group=ctx.mesh.dp_cp_group,
+            group=groups.shard,
             bucket_elements=bucket_elements(cfg),
             offload_device=offload_device(cfg),
             isolate=ctx.isolate,
             master_dtype=master_dtype(cfg, opt),
             norm_skip=ctx.norm_skip,
-            ranks=ctx.mesh.dp_cp_ranks(),
+            ranks=groups.shard_ranks,
+            groups=groups,
         )
 
     def checkpoint_layout(
@@ -388,6 +370,7 @@ class ZeroStrategy:
                 b.master,
                 not shares_storage(b.master, b.params_flat),
                 b.where.parts == 1,
+                holders=self.groups.holders,
             )
             for b in self.buckets
         ]

@@ -58,6 +58,7 @@ from shardwise.parallel.flat import FlatLayout
 from shardwise.parallel.strategy_contract import StrategyContext, offload_device, require_optimizer
 from shardwise.parallel.zero.gathering import GatherScheduler, LiveCount, Unit
 from shardwise.parallel.zero.masters import rebuild_optimizer, shares_storage
+from shardwise.parallel.zero.mics import ZeroGroups
 from shardwise.parallel.zero.partition import (
     full_value,
     is_partitioned,
@@ -87,8 +88,9 @@ class Zero3Strategy:
     @classmethod
     def from_context(cls, ctx: StrategyContext) -> Zero3Strategy:
         opt, zero = require_optimizer(ctx), ctx.config.zero_optimization
-        device = offload_device(ctx.config)
-        return cls.from_config(ctx.model, opt, zero, ctx.mesh.dp_cp_group, device)
+        two_hop = zero.mics_hierarchical_params_gather
+        device, groups = offload_device(ctx.config), ZeroGroups.from_mesh(ctx.mesh, two_hop)
+        return cls.from_config(ctx.model, opt, zero, groups.shard, device, groups)
 
     def checkpoint_layout(
         self, module: nn.Module, optimizer: Optimizer, mesh: ProcessMesh
@@ -103,6 +105,7 @@ class Zero3Strategy:
                 not shares_storage(u.master, u.shard),
                 u.persistent,
                 model=u.shard,
+                holders=self.groups.holders,
             )
             for u in self.units
         ]
@@ -125,8 +128,11 @@ class Zero3Strategy:
         model_persistence_threshold: int = 2**62,
         prefetch_elements: int = 50_000_000,
         max_live: int = 1_000_000_000,
+        groups: ZeroGroups | None = None,
     ) -> None:
+        """``groups``: MiCS (zero/mics.py), ``group`` being its shard group."""
         self.module = module
+        self.groups = groups or ZeroGroups.flat(group)
         self.group = group
         self.world = comm.get_world_size(group)
         self.rank = comm.get_rank(group)
@@ -136,7 +142,9 @@ class Zero3Strategy:
         self.live = LiveCount()
         self.units: list[Unit] = []
         group_of = {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]}
-        own_rng = sync_rng(group) if any(p.is_meta for p in module.parameters()) else None
+        own_rng = (
+            sync_rng(self.groups.data) if any(p.is_meta for p in module.parameters()) else None
+        )
         units_of = self._plan(module, group_of, persistence_threshold, model_persistence_threshold)
         if own_rng is not None:
             torch.set_rng_state(own_rng)
@@ -144,7 +152,7 @@ class Zero3Strategy:
             u.master = self._master(u.shard)
         self.optimizer = rebuild_optimizer(optimizer, self.units, group_of)
         self.gather_scheduler = GatherScheduler(
-            module, units_of, self.units, self.world, prefetch_elements, max_live
+            module, units_of, self.units, self.groups.scale, prefetch_elements, max_live
         )
         self.zero_grad()
 
@@ -156,6 +164,7 @@ class Zero3Strategy:
         zero: ZeroConfig,
         group: ProcessGroup | None = None,
         offload_device: torch.device | None = None,
+        groups: ZeroGroups | None = None,
     ) -> Zero3Strategy:
         """From the ``zero_optimization`` block (config.zero.ZeroConfig)."""
         param = zero.offload_param
@@ -170,6 +179,7 @@ class Zero3Strategy:
             model_persistence_threshold=zero.stage3_model_persistence_threshold,
             prefetch_elements=zero.stage3_prefetch_bucket_size,
             max_live=zero.stage3_max_live_parameters,
+            groups=groups,
         )
 
     # ------------------------------------------------------------------ construction
@@ -228,7 +238,12 @@ class Zero3Strategy:
                     start, at, n = pieces[i]
                     shard[at : at + n].copy_(value.reshape(-1)[start : start + n])
             shard = self._keep(shard)
-        u = Unit(layout, shard, persistent, self.group, self.rank, self.live, device=device)
+        group = self.groups.data if persistent else self.group  # persistent: whole on all N
+        u = Unit(layout, shard, persistent, group, self.rank, self.live, device=device)
+        if self.groups.nodes > 1:  # MiCS's two-hop gather (zero/mics.py)
+            u.gather = self.groups.all_gather
+        if self.groups.replicas > 1:  # GatheredParameters' changes reach every replica
+            u.data = self.groups.data
         for i, p in enumerate(params):
             for name in ("ds_tensor", "ds_group"):
                 if hasattr(p, name):
@@ -260,12 +275,14 @@ class Zero3Strategy:
 
     def after_backward(self, sync: bool) -> None:
         """Finish this micro-step's reduce-scatters and release every gathered unit; on the
-        boundary, all-reduce the persistent gradients (accumulated whole until then)."""
+        boundary, all-reduce the persistent gradients (accumulated whole until then) and,
+        under MiCS, each gradient shard over its replicas."""
         self.gather_scheduler.finish_backward()
         if sync:
             for u in self.units:
                 if u.persistent:
-                    u.allreduce_grads(self.world)
+                    u.allreduce_grads(self.groups.scale)
+            self.groups.allreduce([u.grad_shard for u in self.units if not u.persistent])
 
     # ------------------------------------------------------------------ step
     def owned_grads(self) -> list[torch.Tensor]:
