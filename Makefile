@@ -18,9 +18,10 @@ $(VENV)/.base: pyproject.toml
 
 # The tests compare with real DeepSpeed where it runs on CPU (MoE gate statistics, defaults
 # read from its signatures), so the test install has the `bench` extra too, and the `lightning`
-# extra (tests/test_lightning.py; the torch pin keeps Lightning from swapping torch).
+# and `ray` extras (tests/test_lightning.py, tests/test_ray.py; the torch pin keeps them from
+# swapping torch).
 $(VENV)/.dev: $(VENV)/.bench
-	$(VPIP) install -q -c $(VENV)/bench-constraints.txt -e ".[dev,lightning]"
+	$(VPIP) install -q -c $(VENV)/bench-constraints.txt -e ".[dev,lightning,ray]"
 	touch $@
 
 # The peers the benchmarks measure (DeepSpeed 0.19). The constraint keeps pip from swapping our

@@ -17,7 +17,12 @@ from waits import scaled
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "shardwise"
 # framework -> the shardwise package allowed to import it
-EXTRAS = {"lightning": "integrations/lightning", "pytorch_lightning": "integrations/lightning"}
+EXTRAS = {
+    "lightning": "integrations/lightning",
+    "pytorch_lightning": "integrations/lightning",
+    "ray": "integrations/ray",
+}
+ADAPTERS = sorted({"shardwise." + home.replace("/", ".") for home in EXTRAS.values()})
 
 
 def _imports(tree: ast.Module) -> set[str]:
@@ -52,7 +57,7 @@ def test_import_shardwise_imports_no_optional_extra():
     code = (
         "import sys, shardwise, shardwise.launch.cli\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in "
-        f"{sorted(EXTRAS)!r} or m.startswith('shardwise.integrations.lightning')))"
+        f"{sorted(EXTRAS)!r} or m.startswith({tuple(ADAPTERS)!r})))"
     )
     proc = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=scaled(120)
