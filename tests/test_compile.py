@@ -43,6 +43,7 @@ LAYOUTS = [
     ("dp2-zero1", "aot_eager", {"zero_optimization": {"stage": 1}}),
     ("dp2-zero2", "aot_eager", {"zero_optimization": {"stage": 2}}),
     ("dp2-zero3", "aot_eager", {"zero_optimization": {"stage": 3}}),
+    ("dp2-zero3-ckpt", "aot_eager", {"zero_optimization": {"stage": 3}, "ckpt": True}),
     ("tp2", "aot_eager", {"tensor_parallel": {"size": 2}}),
     ("tp2-sp", "aot_eager", {"tensor_parallel": {"size": 2, "sequence_parallel": True}}),
     ("tp2-ckpt", "aot_eager", {"tensor_parallel": {"size": 2}, "ckpt": True}),
