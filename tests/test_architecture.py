@@ -237,6 +237,7 @@ def test_parallel_is_one_folder_per_capability():
     shared = [
         "__init__.py",
         "clip.py",
+        "compile.py",  # torch.compile regions: every capability's hooks and collectives
         "exchange.py",
         "flat.py",
         "remap.py",

@@ -12,6 +12,7 @@ unsupported top-level keys), ``loader`` (files, duplicate keys), ``errors``.
 from shardwise.config.batch import BatchSizes
 from shardwise.config.checkpoint import CheckpointConfig, ParallelWriteConfig
 from shardwise.config.comms import CommsConfig
+from shardwise.config.compile import CompileConfig
 from shardwise.config.core import Config, parse_config
 from shardwise.config.errors import ConfigError
 from shardwise.config.optim_blocks import OptimizerConfig, SchedulerConfig
@@ -36,6 +37,7 @@ __all__ = [
     "BatchSizes",
     "CheckpointConfig",
     "CommsConfig",
+    "CompileConfig",
     "Config",
     "ConfigError",
     "ConfigWarning",

@@ -26,6 +26,7 @@ from typing import Any, Literal
 from shardwise.config.batch import GAS, MB, TB, BatchSizes, resolve_batch
 from shardwise.config.checkpoint import CheckpointConfig, parse_checkpoint
 from shardwise.config.comms import CommsConfig
+from shardwise.config.compile import CompileConfig, parse_compile
 from shardwise.config.errors import ConfigError, Notes, fail
 from shardwise.config.keys import IGNORED, UNSUPPORTED, is_disabled
 from shardwise.config.loader import load_source
@@ -88,6 +89,7 @@ class Config:
     )
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     comms: CommsConfig = field(default_factory=CommsConfig)  # shardwise's own: timeouts, hangs
+    compile: CompileConfig = field(default_factory=CompileConfig)  # torch.compile per block
     tensorboard: MonitorConfig = field(default_factory=MonitorConfig)
     csv_monitor: MonitorConfig = field(default_factory=MonitorConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
@@ -147,6 +149,7 @@ _BLOCK_PARSERS: dict[str, Callable[[Any, Notes], Any]] = {
     "pipeline": parse_pipeline,
     "activation_checkpointing": parse_activation_checkpointing,
     "checkpoint": parse_checkpoint,
+    "compile": parse_compile,
 }
 
 

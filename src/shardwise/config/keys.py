@@ -22,7 +22,6 @@ IGNORED: dict[str, str] = {
     "aio": "async NVMe I/O tuning (NVMe offload is not supported)",
     "autotuning": "DeepSpeed autotuner",
     "graph_harvesting": "CUDA graph capture",
-    "compile": "torch.compile options of the DeepSpeed engine",
     "nebula": "Azure Nebula checkpoint service",
     "use_data_before_expert_parallelism": "MoE process-group order",
     "vocabulary_size": "unused by DeepSpeed's engine",

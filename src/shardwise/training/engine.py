@@ -41,6 +41,7 @@ from shardwise.training.batch_loop import MicroBatchLoop
 from shardwise.training.checkpoints import held, load, save
 from shardwise.training.checkpoints.autosave import AutoSave
 from shardwise.training.checkpoints.replica_watch import ReplicaWatch
+from shardwise.training.compiling import CompileMethods
 from shardwise.training.counters import CounterField, TrainingCounters
 from shardwise.training.parts import BatchStrategy, TrainParts
 
@@ -55,7 +56,7 @@ if TYPE_CHECKING:  # annotations only
 logger = logging.getLogger("shardwise")
 
 
-class Engine(EngineAccessors, nn.Module):
+class Engine(EngineAccessors, CompileMethods, nn.Module):
     """Wraps a model; ``engine(*inputs)`` runs it, ``backward``/``step`` train it. Its parts
     (``engine.parts``: parts.py) are what it hands to the modules that work for it."""
 
@@ -280,8 +281,7 @@ class Engine(EngineAccessors, nn.Module):
             self._write_events(loss.item())
             self.replicas.after_batch(self.parts)
             self.autosave.after_step(self)
-        every = self.steps_per_print()
-        if self.mesh.rank == 0 and every and self.global_steps % every == 0:
+        if self.mesh.rank == 0 and (n := self.steps_per_print()) and self.global_steps % n == 0:
             took = time.perf_counter() - start
             logger.info(
                 progress_line(self.global_steps, loss.item(), took, self.train_batch_size())

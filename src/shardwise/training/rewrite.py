@@ -3,6 +3,7 @@ to its modules or parameters.
 
     stage cut (pipeline) -> expert groups bound (MoE) -> same weights on every rank, then the
     tensor-parallel split -> meta weights materialized -> activation checkpointing -> cast
+    -> torch.compile of each block (``"compile": {"enabled": true}``)
 
 The second phase (initialize.py: tied-weight groups, the pipeline's runner, optimizer, gradient
 strategy, engine) sees only the rewritten modules: a part built before a rewrite would keep the
@@ -20,6 +21,7 @@ from torch import nn
 from shardwise.config import Config, ConfigError
 from shardwise.parallel import remap
 from shardwise.parallel.activation.selective import apply_activation_checkpointing
+from shardwise.parallel.compile import compile_blocks
 from shardwise.parallel.data.reducer import broadcast_parameters
 from shardwise.parallel.moe.experts import bind_experts
 from shardwise.parallel.pipeline import prepare as pipe
@@ -54,6 +56,8 @@ def rewrite_model(
         materialize_model(model)  # a meta model, once cut: each rank only what it keeps
     apply_activation_checkpointing_block(cfg, model, mesh)  # after TP and PP, before the cast
     cast_module(model, compute_dtype(cfg))
+    if cfg.compile.enabled:  # last: a region compiles what TP, checkpointing and the cast made
+        compile_blocks(model, cfg.compile.backend, cfg.compile.kwargs)
     return params
 
 

@@ -1,4 +1,4 @@
-"""``shardwise verify script.py --layouts dp2,zero3x2,tp2,pp2,dp2xtp2 --steps 5``.
+"""``shardwise verify script.py --layouts dp2,zero3x2,tp2,pp2,dp2xtp2 --steps 5 [--compile]``.
 
 Order of work: every flag and layout is checked, and the script's setup loaded and checked
 against each layout, before anything launches. Then the initial weights are written, the
@@ -62,6 +62,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         choices=sorted(TOLERANCES),
         help="bounds to use (default: the config's precision)",
     )
+    p.add_argument(
+        "--compile",
+        nargs="?",
+        const="inductor",
+        metavar="BACKEND",
+        help="compile each block of every layout (default backend inductor; docs/compile.md); "
+        "the reference stays eager",
+    )
     p.add_argument("--out", help="keep every run's files here (default: a temporary directory)")
     p.add_argument(
         "--layout-timeout", type=float, help="seconds per layout run (default 600; --fuzz 240)"
@@ -120,6 +128,8 @@ def check_fuzz(args: argparse.Namespace) -> None:
 def _launch(args: argparse.Namespace, layout: Layout, init: Path, out: Path) -> Verdict | None:
     """Run ``layout`` through ``shardwise run``; a Verdict when it failed, else None."""
     worker = [str(args.script), "--layout", layout.name, "--steps", str(args.steps)]
+    if getattr(args, "compile", None):
+        worker += ["--compile", args.compile]
     cmd = worker_command(layout.world, worker + ["--init", str(init), "--out", str(out), "--entry", args.entry])  # fmt: skip
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.layout_timeout)
@@ -169,7 +179,10 @@ def run(args: argparse.Namespace) -> int:
             if ref not in want:  # MoE: the one process that sees each rank's rows together
                 print(f"verify: reference run, {ref.name}", file=sys.stderr, flush=True)
                 want[ref] = _reference(setup, args.steps, init, ref)
-            print(f"verify: {layout.name}, {layout.world} processes", file=sys.stderr, flush=True)
+            how = f", compiled ({args.compile})" if getattr(args, "compile", None) else ""
+            print(
+                f"verify: {layout.name}, {layout.world} processes{how}", file=sys.stderr, flush=True
+            )
             out = work / layout.name
             shutil.rmtree(out, ignore_errors=True)  # a rerun with --out never reads stale files
             verdict = _launch(args, layout, init, out)

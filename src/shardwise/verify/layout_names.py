@@ -54,6 +54,7 @@ class Layout:
     split: int = 1  # one process only: each step's rows as dp ranks hold them (module doc)
     schedule: str | None = None  # the pipeline schedule; None: the script's config decides
     mics: int = 0  # MiCS: ZeRO shard groups of this many data ranks; 0: shard over all
+    compile: str | None = None  # verify --compile: the torch.compile backend of each block
 
     @property
     def world(self) -> int:
@@ -163,6 +164,8 @@ def layout_config(base: dict, layout: Layout, global_batch: int) -> dict:
     if layout.schedule:
         chunks = 2 if layout.schedule in (*V_SCHEDULES, "interleaved") else 1
         cfg["pipeline"].update(schedule=layout.schedule, chunks=chunks)
+    if layout.compile:  # verify --compile: each block compiled (docs/compile.md)
+        cfg["compile"] = {**_block(cfg, "compile"), "enabled": True, "backend": layout.compile}
     if layout.cp > 1 or "context_parallel" in cfg:
         cp = {"size": layout.cp, "method": "ulysses" if layout.ulysses else "ring"}
         cfg["context_parallel"] = {**_block(cfg, "context_parallel"), **cp}

@@ -11,6 +11,7 @@ them and writes the result files (results.py) for the parent to compare.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import os
 import sys
@@ -168,8 +169,10 @@ def run_reference(
     setup: VerifySetup, steps: int, init: str | Path, layout: Layout = REFERENCE
 ) -> RunResult:
     """The same setup in this one process: the run every layout must match (``layout``: the
-    reference ``reference_for`` gives, REFERENCE unless the model keeps per-rank statistics)."""
-    return run_layout(setup, layout, steps, init, out=None)
+    reference ``reference_for`` gives, REFERENCE unless the model keeps per-rank statistics).
+    Always eager: a ``compile`` block of the script's config is left out here."""
+    eager = {k: v for k, v in setup.config.items() if k != "compile"}
+    return run_layout(dataclasses.replace(setup, config=eager), layout, steps, init, out=None)
 
 
 def per_rank_statistics(setup: VerifySetup) -> bool:
@@ -191,6 +194,7 @@ def worker_args(
     p.add_argument("--init", required=True, help="safetensors file of the initial weights")
     p.add_argument("--out", required=True)
     p.add_argument("--entry", default=DEFAULT_ENTRY)
+    p.add_argument("--compile", default=None, help="torch.compile backend of each block")
     torch.set_num_threads(1)
     return p.parse_args(argv)
 
@@ -198,7 +202,8 @@ def worker_args(
 def main(argv: Sequence[str] | None = None) -> None:
     args = worker_args("one layout of shardwise verify", "layout", "the layout name", argv)
     setup = load_setup(args.script, args.entry)
-    run_layout(setup, parse_layout(args.layout), args.steps, args.init, args.out)
+    layout = dataclasses.replace(parse_layout(args.layout), compile=args.compile)
+    run_layout(setup, layout, args.steps, args.init, args.out)
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ if TYPE_CHECKING:  # annotations only
     from torch.distributed import ProcessGroup
 
 _INNER = "_shardwise_checkpointed_forward"  # the original forward, kept on the instance
+INNER = _INNER  # what parallel/compile.py replaces to compile inside the checkpoint
 _GROUP = "_shardwise_checkpoint_group"  # partition_activations' group (or None), on the instance
 
 

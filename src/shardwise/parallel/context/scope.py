@@ -36,6 +36,9 @@ if TYPE_CHECKING:  # annotations only
 _ACTIVE: contextvars.ContextVar[ContextParallel | None] = contextvars.ContextVar(
     "shardwise_context_parallel", default=None
 )
+# The same, as a plain global, for compiled code: dynamo cannot trace ContextVar.get, and
+# reads a global under a guard (ID_MATCH: the same object every step, so no recompile).
+_COMPILED_ACTIVE: list[ContextParallel | None] = [None]
 
 
 @dataclass
@@ -67,10 +70,12 @@ class ContextParallel:
     def active(self) -> Iterator[None]:
         """This context is the one ``shardwise.attention`` uses inside the block."""
         token = _ACTIVE.set(self if self.size > 1 else None)
+        before, _COMPILED_ACTIVE[0] = _COMPILED_ACTIVE[0], _ACTIVE.get()
         try:
             yield
         finally:
             _ACTIVE.reset(token)
+            _COMPILED_ACTIVE[0] = before
 
     @contextlib.contextmanager
     def forward(self) -> Iterator[None]:
@@ -143,7 +148,7 @@ def attention(
     ``enable_gqa`` (grouped-query attention: fewer key/value heads, each serving
     heads / kv_heads query heads) the key/value heads are repeated before the split
     attention, as torch's function does implicitly."""
-    ctx = _ACTIVE.get()
+    ctx = _COMPILED_ACTIVE[0] if torch.compiler.is_compiling() else _ACTIVE.get()
     if ctx is None:
         gqa = {"enable_gqa": True} if enable_gqa else {}  # torch < 2.5 has no such argument
         return F.scaled_dot_product_attention(

@@ -335,6 +335,11 @@ class PipelineModule(nn.Module):
             x = self._checkpointed(run, x) if self._checkpointable(run) else _run(run, x)
         return x
 
+    def stage_modules(self) -> list[tuple[str, nn.Module]]:
+        """This stage's layer modules as (name, module), in order (what compile regions are)."""
+        found = [(self._name_of(i), self._current(i, fn)) for i, fn, _ in self._funcs]
+        return [(n, m) for n, m in found if isinstance(m, nn.Module)]
+
     def compute_loss(self, outputs: Any, labels: Any) -> Any:
         """``loss_fn(outputs, labels)`` with the loss_fn the module holds now (a tensor-parallel
         plan may swap a loss module in place after the stage was built)."""

@@ -33,6 +33,7 @@ import torch
 
 from shardwise import comm
 from shardwise.parallel.flat import ceil_div
+from shardwise.parallel.tensor import comm_ops
 
 if TYPE_CHECKING:  # annotations only
     from torch.autograd.function import FunctionCtx
@@ -46,6 +47,8 @@ def _size(group: ProcessGroup | None) -> int:
 def _all_reduce(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     if _size(group) == 1:
         return x
+    if torch.compiler.is_compiling():  # one opaque node in the graph (comm_ops.py)
+        return comm_ops.all_reduce(x, comm_ops.group_name(group))
     out = torch.clone(x, memory_format=torch.contiguous_format)
     comm.all_reduce(out, group=group)
     return out
@@ -77,8 +80,11 @@ def _gather(x: torch.Tensor, dim: int, group: ProcessGroup | None) -> torch.Tens
     n = _size(group)
     if n == 1:
         return x
-    flat = torch.empty(n * x.numel(), dtype=x.dtype, device=x.device)
-    comm.all_gather_into_tensor(flat, x.contiguous().view(-1), group=group)
+    if torch.compiler.is_compiling():
+        flat = comm_ops.all_gather(x, comm_ops.group_name(group))
+    else:
+        flat = torch.empty(n * x.numel(), dtype=x.dtype, device=x.device)
+        comm.all_gather_into_tensor(flat, x.contiguous().view(-1), group=group)
     # (n, *shape) -> rank axis next to dim -> merged: index r * s + i, the concatenation.
     return flat.view(n, *x.shape).movedim(0, dim).flatten(dim, dim + 1)
 
@@ -91,6 +97,8 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group: ProcessGroup | None) -> to
     s = _check_split(x, dim, n, "reduce-scatter")
     # (.., n*s, ..) -> (n, .., s, ..): chunk r of the flat buffer is rank r's slice along dim.
     stacked = x.unflatten(dim, (n, s)).movedim(dim, 0).contiguous()
+    if torch.compiler.is_compiling():
+        return comm_ops.reduce_scatter(stacked, comm_ops.group_name(group)).view(stacked.shape[1:])
     out = torch.empty(stacked.shape[1:], dtype=x.dtype, device=x.device)
     comm.reduce_scatter_tensor(out.view(-1), stacked.view(-1), group=group)
     return out

@@ -91,6 +91,10 @@ class SharedInput:
         self._slots[key] = (weakref.ref(x, lambda ref, key=key: self._drop(key, ref)), out)
         return out
 
+    def clear(self) -> None:
+        """Forget every entry (a compiled block starts each call with none: parallel/compile.py)."""
+        self._slots.clear()
+
     def _drop(self, key: Any, ref: weakref.ref) -> None:
         slot = self._slots.get(key)
         if slot is not None and slot[0] is ref:

@@ -67,6 +67,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import nn
 
 from shardwise import comm
@@ -210,15 +211,36 @@ def _fork_rng(module: nn.Module, tracker: tp_random.RNGStatesTracker) -> None:
     open_forks: list = []
 
     def enter(mod: nn.Module, args: tuple) -> None:
+        if torch.compiler.is_compiling() and not _draws(mod):
+            # Nothing random runs inside: the stream would come back unchanged, and dynamo
+            # cannot trace the RNG state swap (a graph break inside the block, docs/compile.md).
+            open_forks.append(None)
+            return
         fork = tracker.fork(tp_random.TP_STREAM)
         fork.__enter__()
         open_forks.append(fork)
 
     def leave(mod: nn.Module, args: tuple, out: Any) -> None:
-        open_forks.pop().__exit__(None, None, None)
+        fork = open_forks.pop()
+        if fork is not None:
+            fork.__exit__(None, None, None)
 
     module.register_forward_pre_hook(enter)
     module.register_forward_hook(leave, always_call=True)
+
+
+def _draws(module: nn.Module) -> bool:
+    """Whether ``module`` may draw random numbers: training, with a dropout module or a
+    numeric ``*dropout*`` attribute (GPT's Attend, Hugging Face's attention_dropout) above 0."""
+    if not module.training:
+        return False
+    for m in module.modules():
+        if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0:
+            return True
+        for name, value in vars(m).items():
+            if "dropout" in name and isinstance(value, (int, float)) and value > 0:
+                return True
+    return False
 
 
 def _split_sequence_on_entry(module: nn.Module, ctx: _Context) -> None:

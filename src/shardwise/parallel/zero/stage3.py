@@ -54,6 +54,7 @@ from torch import nn
 from shardwise import comm
 from shardwise.checkpoint.rank_pieces import FlatShard, Layout, flat_layout
 from shardwise.parallel import clip
+from shardwise.parallel.compile import region_of
 from shardwise.parallel.flat import FlatLayout
 from shardwise.parallel.strategy_contract import StrategyContext, offload_device, require_optimizer
 from shardwise.parallel.zero.gathering import GatherScheduler, LiveCount, Unit
@@ -151,10 +152,18 @@ class Zero3Strategy:
         for u in self.units:
             u.master = self._master(u.shard)
         self.optimizer = rebuild_optimizer(optimizer, self.units, group_of)
-        self.gather_scheduler = GatherScheduler(
-            module, units_of, self.units, self.groups.scale, prefetch_elements, max_live
-        )
+        self.units_of, self.budgets = units_of, (prefetch_elements, max_live)
+        self.gather_scheduler = self._scheduler()
         self.zero_grad()
+
+    def regroup_for_compile(self) -> None:
+        """After ``engine.compile()``: each compiled region gathers all its modules' units."""
+        self.close()
+        self.gather_scheduler = self._scheduler()
+
+    def _scheduler(self) -> GatherScheduler:
+        regions = lift_to_regions(self.module, self.units_of)
+        return GatherScheduler(self.module, regions, self.units, self.groups.scale, *self.budgets)
 
     @classmethod
     def from_config(
@@ -363,6 +372,19 @@ class Zero3Strategy:
             "optimizer": masters + opt_state,
             "comm_buffers": buffers,
         }
+
+
+def lift_to_regions(
+    root: nn.Module, units_of: dict[nn.Module, list[Unit]]
+) -> dict[nn.Module, list[Unit]]:
+    """Units of modules inside a compiled region moved to the region (parallel/compile.py):
+    its hooks gather them all before its compiled forward and release them after."""
+    regions = region_of(root)
+    lifted: dict[nn.Module, list[Unit]] = {}
+    for module, mine in units_of.items():
+        owner = lifted.setdefault(regions.get(module, module), [])
+        owner.extend(u for u in mine if all(u is not v for v in owner))
+    return lifted
 
 
 def _numel(p: nn.Parameter) -> int:

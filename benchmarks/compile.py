@@ -1,0 +1,202 @@
+"""torch.compile per block, side by side: shardwise DP / ZeRO-3 / TP vs FSDP2, eager and compiled.
+
+    python -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/compile.py
+
+One launch, one gloo world, one thread per rank. The GPT of examples/gpt/model.py, built from
+the same seeded weights for every contender, trained with the same torch AdamW:
+
+    ours dp2          shardwise.initialize, plain data parallelism
+    ours zero3x2      ZeRO-3 (zero_optimization.stage 3)
+    ours tp2          tensor_parallel.size 2, the blocks-only plan (every rank: the whole batch)
+    fsdp2             torch's fully_shard on each block, then on the model (torchtitan's order)
+
+each eager and compiled: ours with ``"compile": {"enabled": true, "backend": B}`` (each block's
+forward compiled, docs/compile.md), FSDP2 with each block replaced by ``torch.compile(block)``
+before ``fully_shard`` (torchtitan's ``apply_compile``). A contender's first step compiles
+(its warmup, untimed); rounds interleave the contenders; a step (forward, backward, AdamW
+step, zeroing) costs what the slowest rank took; figures are medians. Printed per family: the
+step time eager and compiled, the speedup (eager / compiled), and for compiled contenders the
+graph breaks and the graphs compiled after the first step (recompiles), from dynamo's
+counters. Eager and compiled runs of one family must agree on the losses (LOSS_TOLERANCE).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch._dynamo.utils import counters
+from torch.distributed.fsdp import fully_shard
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))  # run as a script: find common.py
+from common import (  # noqa: E402
+    add_model_args,
+    format_table,
+    make_batches,
+    median_ms,
+    single_thread,
+    timed_steps,  # noqa: E402
+)
+from tp_vs_torch import BLOCKS_PLAN, GPT_MODULE  # noqa: E402
+
+import shardwise  # noqa: E402
+
+LR = 1e-3
+# Inductor fuses and reorders sums inside a block: eager and compiled losses of one family
+# differ by rounding, about 1e-6 relative per step; a broken contender is off by far more.
+LOSS_TOLERANCE = 1e-3
+
+
+@dataclass
+class Contender:
+    name: str
+    family: str
+    compiled: bool
+    step: Callable[[int], torch.Tensor]
+    times: list[float] = field(default_factory=list)
+    cpu: list[float] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+    steps_done: int = 0
+    breaks: int = 0
+    graphs_after_first: int = 0
+    graphs_total: int = 0
+
+
+def make_gpt(args: argparse.Namespace) -> torch.nn.Module:
+    torch.manual_seed(0)
+    cfg = GPT_MODULE.GPTConfig(
+        vocab_size=args.vocab,
+        block_size=args.seq,
+        n_layer=args.layers,
+        n_head=args.heads,
+        n_embd=args.d_model,
+    )
+    return GPT_MODULE.GPT(cfg)
+
+
+def ours(args: argparse.Namespace, layout: dict, backend: str | None, batches: list) -> Callable:
+    config = {
+        "train_micro_batch_size_per_gpu": args.micro_batch,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR}},
+        **layout,
+    }
+    if backend:
+        config["compile"] = {"enabled": True, "backend": backend}
+    engine, *_ = shardwise.initialize(model=make_gpt(args), config=config)
+    whole = "tensor_parallel" in layout  # TP: every rank trains the whole batch
+
+    def step(i: int) -> torch.Tensor:
+        x, y = batches[i % len(batches)]
+        if not whole:
+            rows = slice(
+                dist.get_rank() * args.micro_batch, (dist.get_rank() + 1) * args.micro_batch
+            )
+            x, y = x[rows], y[rows]
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        return loss
+
+    return step
+
+
+def fsdp2(args: argparse.Namespace, backend: str | None, batches: list) -> Callable:
+    model = make_gpt(args)
+    for i, block in enumerate(model.blocks):
+        if backend:
+            block = torch.compile(block, backend=backend)
+            model.blocks.register_module(str(i), block)
+        fully_shard(block)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+
+    def step(i: int) -> torch.Tensor:
+        x, y = batches[i % len(batches)]
+        rows = slice(dist.get_rank() * args.micro_batch, (dist.get_rank() + 1) * args.micro_batch)
+        loss = model(x[rows], y[rows])
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    return step
+
+
+def contenders(args: argparse.Namespace, batches: list) -> list[Contender]:
+    families = {
+        "ours dp2": lambda b: ours(args, {}, b, batches),
+        "ours zero3x2": lambda b: ours(args, {"zero_optimization": {"stage": 3}}, b, batches),
+        "ours tp2": lambda b: ours(
+            args, {"tensor_parallel": {"size": 2, "plan": BLOCKS_PLAN}}, b, batches
+        ),
+        "fsdp2": lambda b: fsdp2(args, b, batches),
+    }
+    out = []
+    for family, build in families.items():
+        out.append(Contender(f"{family} eager", family, False, build(None)))
+        out.append(Contender(f"{family} compiled", family, True, build(args.backend)))
+    return out
+
+
+def run_round(c: Contender, args: argparse.Namespace, first: bool) -> None:
+    before = counters["stats"]["unique_graphs"]
+    breaks = sum(counters["graph_break"].values())
+    timed_steps(c, c.step, args.warmup if first else 0, args.steps)
+    if c.compiled:
+        c.breaks += sum(counters["graph_break"].values()) - breaks
+        grown = counters["stats"]["unique_graphs"] - before
+        c.graphs_total += grown
+        if not first:
+            c.graphs_after_first += grown
+
+
+def report(cs: list[Contender], args: argparse.Namespace) -> str:
+    rows = []
+    for eager, comp in zip(cs[::2], cs[1::2], strict=True):
+        te, tc = median_ms(eager.times), median_ms(comp.times)
+        ce, cc = median_ms(eager.cpu), median_ms(comp.cpu)
+        diff = max(abs(a - b) / abs(a) for a, b in zip(eager.losses, comp.losses, strict=True))
+        ok = "ok" if diff <= LOSS_TOLERANCE else f"DIFFERS {diff:.1e}"
+        rows.append(
+            [eager.family, f"{te:.1f}", f"{tc:.1f}", f"{te / tc:.2f}x", f"{ce:.1f}", f"{cc:.1f}",
+             str(comp.breaks), str(comp.graphs_total), str(comp.graphs_after_first), ok]
+        )  # fmt: skip
+    head = ["family", "eager ms", "compiled ms", "speedup", "eager CPU ms", "compiled CPU ms"]
+    return format_table(head + ["graph breaks", "graphs", "recompiles", "losses"], rows)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_model_args(p)
+    p.set_defaults(d_model=128, layers=4, seq=64, micro_batch=4, rounds=3, steps=4, warmup=2)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=512)
+    p.add_argument("--backend", default="inductor")
+    args = p.parse_args()
+    single_thread()
+    shardwise.init_distributed()
+    if dist.get_world_size() != 2:
+        raise SystemExit("run on 2 processes: --nproc-per-node 2")
+    batches = make_batches(args.rounds * args.steps + args.warmup, 2 * args.micro_batch, args.seq, args.vocab)  # fmt: skip
+    cs = contenders(args, batches)
+    for r in range(args.rounds):
+        for c in cs:
+            run_round(c, args, first=r == 0)
+    if dist.get_rank() == 0:
+        print(
+            f"\ncompile benchmark: examples/gpt GPT {args.layers}x{args.d_model} ({args.heads} "
+            f"heads), seq {args.seq}, {args.micro_batch} rows per rank, backend {args.backend}, "
+            f"{args.rounds} rounds x {args.steps} steps, medians\n"
+        )
+        print(report(cs, args))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

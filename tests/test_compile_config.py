@@ -1,0 +1,109 @@
+"""The ``compile`` block, ``engine.compile`` and which regions compile, without processes.
+
+The layouts themselves are tests/test_compile.py; here: DeepSpeed's keys and defaults (0.14's
+``enabled``/``backend``/``kwargs``, 0.19's DeepCompile keys), the refusals naming the key, the
+regions chosen (a block list, a model without blocks; a pipeline stage's layers: test_compile.py), and
+DeepSpeed's call ``engine.compile()`` after ``initialize`` on one process.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from models import TinyMLP, make_gpt, make_tokens
+
+import shardwise
+from shardwise.config import ConfigError, parse_config
+from shardwise.parallel.compile import compile_regions, is_compiled
+from shardwise.verify.layout_names import layout_config, parse_layout
+
+GOOD = [
+    # block, what it parses to (enabled, backend, kwargs)
+    ({}, (False, "inductor", {})),  # DeepSpeed 0.14's defaults
+    ({"enabled": True}, (True, "inductor", {})),
+    (
+        {"enabled": True, "backend": "aot_eager", "kwargs": {"mode": "default"}},
+        (True, "aot_eager", {"mode": "default"}),
+    ),  # fmt: skip
+    ({"deepcompile": False, "free_activation": True}, (False, "inductor", {})),  # 0.19's keys
+]
+
+
+@pytest.mark.parametrize("block,want", GOOD, ids=[str(b) for b, _ in GOOD])
+def test_the_compile_block_takes_deepspeed_keys_and_defaults(block, want):
+    c = parse_config({"compile": block}).compile
+    assert (c.enabled, c.backend, c.kwargs) == want, f"compile block {block}"
+
+
+BAD = [
+    ({"deepcompile": True}, "compile.deepcompile"),
+    ({"kwargs": {"fullgrahp": True}}, "compile.kwargs.fullgrahp"),
+    ({"kwargs": {"backend": "eager"}}, "compile.kwargs.backend"),
+    ({"enabled": "yes"}, "compile.enabled"),
+    ({"enable": True}, "compile.enable"),
+]
+
+
+@pytest.mark.parametrize("block,key", BAD, ids=[k for _, k in BAD])
+def test_a_wrong_compile_block_is_refused_naming_the_key(block, key):
+    with pytest.raises(ConfigError) as e:
+        parse_config({"compile": block})
+    assert key in str(e.value), f"compile block {block}: {e.value}"
+
+
+def test_regions_are_the_block_list_or_the_whole_model():
+    assert [n for n, _ in compile_regions(make_gpt())] == ["blocks.0", "blocks.1"]
+    mlp = TinyMLP()
+    assert compile_regions(mlp) == [("", mlp)], "no block list: the model is one region"
+
+
+def _train(engine, steps: int = 2) -> list[float]:
+    x, y = make_tokens(2 * steps)
+    losses = []
+    for k in range(steps):
+        loss = engine(x[2 * k : 2 * k + 2], y[2 * k : 2 * k + 2])
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+CONFIG = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+
+
+def test_engine_compile_after_initialize_compiles_each_block_and_trains_the_same():
+    eager, *_ = shardwise.initialize(model=make_gpt(), config=CONFIG)
+    want = _train(eager)
+    engine, *_ = shardwise.initialize(model=make_gpt(), config=CONFIG)
+    assert not engine.is_compiled
+    engine.compile(backend="eager")  # DeepSpeed's call; "eager": dynamo only, no codegen
+    assert engine.is_compiled
+    assert all(is_compiled(b) for b in engine.module.blocks), "every block is a region"
+    engine.compile(backend="eager")  # a second call does nothing (DeepSpeed's rule)
+    # dynamo's "eager" backend runs the captured graph as is: the same ops, the same sums
+    assert _train(engine) == pytest.approx(want, rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    "kwargs,says",
+    [
+        ({"schedule": [(0, [])]}, "schedule"),
+        ({"compiled_autograd_enabled": True}, "compiled_autograd_enabled"),
+        ({"backend": "no.such.backend"}, "compile.backend"),
+        ({"compile_kwargs": {"modes": "max"}}, "compile_kwargs.modes"),
+    ],
+)
+def test_engine_compile_refuses_what_it_cannot_do(kwargs, says):
+    engine, *_ = shardwise.initialize(model=make_gpt(), config=CONFIG)
+    with pytest.raises(ValueError) as e:
+        engine.compile(**kwargs)
+    assert says in str(e.value), f"engine.compile({kwargs}): {e.value}"
+    assert not engine.is_compiled, f"engine.compile({kwargs}) compiled something"
+
+
+def test_verify_compile_sets_the_block_for_layouts_and_the_reference_stays_eager():
+    layout = parse_layout("dp2")
+    compiled = layout_config({}, layout.__class__(**{**vars(layout), "compile": "aot_eager"}), 8)
+    assert compiled["compile"] == {"enabled": True, "backend": "aot_eager"}
+    assert "compile" not in layout_config({}, layout, 8), "no --compile: the script's config"
+    torch._dynamo.reset()
