@@ -21,6 +21,7 @@ import torch
 
 from shardwise.checkpoint import manifest as mf
 from shardwise.checkpoint.manifest import CheckpointError, SavedPiece, rank_file
+from shardwise.checkpoint.piece_index import PieceIndex
 from shardwise.checkpoint.safetensors_file import (
     CRC_CHUNK,
     FormatError,
@@ -37,7 +38,7 @@ _WINDOW = 64  # checksum chunks check() reads at a time
 Index = tuple[slice, ...] | slice | None
 
 
-class CheckpointReader:
+class CheckpointReader(PieceIndex):
     """A checked, read-only view of the checkpoint in directory ``path``."""
 
     def __init__(self, path: str, verify: bool = True) -> None:
@@ -77,20 +78,12 @@ class CheckpointReader:
     def tag(self) -> str:
         return str(self.manifest["tag"])
 
-    def names(self) -> list[str]:
-        return list(self._pieces)
-
-    def __contains__(self, name: str) -> bool:
-        return name in self._pieces
-
-    def pieces(self, name: str) -> list[SavedPiece]:
-        if name not in self._pieces:
-            some = ", ".join(list(self._pieces)[:5])
-            raise CheckpointError(
-                f"tensor {name!r} is not in checkpoint {self.path} ({len(self._pieces)} tensors: "
-                f"{some}, ...): was it saved from another model?"
-            )
-        return list(self._pieces[name])
+    def _missing(self, name: str) -> str:
+        some = ", ".join(list(self._pieces)[:5])
+        return (
+            f"tensor {name!r} is not in checkpoint {self.path} ({len(self._pieces)} tensors: "
+            f"{some}, ...): was it saved from another model?"
+        )
 
     # ------------------------------------------------------------------ reading
 

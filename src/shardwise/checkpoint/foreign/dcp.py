@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from shardwise.checkpoint.manifest import CheckpointError
+from shardwise.checkpoint.piece_index import PieceIndex
 from shardwise.checkpoint.reshard import HeldPiece
 
 _DCP = "torch.distributed.checkpoint"
@@ -69,7 +70,7 @@ def is_dcp(path: str) -> bool:
     return os.path.isfile(os.path.join(path, ".metadata"))
 
 
-class DcpReader:
+class DcpReader(PieceIndex):
     """The DCP checkpoint in directory ``path`` (module docstring)."""
 
     format = "dcp"
@@ -146,16 +147,8 @@ class DcpReader:
             meta["param_groups"] = [groups[i] for i in sorted(groups)]
         return meta, {"lr_scheduler": sched or None, "client_state": {}}
 
-    def names(self) -> list[str]:
-        return list(self._pieces)
-
-    def __contains__(self, name: str) -> bool:
-        return name in self._pieces
-
-    def pieces(self, name: str) -> list[HeldPiece]:
-        if name not in self._pieces:
-            raise CheckpointError(f"tensor {name!r} is not in the DCP checkpoint {self.path}")
-        return self._pieces[name]
+    def _missing(self, name: str) -> str:
+        return f"tensor {name!r} is not in the DCP checkpoint {self.path}"
 
     def read(self, piece: Any, index: Any = None, out: torch.Tensor | None = None) -> torch.Tensor:
         """The chunk of ``piece`` (or its part ``index``), into ``out`` (cast) when given."""

@@ -23,6 +23,7 @@ import torch
 from safetensors import safe_open
 
 from shardwise.checkpoint.manifest import CheckpointError
+from shardwise.checkpoint.piece_index import PieceIndex
 from shardwise.checkpoint.reshard import HeldPiece
 from shardwise.checkpoint.safetensors_file import dtype_from_code
 
@@ -56,7 +57,7 @@ def _files(path: str) -> dict[str, list[str]]:
     return out
 
 
-class HfSafetensorsReader:
+class HfSafetensorsReader(PieceIndex):
     """The weights in ``path`` (module docstring), as the reader protocol of reshard.fill."""
 
     format = "huggingface"
@@ -89,16 +90,8 @@ class HfSafetensorsReader:
             self._open[file] = safe_open(file, framework="pt", device="cpu")
         return self._open[file]
 
-    def names(self) -> list[str]:
-        return list(self._pieces)
-
-    def __contains__(self, name: str) -> bool:
-        return name in self._pieces
-
-    def pieces(self, name: str) -> list[HeldPiece]:
-        if name not in self._pieces:
-            raise CheckpointError(f"tensor {name[6:]!r} is not in the safetensors of {self.path}")
-        return self._pieces[name]
+    def _missing(self, name: str) -> str:
+        return f"tensor {name[6:]!r} is not in the safetensors of {self.path}"
 
     def read(self, piece: Any, index: Any = None, out: torch.Tensor | None = None) -> torch.Tensor:
         """``piece``'s tensor, or its part ``index`` (a tuple of slices: only those bytes are
