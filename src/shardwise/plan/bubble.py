@@ -29,7 +29,8 @@ from shardwise.parallel.pipeline.schedule import (
 
 
 def _chunks(name: str) -> int:
-    return 2 if name in V_SCHEDULES else 1
+    """Model chunks per stage: two in a V, two for the interleaved schedule (planned so)."""
+    return 2 if name in (*V_SCHEDULES, "interleaved") else 1
 
 
 @functools.lru_cache(maxsize=4096)

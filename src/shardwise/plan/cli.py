@@ -39,6 +39,10 @@ MODEL_FLAGS = [
     ("--ffn", dict(type=int, help="MLP width (default 4 x hidden, Llama: about 8/3)")),
     ("--vocab", dict(type=int, help="vocabulary size")),
     ("--seq", dict(type=int, help="sequence length (tokens per sequence)")),
+    ("--moe-experts", dict(type=int, default=0, help="experts per MoE block (0: dense MLPs)")),
+    ("--moe-k", dict(type=int, default=1, choices=[1, 2], help="experts per token (top-k)")),
+    ("--tie-embeddings", dict(action=argparse.BooleanOptionalAction, default=None,
+                              help="head tied to the token embedding (default: gpt yes, llama no)")),
     ("--model", dict(help="pkg.module:build_fn, any nn.Module factory (built on meta)")),
 ]  # fmt: skip
 CLUSTER_FLAGS = [
@@ -52,7 +56,8 @@ CLUSTER_FLAGS = [
     ("--latency-us", dict(type=float, default=None, help="microseconds per collective step")),
 ]  # fmt: skip
 LAYOUT_FLAGS = [("--dp", int), ("--tp", int), ("--pp", int), ("--zero-stage", int),
-                ("--micro-batch", int), ("--grad-accum", int), ("--schedule", str)]  # fmt: skip
+                ("--micro-batch", int), ("--grad-accum", int), ("--schedule", str),
+                ("--ep", int), ("--cp", int), ("--cp-method", str)]  # fmt: skip
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -96,6 +101,9 @@ def model_shape(args: argparse.Namespace) -> ModelShape:
         args.kv_heads,
         args.ffn,
         args.arch,
+        args.moe_experts,
+        args.moe_k,
+        args.tie_embeddings,
     )
     return read_model(build(d), name=f"{args.arch} {d.layers}x{d.hidden}")
 
@@ -132,7 +140,11 @@ def records(args: argparse.Namespace) -> tuple[Planner, list[dict]]:
     machine = cluster(args)
     opts = Options(async_checkpoint=args.async_checkpoint)
     planner = Planner(shape, machine, args.global_batch, args.seq, args.precision, opts)
-    lays = candidates(shape, machine.world, machine.procs_per_node, args.global_batch)
+    cps = [args.cp] if args.cp is not None else None  # a --model is trusted to call
+    # shardwise.attention when --cp is given; the built-in decoders always do
+    lays = candidates(
+        shape, machine.world, machine.procs_per_node, args.global_batch, None, args.seq, cps
+    )
     return planner, planner.plan([lay for lay in lays if _fixed(args, lay)])
 
 
@@ -150,7 +162,7 @@ def _simulate(args: argparse.Namespace) -> dict:
         with torch.device("meta"):
             model = fn()
     else:
-        model = build(planner.shape.dims)
+        model = build(planner.shape.dims, ep_size=lay.ep)
     model = simulate.pipeline_model(model, lay.pp)
     engine, _ = simulate.simulate(model, lay, args.simulate, args.precision, planner.shape)
     return simulate.report(engine, planner, lay, args.simulate)
