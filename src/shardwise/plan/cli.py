@@ -8,6 +8,7 @@
     shardwise plan ... --write-config ds_config.json      # the best layout's config
     shardwise plan --calibrate                             # measure this machine
     shardwise plan ... --simulate 517 --dp 16 --tp 8 --pp 8 --zero-stage 1
+    shardwise plan ... --plot top.png --timeline step.png  # pictures of the records
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any
 
 import torch
 
-from shardwise.plan import calibrate, simulate
+from shardwise.plan import calibrate, pictures, simulate
 from shardwise.plan.candidates import PRECISIONS, Layout, candidates, to_config
 from shardwise.plan.cluster import PRESETS, Cluster, load, parse_bytes, with_overrides
 from shardwise.plan.evaluate import Planner
@@ -78,6 +79,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--calibrate-procs", default="1,2,4", help="process counts to measure")
     p.add_argument("--output", help="where --calibrate saves (default ~/.cache/shardwise)")
     p.add_argument("--simulate", type=int, metavar="RANK", help="set up RANK in a fake world")
+    p.add_argument("--plot", metavar="FILE.png", help="draw the top layouts' memory and time")
+    p.add_argument("--timeline", metavar="FILE.png", help="draw one step of the best layout")
     for flag, kind in LAYOUT_FLAGS:
         p.add_argument(flag, type=kind, default=None, help="fix this part of the layout")
 
@@ -191,6 +194,24 @@ def _calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _pictures(args: argparse.Namespace, planner: Planner, recs: list[dict]) -> None:
+    """--plot: the top layouts side by side; --timeline: one step of the best one (the
+    layout the flags fix, the rest as ranked), pictures.py."""
+    if args.plot:
+        data = pictures.plot_data(recs, planner.cluster.device_memory, min(args.top, 8))
+        if not data["names"]:
+            raise ValueError("--plot: no feasible layout to draw")
+        pictures.draw_plot(data, args.plot)
+        print(f"wrote {args.plot}: {len(data['names'])} layouts", file=sys.stderr)
+    if args.timeline:
+        best = next((r for r in recs if r["feasible"]), None)
+        if best is None:
+            raise ValueError("--timeline: no feasible layout to draw")
+        lay = Layout(**{k: best[k] for k in Layout.__dataclass_fields__})
+        pictures.draw_timeline(pictures.timeline_data(planner, lay), args.timeline)
+        print(f"wrote {args.timeline}: one step of {lay.name()}", file=sys.stderr)
+
+
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``shardwise plan`` (the parser is ``add_parser``'s)."""
     if args.calibrate:
@@ -204,6 +225,7 @@ def run(args: argparse.Namespace) -> int:
         print()
     else:
         print(table(recs, args.top))
+    _pictures(args, planner, recs)
     if args.write_config:
         best = next((r for r in recs if r["feasible"]), None)
         if best is None:

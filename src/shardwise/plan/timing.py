@@ -52,13 +52,24 @@ class StepTime:
         return self.compute + self.exposed_comm + self.bubble
 
 
+ON_PATH = ("tensor", "pipeline", "expert", "context")  # waited for inside a micro-batch
+
+
 def _spans_nodes(axis: str, layout: Layout, cluster: Cluster) -> bool:
-    """Does a group of ``axis`` reach across nodes? (tp innermost, then dp, then pp.)"""
-    inner = {"tensor": layout.tp, "data": layout.tp * layout.dp, "pipeline": layout.world}[axis]
+    """Does a group of ``axis`` reach across nodes? (tp innermost, then cp, dp, pp; an
+    expert group is ep consecutive data ranks.)"""
+    tp, cp = layout.tp, layout.cp
+    inner = {
+        "tensor": tp,
+        "context": tp * cp,
+        "expert": tp * cp * layout.ep,
+        "data": tp * cp * layout.dp,
+        "pipeline": layout.world,
+    }[axis]
     return inner > cluster.procs_per_node
 
 
-def _comm(calls: list[Call], layout: Layout, cluster: Cluster, axis: str) -> float:
+def axis_time(calls: list[Call], layout: Layout, cluster: Cluster, axis: str) -> float:
     """Seconds of the calls of ``axis`` in one step."""
     total = 0.0
     for c in calls:
@@ -78,11 +89,10 @@ def compute_time(work: StageWork, cluster: Cluster, precision: str) -> float:
 
 
 def micro_batch_time(work: StageWork, layout: Layout, cluster: Cluster, precision: str) -> float:
-    """The stage's forward + backward (+ recompute) and its on-path communication, once."""
+    """The stage's forward + backward (+ recompute) and its on-path communication, once:
+    tensor-parallel collectives, pipeline messages, MoE all-to-alls, context blocks."""
     compute = compute_time(work, cluster, precision)
-    path = _comm(work.calls, layout, cluster, "tensor") + _comm(
-        work.calls, layout, cluster, "pipeline"
-    )
+    path = sum(axis_time(work.calls, layout, cluster, a) for a in ON_PATH)
     return compute + path / layout.grad_accum
 
 
@@ -106,7 +116,7 @@ def step_time(
     gas = layout.grad_accum
     compute = gas * compute_time(w, cluster, precision)
     on_path = per_mb[slow] * gas - compute
-    data = _comm(w.calls, layout, cluster, "data")
+    data = axis_time(w.calls, layout, cluster, "data")
     exposed = on_path + (1.0 - cluster.overlap) * data
     compute += optimizer_time(w.states, layout, cluster)
     f, wgt = shares(w.flops, w.recompute_flops)
