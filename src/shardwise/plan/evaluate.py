@@ -4,10 +4,11 @@
 are plain dicts (the JSON of ``shardwise plan --json``), bytes per rank and seconds:
 
     dp, tp, pp, zero_stage, micro_batch, grad_accum, activation_checkpointing, offload,
-    sequence_parallel, schedule, feasible, reason,
+    sequence_parallel, schedule, ep, cp, cp_method, feasible, reason,
     memory {params, grads, optimizer, activations, buffers, peak, host, checkpoint_staging},
-    comm_bytes {data, tensor, pipeline}, comm_ops {op: {calls, bytes, sent_bytes}},
-    bubble, step_time_s, time {compute, exposed_comm, bubble}, tokens_per_s, mfu, stage
+    comm_bytes {data, tensor, pipeline, expert, context}, comm_ops {op: {calls, bytes, sent_bytes}},
+    bubble, step_time_s, time {compute, exposed_comm, bubble}, tokens_per_s, mfu, stage,
+    estimate (the time rests on cluster numbers nobody measured: estimated, their names)
 
 The numbers are the worst rank's: the stage with the highest device memory (memory and
 feasibility), the slowest stage (time). ``rank_view`` gives any one rank's. ``host``: the
@@ -220,6 +221,10 @@ class Planner:
         rate = self.cluster.peak_tflops if self.precision != "fp32" else self.cluster.fp32_tflops
         useful = flops * layout.grad_accum * layout.dp * layout.cp
         rec["mfu"] = useful / (time.total * layout.world * rate * 1e12) if time.total else 0.0
+        comm = any(c.count for c in worst.calls if c.op != "recv")
+        data = any(c.axis == "data" for c in worst.calls)
+        rec["estimated"] = self.cluster.estimated_for(layout.offload, comm, data)
+        rec["estimate"] = bool(rec["estimated"])
         if worst.peak > self.cluster.device_memory:
             rec["feasible"] = False
             rec["reason"] = (

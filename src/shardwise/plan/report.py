@@ -25,7 +25,7 @@ COLUMNS = (
     ("peak GiB", lambda i, r: _gib(r["memory"]["peak"])),
     ("comm d/t/p/e/c GiB", lambda i, r: "/".join(_gib(v) for v in r["comm_bytes"].values())),
     ("bubble", lambda i, r: f"{r['bubble']:.2f}"),
-    ("step s", lambda i, r: _sec(r["step_time_s"])),
+    ("step s", lambda i, r: _sec(r["step_time_s"]) + ("*" if r.get("estimate") else "")),
     ("cmp/comm/bub", lambda i, r: "/".join(_sec(v) for v in r["time"].values())),
     ("tok/s", lambda i, r: f"{r['tokens_per_s']:,.0f}"),
     ("MFU", lambda i, r: f"{r['mfu']:.1%}"),
@@ -55,6 +55,12 @@ def table(records: list[dict[str, Any]], top: int, infeasible: int = 5) -> str:
     lines.insert(0, f"{total} feasible layouts of {len(records)}; the {len(ok)} fastest:")
     if not ok:
         lines[0] = f"no feasible layout among {len(records)}"
+    if any(r.get("estimate") for r in ok):
+        guessed = sorted({k for r in ok for k in r["estimated"]})
+        lines.append(
+            f"* estimate: rests on unmeasured cluster numbers ({', '.join(guessed)}); "
+            "docs/planner.md says where each comes from, --calibrate measures this machine"
+        )
     bad = [r for r in records if not r["feasible"]]
     if bad and infeasible:
         lines += ["", f"{len(bad)} infeasible, for example:"]

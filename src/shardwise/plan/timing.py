@@ -2,7 +2,8 @@
 
 Per micro-batch, a stage runs its forward (F FLOPs / t on each TP rank), a backward of 2F,
 with checkpointing a second forward of the checkpointed layers, and the collectives that sit
-on that path (tensor parallelism, the pipeline's messages). The step is (PTD-P eq. 1)
+on that path (tensor parallelism, the pipeline's messages, MoE all-to-alls, context
+parallelism's blocks). The step is (PTD-P eq. 1)
 
     gas x t_mb  +  bubble x t_mb             (the slowest stage's t_mb; the bubble: p - 1
                                               for 1F1B, less for the zero-bubble schedules,
