@@ -12,6 +12,7 @@ import pytest
 
 from shardwise.plan import PRESETS, Dims, Planner, build, candidates, read_model, to_config
 from shardwise.plan.candidates import Layout
+from shardwise.plan.memory import range_params
 from shardwise.plan.report import table
 
 GPT = Dims(layers=4, hidden=64, heads=4, vocab=64, seq=32)
@@ -70,3 +71,15 @@ def test_context_layouts_show_in_table_json_and_config(method):
     assert f"2 {method}" in table([two], 1)
     cfg = to_config(Layout(1, 1, 1, 0, 2, 2, cp=2, cp_method=method), "fp32")
     assert cfg["context_parallel"] == {"size": 2, "method": method}
+
+
+@pytest.mark.parametrize("pp", [1, 2, 3])
+def test_a_tied_head_is_held_by_each_stage_using_it(pp):
+    """Tied (--arch gpt's default): one copy on one stage; in a pipeline the first stage
+    holds the embedding and the last the head, the same (V, h) tensor on both."""
+    shape = read_model(build(GPT))
+    planner = Planner(shape, PRESETS["a100-80g"], 8, GPT.seq, "fp32")
+    lay = Layout(1, 1, pp, 0, 1, 8)
+    held = [sum(p.numel for p in range_params(shape, planner.ranges(lay, s))) for s in range(pp)]
+    copies = 1 if pp == 1 else 2
+    assert sum(held) == shape.numel + (copies - 1) * GPT.vocab * GPT.hidden, held

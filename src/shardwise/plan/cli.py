@@ -235,4 +235,6 @@ def run(args: argparse.Namespace) -> int:
         cfg = to_config(lay, args.precision, planner.shape)
         Path(args.write_config).write_text(json.dumps(cfg, indent=1) + "\n")
         print(f"wrote {args.write_config}: {lay.name()}", file=sys.stderr)
+        if lay.ep > 1:  # a constructor argument, not a config key
+            print(f"build the model's MoE layers with ep_size={lay.ep}", file=sys.stderr)
     return 0
