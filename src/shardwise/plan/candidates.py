@@ -122,7 +122,7 @@ def candidates(
     try (default: every one a model calling ``shardwise.attention`` can take)."""
     pps = [p for p in divisors(world) if p <= len(shape.layers)] if shape.pipeline else [1]
     for tp in _tp_sizes(shape, world, per_node):
-        for cp in _cp_sizes(shape, world // tp, seq, cp_sizes):
+        for cp in _cp_sizes(shape, world // tp, seq, cp_sizes, per_node // tp):
             for pp in pps if cp == 1 else [1]:  # the library runs no pipeline with cp > 1
                 if (world // (tp * cp)) % pp:
                     continue
@@ -137,10 +137,15 @@ def candidates(
                     )
 
 
-def _cp_sizes(shape: ModelShape, ranks: int, seq: int | None, given: list[int] | None) -> list[int]:
+def _cp_sizes(
+    shape: ModelShape, ranks: int, seq: int | None, given: list[int] | None, inside: int
+) -> list[int]:
     """Context sizes: each rank holds 2 chunks of seq / (2 cp) tokens (token_order.py); MoE
-    layers refuse a context split (parallel/moe/experts.py)."""
-    sizes = given if given is not None else divisors(ranks) if shape.context_attention else [1]
+    layers refuse a context split (parallel/moe/experts.py). Unless given, inside a node
+    (``inside`` ranks beside a tensor group): its peers trade blocks in every layer, and each
+    size costs a trace of its own."""
+    mine = [c for c in divisors(ranks) if c <= max(inside, 1)]
+    sizes = given if given is not None else mine if shape.context_attention else [1]
     ok = [c for c in sizes if ranks % c == 0 and (seq is None or seq % (2 * c) == 0 or c == 1)]
     return [c for c in ok if c == 1 or not shape.expert_counts]
 
