@@ -16,7 +16,8 @@ GPT_FLAGS = ["--arch", "gpt", "--layers", "4", "--hidden", "128", "--heads", "4"
 GPT_FLAGS += ["--vocab", "256", "--seq", "64", "--global-batch", "8"]
 RECORD_KEYS = {
     "dp", "tp", "pp", "zero_stage", "micro_batch", "grad_accum", "activation_checkpointing",
-    "offload", "feasible", "reason", "memory", "comm_bytes", "step_time_s",
+    "offload", "feasible", "reason", "memory", "comm_bytes", "step_time_s", "ep", "cp",
+    "cp_method",
 }  # fmt: skip
 MEMORY_KEYS = {"params", "grads", "optimizer", "activations", "buffers", "peak"}
 
@@ -35,9 +36,12 @@ def test_json_records_have_the_documented_keys(capsys):
             "data",
             "tensor",
             "pipeline",
+            "expert",
+            "context",
         }
         assert (
-            r["dp"] * r["tp"] * r["pp"] == 4 and r["dp"] * r["micro_batch"] * r["grad_accum"] == 8
+            r["dp"] * r["tp"] * r["pp"] * r["cp"] == 4
+            and r["dp"] * r["micro_batch"] * r["grad_accum"] == 8
         )
     times = [r["step_time_s"] for r in recs if r["feasible"]]
     assert times == sorted(times), "feasible layouts are ranked by predicted step time"

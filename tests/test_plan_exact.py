@@ -43,6 +43,7 @@ LAYOUTS = [
     ("tp2-sp-ckpt", L(1, 2, 1, 0, 2, 2, True, sequence_parallel=True), "fp32"),
     ("pp2-1f1b", L(1, 1, 2, 0, 1, 4), "fp32"),
     ("pp2-gpipe", L(1, 1, 2, 0, 1, 4, schedule="gpipe"), "fp32"),
+    ("pp2-interleaved", L(1, 1, 2, 0, 1, 4, schedule="interleaved"), "fp32"),
     ("pp2-zero1-ckpt", L(1, 1, 2, 1, 1, 4, activation_checkpointing=True), "fp32"),
     ("dp2-tp2-zero1", L(2, 2, 1, 1, 2, 2), "fp32"),
     ("dp2-pp2-zero2-bf16", L(2, 1, 2, 2, 2, 2), "bf16"),
@@ -81,12 +82,12 @@ def test_prediction_matches_the_run(name, layout, precision):
 
 
 def test_the_table_covers_every_kind_of_layout():
-    """DP, ZeRO-1/2/3, TP (+SP), PP (both schedules), 3D pairs, offload, checkpointing:
+    """DP, ZeRO-1/2/3, TP (+SP), PP (GPipe, 1F1B, interleaved), 3D pairs, offload, checkpointing:
     a layout kind missing from the table would go unchecked."""
     lays = [x[1] for x in LAYOUTS]
     assert {lay.zero_stage for lay in lays} == {0, 1, 2, 3}
     assert any(x.offload for x in lays) and any(x.activation_checkpointing for x in lays)
     assert any(x.sequence_parallel for x in lays)
-    assert {x.schedule for x in lays if x.pp > 1} == {"1f1b", "gpipe"}
+    assert {x.schedule for x in lays if x.pp > 1} == {"1f1b", "gpipe", "interleaved"}
     assert any(x.dp > 1 and x.tp > 1 for x in lays) and any(x.dp > 1 and x.pp > 1 for x in lays)
     assert any(x.tp > 1 and x.pp > 1 for x in lays)

@@ -143,12 +143,30 @@ def test_ptdp_parameter_counts(billions, heads, hidden, layers):
     assert round(shape.numel / 1e9, 1) == billions
 
 
-def test_ptdp_worked_example_f_and_the_flag_gpt():
+# The planner's decoders (no biases), l = 2, h = 64, V = 1000, s = 32: --arch gpt
+# 12lh^2 + 2lh + (V + s)h + h tied (GPT-2 and Megatron, the default), + Vh untied; Llama
+# (f = 256 x ceil(8h/3 / 256) = 256, no positions): l(4h^2 + 3hf + 2h) + Vh + h tied, + Vh
+# untied (its default).
+GPT_TIED = 12 * 2 * 64**2 + 2 * 2 * 64 + (1000 + 32) * 64 + 64
+LLAMA_TIED = 2 * (4 * 64**2 + 3 * 64 * 256 + 2 * 64) + 1000 * 64 + 64
+TIES = [
+    ("gpt default", "gpt", None, GPT_TIED),
+    ("gpt untied", "gpt", False, GPT_TIED + 1000 * 64),
+    ("gpt tied", "gpt", True, GPT_TIED),
+    ("llama default", "llama", None, LLAMA_TIED + 1000 * 64),
+    ("llama tied", "llama", True, LLAMA_TIED),
+]
+
+
+def test_ptdp_worked_example_f():
     with torch.device("meta"):
         assert read_model(MegatronGPT(2, 64, 4, 1000, 32)).numel == 166_144  # 166,016 + 128
-    # The planner's --arch gpt (no biases, untied head): 12lh^2 + 2lh + (2V + s)h + h.
-    d = Dims(layers=2, hidden=64, heads=4, vocab=1000, seq=32)
-    assert read_model(build(d)).numel == 12 * 2 * 64**2 + 2 * 2 * 64 + (2000 + 32) * 64 + 64
+
+
+@pytest.mark.parametrize("name,arch,tie,numel", TIES, ids=[t[0] for t in TIES])
+def test_tie_embeddings_flag(name, arch, tie, numel):
+    d = Dims(layers=2, hidden=64, heads=4, vocab=1000, seq=32, arch=arch, tie_embeddings=tie)
+    assert read_model(build(d)).numel == numel, name
 
 
 def _free_comm():

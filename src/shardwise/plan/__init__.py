@@ -67,5 +67,5 @@ def plan(
     machine = load(cluster) if isinstance(cluster, str) else cluster
     machine = replace(machine, nodes=nodes, procs_per_node=procs_per_node or machine.procs_per_node)
     planner = Planner(shape, machine, global_batch, seq, precision, opts or Options())
-    lays = candidates(shape, machine.world, machine.procs_per_node, global_batch)
+    lays = candidates(shape, machine.world, machine.procs_per_node, global_batch, None, seq)
     return planner.plan(list(lays))

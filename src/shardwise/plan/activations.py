@@ -35,6 +35,7 @@ from torch.utils._pytree import tree_leaves
 from shardwise.config import ConfigError
 from shardwise.parallel.activation.recompute import run_checkpointed
 from shardwise.parallel.activation.selective import apply_activation_checkpointing
+from shardwise.parallel.moe.layer import MOELayer
 from shardwise.plan.saved import Saved
 from shardwise.plan.shape import ModelShape
 from shardwise.plan.tracing import (
@@ -56,6 +57,7 @@ class LayerActivations:
     tp_sites: tuple[tuple[str, int], ...] = ()  # see hook_styles
     flops: int = 0  # forward FLOPs of one micro-batch, whole layer (torch's flop counter)
     recompute_sites: tuple[tuple[str, int], ...] = ()  # sites a checkpoint's recompute passes
+    attention_flops: int = 0  # the part of ``flops`` in attention (context parallelism: x cp)
 
 
 @dataclass(frozen=True)
@@ -73,6 +75,9 @@ def trace_layers(shape: ModelShape, micro_batch: int, seq: int, dtype: torch.dty
     if shape.module is None:
         raise ValueError("trace_layers needs the model's module (read_model keeps it)")
     model = copy.deepcopy(shape.module).to(dtype)  # on meta: costs nothing
+    for m in model.modules():
+        if isinstance(m, MOELayer):  # unbound expert parallelism: the all-to-all is a copy
+            m.bound = True  # here (no process group), its traffic is booked (a2a sites)
     twin = dict(zip(map(id, shape.module.modules()), model.modules(), strict=True))
     with FakeTensorMode(allow_non_fake_inputs=True):
         model.to_empty(device="cpu")
@@ -111,14 +116,14 @@ def _trace_chain(
         if key not in cache:
             tr.events, tr.last_column_input = [], set()
             plain, y, flops = trace(fn, tr.follow(x, fresh_input(x)), params, tr)
-            sites = tuple(tr.events)
+            sites, attention = tuple(tr.events), tr.attention_flops
             ckpt, again = plain, ()
             if any(p.trainable for p in layer.params) or layer.tied:
                 ckpt_fn = functools.partial(_checkpointed, fn)
                 ckpt, z, _ = trace(ckpt_fn, tr.follow(x, fresh_input(x)), params, tr)
                 again = recompute_sites(z, tr)
             ndim = y.dim() if isinstance(y, torch.Tensor) else 0
-            acts = LayerActivations(plain, ckpt, bytes_of(y), ndim, sites, flops, again)
+            acts = LayerActivations(plain, ckpt, bytes_of(y), ndim, sites, flops, again, attention)
             cache[key] = (acts, y)
         out.append(cache[key][0])
         x = tr.follow(cache[key][1], cache[key][1].detach())
@@ -137,7 +142,7 @@ def _trace_whole(
     takes_targets = len(inspect.signature(model.forward).parameters) >= 2
     run = functools.partial(_call_model, takes_targets, ids)
     plain, y, flops = trace(functools.partial(run, model), ids, params, tr)
-    sites, ckpt, again = tuple(tr.events), plain, ()
+    sites, ckpt, again, attention = tuple(tr.events), plain, (), tr.attention_flops
     try:  # the model is the planner's own copy: checkpoint it in place, after the plain run
         apply_activation_checkpointing(model, "all")
     except ConfigError:  # no block list: checkpointing has nothing to choose
@@ -146,7 +151,7 @@ def _trace_whole(
         ckpt, z, _ = trace(functools.partial(run, model), ids, params, tr)
         again = recompute_sites(z, tr)
     ndim = y.dim() if isinstance(y, torch.Tensor) else 0
-    return LayerActivations(plain, ckpt, bytes_of(y), ndim, sites, flops, again)
+    return LayerActivations(plain, ckpt, bytes_of(y), ndim, sites, flops, again, attention)
 
 
 def _call_model(takes_targets: bool, ids: torch.Tensor, model: nn.Module, x: Any) -> Any:

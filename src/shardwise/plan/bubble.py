@@ -28,8 +28,9 @@ from shardwise.parallel.pipeline.schedule import (
 )
 
 
-def _chunks(name: str) -> int:
-    return 2 if name in V_SCHEDULES else 1
+def chunks_of(name: str) -> int:
+    """Model chunks per stage: two in a V, two for the interleaved schedule (planned so)."""
+    return 2 if name in (*V_SCHEDULES, "interleaved") else 1
 
 
 @functools.lru_cache(maxsize=4096)
@@ -37,7 +38,7 @@ def bubble_units(name: str, stages: int, micro_batches: int, f: float, w: float)
     """Idle time of the step in micro-batch times (F = ``f``, B = 1 - f, W = ``w``)."""
     if stages == 1:
         return 0.0
-    chunks = _chunks(name)
+    chunks = chunks_of(name)
     progs = [make_schedule(name, stages, s, micro_batches, chunks) for s in range(stages)]
     took = simulate(progs, chunks, f, 1.0 - f, w, placement_of(name))
     return took - micro_batches
@@ -56,6 +57,6 @@ def held(name: str, stages: int, stage: int, micro_batches: int) -> float:
     """Stage-micro-batches whose activations (then, split, each linear's input and output
     gradient) stage ``stage`` keeps at once: from a forward to the end of its backward
     (schedule.peak_held), in whole-stage units (a V's chunk is half a stage)."""
-    chunks = _chunks(name)
+    chunks = chunks_of(name)
     program = make_schedule(name, stages, stage, micro_batches, chunks)
     return peak_held(program) / chunks

@@ -8,6 +8,7 @@
     shardwise plan ... --write-config ds_config.json      # the best layout's config
     shardwise plan --calibrate                             # measure this machine
     shardwise plan ... --simulate 517 --dp 16 --tp 8 --pp 8 --zero-stage 1
+    shardwise plan ... --plot top.png --timeline step.png  # pictures of the records
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any
 
 import torch
 
-from shardwise.plan import calibrate, simulate
+from shardwise.plan import calibrate, pictures, simulate
 from shardwise.plan.candidates import PRECISIONS, Layout, candidates, to_config
 from shardwise.plan.cluster import PRESETS, Cluster, load, parse_bytes, with_overrides
 from shardwise.plan.evaluate import Planner
@@ -39,6 +40,10 @@ MODEL_FLAGS = [
     ("--ffn", dict(type=int, help="MLP width (default 4 x hidden, Llama: about 8/3)")),
     ("--vocab", dict(type=int, help="vocabulary size")),
     ("--seq", dict(type=int, help="sequence length (tokens per sequence)")),
+    ("--moe-experts", dict(type=int, default=0, help="experts per MoE block (0: dense MLPs)")),
+    ("--moe-k", dict(type=int, default=1, choices=[1, 2], help="experts per token (top-k)")),
+    ("--tie-embeddings", dict(action=argparse.BooleanOptionalAction, default=None,
+                              help="head tied to the token embedding (default: gpt yes, llama no)")),
     ("--model", dict(help="pkg.module:build_fn, any nn.Module factory (built on meta)")),
 ]  # fmt: skip
 CLUSTER_FLAGS = [
@@ -52,7 +57,8 @@ CLUSTER_FLAGS = [
     ("--latency-us", dict(type=float, default=None, help="microseconds per collective step")),
 ]  # fmt: skip
 LAYOUT_FLAGS = [("--dp", int), ("--tp", int), ("--pp", int), ("--zero-stage", int),
-                ("--micro-batch", int), ("--grad-accum", int), ("--schedule", str)]  # fmt: skip
+                ("--micro-batch", int), ("--grad-accum", int), ("--schedule", str),
+                ("--ep", int), ("--cp", int), ("--cp-method", str)]  # fmt: skip
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -73,6 +79,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--calibrate-procs", default="1,2,4", help="process counts to measure")
     p.add_argument("--output", help="where --calibrate saves (default ~/.cache/shardwise)")
     p.add_argument("--simulate", type=int, metavar="RANK", help="set up RANK in a fake world")
+    p.add_argument("--plot", metavar="FILE.png", help="draw the top layouts' memory and time")
+    p.add_argument("--timeline", metavar="FILE.png", help="draw one step of the best layout")
     for flag, kind in LAYOUT_FLAGS:
         p.add_argument(flag, type=kind, default=None, help="fix this part of the layout")
 
@@ -96,6 +104,9 @@ def model_shape(args: argparse.Namespace) -> ModelShape:
         args.kv_heads,
         args.ffn,
         args.arch,
+        args.moe_experts,
+        args.moe_k,
+        args.tie_embeddings,
     )
     return read_model(build(d), name=f"{args.arch} {d.layers}x{d.hidden}")
 
@@ -132,7 +143,11 @@ def records(args: argparse.Namespace) -> tuple[Planner, list[dict]]:
     machine = cluster(args)
     opts = Options(async_checkpoint=args.async_checkpoint)
     planner = Planner(shape, machine, args.global_batch, args.seq, args.precision, opts)
-    lays = candidates(shape, machine.world, machine.procs_per_node, args.global_batch)
+    cps = [args.cp] if args.cp is not None else None  # a --model is trusted to call
+    # shardwise.attention when --cp is given; the built-in decoders always do
+    lays = candidates(
+        shape, machine.world, machine.procs_per_node, args.global_batch, None, args.seq, cps
+    )
     return planner, planner.plan([lay for lay in lays if _fixed(args, lay)])
 
 
@@ -150,7 +165,7 @@ def _simulate(args: argparse.Namespace) -> dict:
         with torch.device("meta"):
             model = fn()
     else:
-        model = build(planner.shape.dims)
+        model = build(planner.shape.dims, ep_size=lay.ep)
     model = simulate.pipeline_model(model, lay.pp)
     engine, _ = simulate.simulate(model, lay, args.simulate, args.precision, planner.shape)
     return simulate.report(engine, planner, lay, args.simulate)
@@ -179,6 +194,24 @@ def _calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _pictures(args: argparse.Namespace, planner: Planner, recs: list[dict]) -> None:
+    """--plot: the top layouts side by side; --timeline: one step of the best one (the
+    layout the flags fix, the rest as ranked), pictures.py."""
+    if args.plot:
+        data = pictures.plot_data(recs, planner.cluster.device_memory, min(args.top, 8))
+        if not data["names"]:
+            raise ValueError("--plot: no feasible layout to draw")
+        pictures.draw_plot(data, args.plot)
+        print(f"wrote {args.plot}: {len(data['names'])} layouts", file=sys.stderr)
+    if args.timeline:
+        best = next((r for r in recs if r["feasible"]), None)
+        if best is None:
+            raise ValueError("--timeline: no feasible layout to draw")
+        lay = Layout(**{k: best[k] for k in Layout.__dataclass_fields__})
+        pictures.draw_timeline(pictures.timeline_data(planner, lay), args.timeline)
+        print(f"wrote {args.timeline}: one step of {lay.name()}", file=sys.stderr)
+
+
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``shardwise plan`` (the parser is ``add_parser``'s)."""
     if args.calibrate:
@@ -192,6 +225,7 @@ def run(args: argparse.Namespace) -> int:
         print()
     else:
         print(table(recs, args.top))
+    _pictures(args, planner, recs)
     if args.write_config:
         best = next((r for r in recs if r["feasible"]), None)
         if best is None:
@@ -201,4 +235,6 @@ def run(args: argparse.Namespace) -> int:
         cfg = to_config(lay, args.precision, planner.shape)
         Path(args.write_config).write_text(json.dumps(cfg, indent=1) + "\n")
         print(f"wrote {args.write_config}: {lay.name()}", file=sys.stderr)
+        if lay.ep > 1:  # a constructor argument, not a config key
+            print(f"build the model's MoE layers with ep_size={lay.ep}", file=sys.stderr)
     return 0

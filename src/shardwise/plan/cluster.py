@@ -11,6 +11,10 @@ turn peaks into times: ``efficiency`` (what a transformer layer reaches of the p
 A calibration (``shardwise plan --calibrate``, calibrate.py) measures these on the real
 backend at several sizes and process counts; its fits replace the preset's peaks, per
 operation and per group size.
+
+Where each preset number comes from is in ``SOURCES`` (vendor datasheets for peaks, memory and
+links); the ones nobody measured for shardwise are listed in ``Cluster.estimated``, and a
+plan's record whose time depends on one of them says ``"estimate": true`` (``estimated``).
 """
 
 from __future__ import annotations
@@ -44,6 +48,10 @@ class Cluster:
     compute: dict = field(default_factory=dict)
     layer_overhead_us: float = 0.0  # fixed cost of a layer's forward + backward, per micro-batch
     cores: int = 0  # CPU cores the ranks share (a calibrated CPU machine; 0: one device each)
+    estimated: tuple[str, ...] = ()  # fields not measured (SOURCES says why each is what it is)
+
+    def __post_init__(self) -> None:  # a JSON list read back is the same tuple
+        object.__setattr__(self, "estimated", tuple(self.estimated))
 
     @property
     def world(self) -> int:
@@ -85,15 +93,72 @@ class Cluster:
         gbps = self.inter_gbps if inter else self.intra_gbps
         return steps * self.latency_us * 1e-6 + ring * payload / (gbps * 1e9)
 
+    def estimated_for(self, offload: bool, comm: bool, data: bool) -> list[str]:
+        """The unmeasured numbers a layout's time depends on (``comm``: it communicates;
+        ``data``: data-parallel traffic, which ``overlap`` hides; ``offload``: host links)."""
+        used = {"peak_tflops", "fp32_tflops", "efficiency", "optimizer_gbps"}
+        used |= {"intra_gbps", "inter_gbps", "latency_us"} if comm else set()
+        used |= {"overlap"} if data else set()
+        used |= {"host_gbps", "host_optimizer_gbps"} if offload else set()
+        return sorted(used & set(self.estimated))
+
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1, sort_keys=True)
 
 
+# Where each preset number comes from (GB/s: bus bandwidth a ring collective sustains per
+# rank, one direction). "estimate:" marks the numbers no measurement backs (Cluster.estimated).
+_A100 = {
+    "device_memory": "NVIDIA A100 datasheet: 80 GB HBM2e (SXM)",
+    "peak_tflops": "NVIDIA A100 datasheet: 312 TFLOP/s BF16/FP16 tensor core, dense",
+    "fp32_tflops": "NVIDIA A100 datasheet: 19.5 TFLOP/s FP32 (no TF32)",
+    "intra_gbps": "NVLink 3: 300 GB/s per direction; estimate: 230 is the NCCL all-reduce "
+    "bus bandwidth commonly reported for DGX A100, not measured by shardwise",
+    "inter_gbps": "estimate: one 200 Gb/s HDR InfiniBand port per GPU (25 GB/s) at ~90%",
+    "latency_us": "estimate: a few microseconds per NCCL ring step, rounded up",
+    "efficiency": "estimate: share of the peak a transformer layer sustains (Megatron-LM "
+    "reports 40-55% end to end on A100s), not measured for shardwise",
+    "overlap": "estimate: share of data-parallel traffic hidden behind backward",
+    "optimizer_gbps": "estimate: AdamW streams model states at ~half of HBM's 2 TB/s",
+    "host_gbps": "estimate: PCIe 4.0 x16 (32 GB/s per direction) at ~60%",
+    "host_optimizer_gbps": "estimate: a CPU AdamW over host memory",
+}
+SOURCES = {
+    "a100-80g": _A100,
+    "a100-40g": {**_A100, "device_memory": "NVIDIA A100 datasheet: 40 GB HBM2 (SXM)"},
+    "h100-80g": {
+        **_A100,
+        "device_memory": "NVIDIA H100 datasheet: 80 GB HBM3 (SXM)",
+        "peak_tflops": "NVIDIA H100 datasheet: 989 TFLOP/s BF16/FP16 tensor core, dense (SXM)",
+        "fp32_tflops": "NVIDIA H100 datasheet: 67 TFLOP/s FP32 (SXM)",
+        "intra_gbps": "NVLink 4: 450 GB/s per direction; estimate: 360 at ~80% bus bandwidth",
+        "inter_gbps": "estimate: one 400 Gb/s NDR InfiniBand port per GPU (50 GB/s) at ~90%",
+    },
+    "v100-32g": {
+        **_A100,
+        "device_memory": "NVIDIA V100 datasheet: 32 GB HBM2 (SXM2)",
+        "peak_tflops": "NVIDIA V100 datasheet: 125 TFLOP/s FP16 tensor core (SXM2)",
+        "fp32_tflops": "NVIDIA V100 datasheet: 15.7 TFLOP/s FP32 (SXM2)",
+        "intra_gbps": "NVLink 2: 150 GB/s per direction; estimate: 130 at ~85% bus bandwidth",
+        "inter_gbps": "estimate: one 100 Gb/s EDR InfiniBand port per GPU (12.5 GB/s) at ~80%",
+    },
+}
+
+
+def _unmeasured(name: str) -> tuple[str, ...]:
+    return tuple(sorted(k for k, v in SOURCES[name].items() if "estimate" in v))
+
+
 PRESETS = {
-    "a100-80g": Cluster("a100-80g"),
-    "a100-40g": Cluster("a100-40g", device_memory=40 * GIB),
+    "a100-80g": Cluster("a100-80g", estimated=_unmeasured("a100-80g")),
+    "a100-40g": Cluster("a100-40g", device_memory=40 * GIB, estimated=_unmeasured("a100-40g")),
     "h100-80g": Cluster(
-        "h100-80g", peak_tflops=989.0, fp32_tflops=67.0, intra_gbps=360.0, inter_gbps=45.0
+        "h100-80g",
+        peak_tflops=989.0,
+        fp32_tflops=67.0,
+        intra_gbps=360.0,
+        inter_gbps=45.0,
+        estimated=_unmeasured("h100-80g"),
     ),
     "v100-32g": Cluster(
         "v100-32g",
@@ -102,6 +167,7 @@ PRESETS = {
         fp32_tflops=15.7,
         intra_gbps=130.0,
         inter_gbps=10.0,
+        estimated=_unmeasured("v100-32g"),
     ),
 }
 
@@ -150,6 +216,8 @@ def with_overrides(base: Cluster, **given: object) -> Cluster:
     """``base`` with the flags the user gave (None: keep the preset's). A flag wins over a
     calibration: --peak-tflops drops the measured compute rates, a link flag the fits."""
     given = {k: v for k, v in given.items() if v is not None}
+    # A number the user gives is theirs to vouch for: no longer an estimate of ours.
+    given["estimated"] = tuple(k for k in base.estimated if k not in given)
     if "peak_tflops" in given:
         given["compute"] = {}
     if given.keys() & {"intra_gbps", "inter_gbps", "latency_us"}:

@@ -4,11 +4,12 @@
 are plain dicts (the JSON of ``shardwise plan --json``), bytes per rank and seconds:
 
     dp, tp, pp, zero_stage, micro_batch, grad_accum, activation_checkpointing, offload,
-    sequence_parallel, schedule, feasible, reason,
+    sequence_parallel, schedule, ep, cp, cp_method, feasible, reason,
     memory {params, grads, optimizer, activations, buffers, peak, host, checkpoint_staging},
-    mics, comm_bytes {data, tensor, pipeline}, link_bytes {intra_node, inter_node},
+    mics, comm_bytes {data, tensor, pipeline, expert, context}, link_bytes {intra_node, inter_node},
     comm_ops {op: {calls, bytes, sent_bytes}},
-    bubble, step_time_s, time {compute, exposed_comm, bubble}, tokens_per_s, mfu, stage
+    bubble, step_time_s, time {compute, exposed_comm, bubble}, tokens_per_s, mfu, stage,
+    estimate (the time rests on cluster numbers nobody measured: estimated, their names)
 
 The numbers are the worst rank's: the stage with the highest device memory (memory and
 feasibility), the slowest stage (time). ``rank_view`` gives any one rank's. ``host``: the
@@ -38,6 +39,7 @@ from shardwise.plan.cluster import Cluster, fmt_bytes
 from shardwise.plan.memory import (
     ModelStates,
     Options,
+    layout_params,
     model_states,
     range_params,
     range_tied,
@@ -77,15 +79,17 @@ class Planner:
     precision: str = "bf16"
     opts: Options = field(default_factory=Options)
     gradient_clipping: bool = True
-    _traces: dict[int, Trace] = field(default_factory=dict)
+    _traces: dict[tuple[int, int], Trace] = field(default_factory=dict)
     _bounds: dict[int, list[int]] = field(default_factory=dict)
     _states: dict[tuple, tuple] = field(default_factory=dict)
 
-    def trace(self, micro_batch: int) -> Trace:
-        if micro_batch not in self._traces:
+    def trace(self, micro_batch: int, cp: int = 1) -> Trace:
+        """One micro-batch traced on the ``seq / cp`` tokens a context rank holds."""
+        if (micro_batch, cp) not in self._traces:
             dtype = DTYPES[self.precision]
-            self._traces[micro_batch] = trace_layers(self.shape, micro_batch, self.seq, dtype)
-        return self._traces[micro_batch]
+            tokens = self.seq // cp
+            self._traces[micro_batch, cp] = trace_layers(self.shape, micro_batch, tokens, dtype)
+        return self._traces[micro_batch, cp]
 
     def in_flight(self, layout: Layout, stage: int) -> float:
         """Micro-batches whose activations a stage holds at once (schedule.py); zero-bubble
@@ -99,13 +103,17 @@ class Planner:
         return held(layout.schedule, layout.pp, stage, layout.grad_accum)
 
     def ranges(self, layout: Layout, stage: int) -> list[tuple[int, int]]:
-        """The layer ranges ``stage`` runs: its cut of ``pp``, or in the V placement virtual
-        stages ``stage`` and 2 pp - 1 - stage of a 2 pp cut."""
-        if layout.schedule not in V_SCHEDULES or layout.pp == 1:
+        """The layer ranges ``stage`` runs: its cut of ``pp``; in the V placement virtual
+        stages ``stage`` and 2 pp - 1 - stage of a 2 pp cut; interleaved (two chunks in a
+        loop) virtual stages ``stage`` and ``stage + pp``."""
+        if layout.pp == 1 or layout.schedule not in (*V_SCHEDULES, "interleaved"):
             b = self.bounds(layout.pp)
             return [(b[stage], b[stage + 1])]
-        b, mirror = self.bounds(2 * layout.pp), 2 * layout.pp - 1 - stage
-        return [(b[stage], b[stage + 1]), (b[mirror], b[mirror + 1])]
+        b = self.bounds(2 * layout.pp)
+        second = (
+            stage + layout.pp if layout.schedule == "interleaved" else 2 * layout.pp - 1 - stage
+        )
+        return [(b[stage], b[stage + 1]), (b[second], b[second + 1])]
 
     def holds_loss(self, layout: Layout, stage: int) -> bool:
         """``stage`` runs the last layer (and the loss): p - 1, or 0 in a V."""
@@ -121,11 +129,10 @@ class Planner:
         """(params, isolated, model states, data-parallel calls), cached: they do not depend
         on the micro-batch or on checkpointing."""
         key = (layout.tp, layout.pp, layout.dp, layout.zero_stage, layout.offload, stage)
-        key += (layout.mics,)
-        key += (layout.grad_accum, layout.schedule in V_SCHEDULES)
+        key += (layout.mics, layout.grad_accum, layout.schedule, layout.ep, layout.cp)
         if key not in self._states:
             ranges = self.ranges(layout, stage)
-            params = range_params(self.shape, ranges)
+            params = layout_params(range_params(self.shape, ranges), layout, self.shape.free_ep)
             isolate = range_tied(self.shape, ranges) if layout.pp > 1 else set()
             states = model_states(params, layout, self.precision, self.opts, isolate)
             data = traffic.data_calls(params, layout, self.precision, self.opts, isolate)
@@ -140,7 +147,7 @@ class Planner:
         ranges = self.ranges(layout, stage)
         lo, hi = ranges[0]
         params, isolate, states, data = self._stage_states(layout, stage)
-        tr = self.trace(layout.micro_batch)
+        tr = self.trace(layout.micro_batch, layout.cp)
         acts = [a for a0, a1 in ranges for a in tr.layers[a0:a1]]
         tp, sp = layout.tp, layout.sequence_parallel
         kept = [a.checkpointed if layout.activation_checkpointing else a.plain for a in acts]
@@ -156,7 +163,8 @@ class Planner:
         again = (
             sum(a.checkpointed != a.plain for a in acts) if layout.activation_checkpointing else 0
         )
-        flops = sum(a.flops for a in acts) / tp
+        # Context parallelism: a rank's queries meet all cp blocks of keys (x cp in attention).
+        flops = sum(a.flops + (layout.cp - 1) * a.attention_flops for a in acts) / tp
         work = StageWork(flops, recompute, calls, states, len(acts), again)
         acts_held, loss_held = k * (per_mb + loss), k * loss
         return StageView(stage, (lo, hi), states, acts_held, loss_held, transient, calls, work, k)
@@ -165,9 +173,11 @@ class Planner:
         self, layout: Layout, stage: int, params: list, acts: list, ranges: list
     ) -> list[traffic.Call]:
         """Tensor, pipeline and scalar calls of one step (the data calls are cached)."""
-        tr = self.trace(layout.micro_batch)
+        tr = self.trace(layout.micro_batch, layout.cp)
         calls = []
         sites = [s for a in acts for s in a.tp_sites]
+        calls += traffic.expert_calls(sites, layout, False)
+        calls += traffic.context_calls(sites, layout, self.precision, False)
         if self.holds_loss(layout, stage):
             sites += list(tr.loss_sites)
         sp_params = [p for p in params if p.sequence_parallel]
@@ -175,16 +185,24 @@ class Planner:
         if layout.activation_checkpointing:
             again = [s for a in acts for s in a.recompute_sites]
             calls += traffic.tensor_calls(again, [], layout, self.precision, False, True)
+            calls += traffic.expert_calls(again, layout, True)
+            redone = [s for a in acts if a.checkpointed != a.plain for s in a.tp_sites]
+            calls += traffic.context_calls(redone, layout, self.precision, True)
         c = 2 if self.precision != "fp32" else 4
         # A V's chunk 1 is a pipeline run backwards over the stages: stage s plays p-1-s.
-        for (lo, hi), as_stage in zip(ranges, (stage, layout.pp - 1 - stage), strict=False):
+        loop = layout.schedule == "interleaved"  # chunk k: first of all / last of all
+        ends = [(stage == 0, False), (False, stage == layout.pp - 1)] if loop else [None, None]
+        for (lo, hi), as_stage, end in zip(
+            ranges, (stage, layout.pp - 1 - stage), ends, strict=False
+        ):
             bytes_in = tr.layers[lo - 1].output_bytes if lo > 0 else 0
             out = tr.layers[hi - 1]
             calls += traffic.pipeline_calls(
-                layout, as_stage, bytes_in, out.output_bytes, out.output_ndim, c
+                layout, as_stage, bytes_in, out.output_bytes, out.output_ndim, c, end
             )
         norm = self.gradient_clipping or self.precision == "fp16"
-        calls += traffic.scalar_calls(layout, stage, self.precision, norm)
+        apart = any(p.is_expert and p.ep > 1 for p in params)
+        calls += traffic.scalar_calls(layout, stage, self.precision, norm, apart)
         return calls
 
     def evaluate(self, layout: Layout) -> dict[str, Any]:
@@ -200,10 +218,15 @@ class Planner:
         rec["link_bytes"] = by_link(worst.calls, layout, self.cluster.procs_per_node)
         tokens = layout.global_batch * self.seq
         rec["tokens_per_s"] = tokens / time.total if time.total > 0 else 0.0
-        flops = 3 * sum(a.flops for a in self.trace(layout.micro_batch).layers)
+        layers = self.trace(layout.micro_batch, layout.cp).layers
+        flops = 3 * sum(a.flops + (layout.cp - 1) * a.attention_flops for a in layers)
         rate = self.cluster.peak_tflops if self.precision != "fp32" else self.cluster.fp32_tflops
-        useful = flops * layout.grad_accum * layout.dp
+        useful = flops * layout.grad_accum * layout.dp * layout.cp
         rec["mfu"] = useful / (time.total * layout.world * rate * 1e12) if time.total else 0.0
+        comm = any(c.count for c in worst.calls if c.op != "recv")
+        data = any(c.axis == "data" for c in worst.calls)
+        rec["estimated"] = self.cluster.estimated_for(layout.offload, comm, data)
+        rec["estimate"] = bool(rec["estimated"])
         if worst.peak > self.cluster.device_memory:
             rec["feasible"] = False
             rec["reason"] = (

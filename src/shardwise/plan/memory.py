@@ -16,6 +16,13 @@ bytes per element (Adam: 8) and 4 the fp32 master:
     ZeRO-2                          c P       c S       4 S + K S
     ZeRO-3                          c S       c S       4 S + K S   (persistent units: P)
 
+Parameters are reduced and sharded over the data x context ranks (``dp x cp``, the ``dp_cp``
+group). Experts of a layer with ``ep_size`` = ep > 1 live on dp / ep of them (their
+expert-data group): their buckets are laid out apart, after the others, with N = dp / ep
+(``partition_by_replicas``); experts with ep = 1 share the others' buckets. A model the
+planner builds with ``ep_size=1`` (``free_ep``) runs a layout's ep with E / ep local experts:
+the first E / ep of each layer, as ``MoE(ep_size=ep)`` builds them.
+
 The fp32 master is no extra memory when it is the parameters' own fp32 shard (fp32, no
 offload). Offloaded, masters and states sit in host memory: counted, but not on the device.
 
@@ -90,10 +97,13 @@ def stage_params(shape: ModelShape, bounds: list[int], stage: int) -> list[Param
 
 
 def range_params(shape: ModelShape, ranges: list[tuple[int, int]]) -> list[ParamInfo]:
-    """stage_params of a stage holding the layers of ``ranges`` (two in a V placement)."""
+    """stage_params of a stage holding the layers of ``ranges`` (two in a V placement); a
+    tensor shared with a layer of another stage (a tied head) is held here too."""
+    here = {i for lo, hi in ranges for i in range(lo, hi)}
     layers = [x for lo, hi in ranges for x in shape.layers[lo:hi]]
     keys = list(dict.fromkeys(x.tied for x in layers if x.tied))
-    return [p for k in keys for p in shape.tied[k]] + [p for x in layers for p in x.params]
+    own = [p for x in layers for p in x.params if p.shared_with not in here]
+    return [p for k in keys for p in shape.tied[k]] + own
 
 
 def tied_params(shape: ModelShape, bounds: list[int], stage: int) -> set[int]:
@@ -108,6 +118,36 @@ def range_tied(shape: ModelShape, ranges: list[tuple[int, int]]) -> set[int]:
     keys = {x.tied for lo, hi in ranges for x in shape.layers[lo:hi] if x.tied}
     n = sum(len(shape.tied[k]) for k in keys)
     return set(range(n))
+
+
+def layout_params(params: list[ParamInfo], layout: Layout, free_ep: bool) -> list[ParamInfo]:
+    """``params`` as a rank of ``layout`` holds them: with ``free_ep`` (a model built with
+    ep_size=1 for the planner), each MoE layer's first E / ep experts, grouped by ep."""
+    if not free_ep or layout.ep == 1:
+        return params
+    return [
+        replace(p, ep=layout.ep, experts=p.experts // layout.ep) if p.is_expert else p
+        for p in params
+        if not p.is_expert or p.expert < p.experts // layout.ep
+    ]
+
+
+def replica_parts(params: list[ParamInfo], data: int) -> list[tuple[int, list[ParamInfo]]]:
+    """(ranks holding copies, params) per replica group, as ``partition_by_replicas`` splits
+    them: the whole data group first, then each expert-parallel size's expert-data group."""
+    out: dict[int, list[ParamInfo]] = {1: []}  # keyed by ep (1: the whole data group)
+    for p in params:
+        out.setdefault(p.ep if p.is_expert else 1, []).append(p)
+    return [(data // ep, ps) for ep, ps in out.items() if ps]
+
+
+def _parts(
+    params: list[ParamInfo], layout: Layout, isolate: set[int]
+) -> list[tuple[int, list[ParamInfo], set[int]]]:
+    """(group size, trainable params, isolated indices) per replica group (replica_parts);
+    tied parameters (pipelines, where experts are never split) are in the first one."""
+    parts = replica_parts([p for p in params if p.trainable], layout.dp * layout.cp)
+    return [(n, ps, isolate if k == 0 else set()) for k, (n, ps) in enumerate(parts)]
 
 
 def _metas(params: list[ParamInfo], tp: int) -> list[nn.Parameter]:
@@ -171,14 +211,24 @@ def _states(
     c, k, tp = DTYPE_BYTES[precision], opts.optimizer_state_bytes, layout.tp
     shares = c == 4 and not layout.offload  # the fp32 master is the parameters' own shard
     master = 0 if shares else 4
-    if layout.zero_stage == 0 and shares:  # LocalGradients / DataParallelReducer
+    if layout.zero_stage == 0 and shares:  # LocalGradients / DataParallelReducer (any groups)
         n = sum(_numel(p.local_shape(tp)) for p in params)
         trained = sum(_numel(p.local_shape(tp)) for p in params if p.trainable)
         return ModelStates(4 * n, 4 * trained, k * trained)
     if layout.zero_stage == 3:
         return _zero3(params, layout, c, k, master, opts)
-    parts = layout.shard if layout.zero_stage >= 1 else 1
-    lays = buckets([p for p in params if p.trainable], tp, parts, opts.bucket_elements, isolate)
+    data = layout.dp * layout.cp
+    lays = [
+        lay
+        for size, ps, alone in _parts(params, layout, isolate)
+        for lay in buckets(
+            ps,
+            tp,
+            (layout.shard if size == data else size) if layout.zero_stage >= 1 else 1,
+            opts.bucket_elements,
+            alone,
+        )
+    ]
     padded = sum(lay.padded for lay in lays)
     shard = sum(lay.shard_numel for lay in lays)
     grads = c * (shard if layout.zero_stage >= 2 else padded)

@@ -10,6 +10,8 @@ COLUMNS = (
     ("#", lambda i, r: str(i)),
     ("dp", lambda i, r: str(r["dp"])),
     ("tp", lambda i, r: f"{r['tp']}{'+sp' if r['sequence_parallel'] else ''}"),
+    ("cp", lambda i, r: str(r["cp"]) + (f" {r['cp_method']}" if r["cp"] > 1 else "")),
+    ("ep", lambda i, r: str(r["ep"])),
     ("pp", lambda i, r: str(r["pp"]) + ("" if r["schedule"] == "1f1b" else f" {r['schedule']}")),
     ("zero", lambda i, r: str(r["zero_stage"]) + (f" mics{r['mics']}" if r.get("mics") else "")),
     ("mb x gas", lambda i, r: f"{r['micro_batch']}x{r['grad_accum']}"),
@@ -21,9 +23,9 @@ COLUMNS = (
     ("activ", lambda i, r: _gib(r["memory"]["activations"])),
     ("buffers", lambda i, r: _gib(r["memory"]["buffers"])),
     ("peak GiB", lambda i, r: _gib(r["memory"]["peak"])),
-    ("comm d/t/p GiB", lambda i, r: "/".join(_gib(v) for v in r["comm_bytes"].values())),
+    ("comm d/t/p/e/c GiB", lambda i, r: "/".join(_gib(v) for v in r["comm_bytes"].values())),
     ("bubble", lambda i, r: f"{r['bubble']:.2f}"),
-    ("step s", lambda i, r: _sec(r["step_time_s"])),
+    ("step s", lambda i, r: _sec(r["step_time_s"]) + ("*" if r.get("estimate") else "")),
     ("cmp/comm/bub", lambda i, r: "/".join(_sec(v) for v in r["time"].values())),
     ("tok/s", lambda i, r: f"{r['tokens_per_s']:,.0f}"),
     ("MFU", lambda i, r: f"{r['mfu']:.1%}"),
@@ -44,7 +46,8 @@ def table(records: list[dict[str, Any]], top: int, infeasible: int = 5) -> str:
     """The ``top`` feasible layouts, then up to ``infeasible`` of the others with reasons."""
     ok = [r for r in records if r["feasible"]][:top]
     staged = any(r["memory"].get("checkpoint_staging") for r in ok)
-    cols = COLUMNS[:14] + (STAGING,) + COLUMNS[14:] if staged else COLUMNS  # after peak
+    at = [c[0] for c in COLUMNS].index("peak GiB") + 1
+    cols = COLUMNS[:at] + (STAGING,) + COLUMNS[at:] if staged else COLUMNS
     rows = [[c[0] for c in cols]] + [[f(i, r) for _, f in cols] for i, r in enumerate(ok, 1)]
     widths = [max(len(row[k]) for row in rows) for k in range(len(cols))]
     lines = ["  ".join(v.rjust(w) for v, w in zip(row, widths, strict=True)) for row in rows]
@@ -52,12 +55,21 @@ def table(records: list[dict[str, Any]], top: int, infeasible: int = 5) -> str:
     lines.insert(0, f"{total} feasible layouts of {len(records)}; the {len(ok)} fastest:")
     if not ok:
         lines[0] = f"no feasible layout among {len(records)}"
+    if any(r.get("estimate") for r in ok):
+        guessed = sorted({k for r in ok for k in r["estimated"]})
+        lines.append(
+            f"* estimate: rests on unmeasured cluster numbers ({', '.join(guessed)}); "
+            "docs/planner.md says where each comes from, --calibrate measures this machine"
+        )
     bad = [r for r in records if not r["feasible"]]
     if bad and infeasible:
         lines += ["", f"{len(bad)} infeasible, for example:"]
         for r in bad[:infeasible]:
             name = (
-                f"dp{r['dp']} tp{r['tp']}{'+sp' if r['sequence_parallel'] else ''} pp{r['pp']} "
+                f"dp{r['dp']} tp{r['tp']}{'+sp' if r['sequence_parallel'] else ''} "
+                + (f"cp{r['cp']} {r['cp_method']} " if r["cp"] > 1 else "")
+                + (f"ep{r['ep']} " if r["ep"] > 1 else "")
+                + f"pp{r['pp']} "
                 f"zero{r['zero_stage']} mb{r['micro_batch']}x{r['grad_accum']}"
                 f"{' ckpt' if r['activation_checkpointing'] else ''}"
                 f"{' offload' if r['offload'] else ''}"

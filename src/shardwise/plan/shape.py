@@ -19,6 +19,11 @@ the tensor-parallel plan, the dimension of the *stored* tensor that tensor paral
 
 (transposed for a GPT-2 Conv1D, which stores (in, out)). A split dimension of size n holds
 ceil(n / t) rows on each of the t ranks (tensor/layers.py pads the vocabulary).
+
+Experts: a parameter of a shardwise ``MoE`` layer's experts keeps its local expert index, the
+layer's local expert count L and the ``ep_size`` it was built with (a model built with
+``ep_size=ep`` holds L = E / ep experts). Its copies live on the expert-data group (dp / ep
+ranks), where gradients are reduced and ZeRO shards it (parallel/moe/experts.py).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from typing import Any
 from torch import nn
 
 from shardwise.parallel.flat import ceil_div
+from shardwise.parallel.moe.layer import MOELayer
 from shardwise.parallel.pipeline.module import PipelineModule
 from shardwise.parallel.tensor.layers import linear_dims
 from shardwise.parallel.tensor.parallelize import match_plan
@@ -48,6 +54,15 @@ class ParamInfo:
     split: int | None = None
     trainable: bool = True
     sequence_parallel: bool = False  # its module runs on sequence shards under SP
+    expert: int = -1  # local index of its expert in a MoE layer (-1: not an expert)
+    experts: int = 0  # the layer's local expert count as built (E / ep_size)
+    ep: int = 1  # expert-parallel size: its copies are on dp / ep data ranks
+    shared_with: int = -1  # a tensor of layer i used again here (a tied head): one copy when
+    # both layers are on one stage, one on each stage holding them otherwise
+
+    @property
+    def is_expert(self) -> bool:
+        return self.expert >= 0
 
     @property
     def numel(self) -> int:
@@ -88,11 +103,13 @@ class ModelShape:
     callables: list[Callable[..., Any]] = field(default_factory=list)
     loss_fn: Callable[..., Any] | None = None
     dims: Any = None  # shardwise.plan.models.Dims for a model built from flags
+    free_ep: bool = False  # built with ep_size=1 by the planner: any ep dividing E can be built
+    context_attention: bool = False  # attends through shardwise.attention (context parallelism)
 
     @property
     def params(self) -> list[ParamInfo]:
         out = [p for ps in self.tied.values() for p in ps]
-        return out + [p for layer in self.layers for p in layer.params]
+        return out + [p for layer in self.layers for p in layer.params if p.shared_with < 0]
 
     @property
     def numel(self) -> int:
@@ -122,6 +139,22 @@ class ModelShape:
             (f"*.{rest}" if len(names) > 1 else names[0]): style
             for (rest, style), names in groups.items()
         }
+
+    @property
+    def expert_counts(self) -> set[int]:
+        """Experts per MoE layer as built (E / ep_size), empty without experts."""
+        return {p.experts for p in self.params if p.is_expert}
+
+    def ep_sizes(self) -> list[int]:
+        """The expert-parallel sizes a layout may take: any divisor of E for a model the
+        planner builds (``free_ep``), else the ``ep_size`` the model was built with."""
+        built = {p.ep for p in self.params if p.is_expert}
+        if not built:
+            return [1]
+        if self.free_ep:
+            e = min(self.expert_counts)
+            return [d for d in range(1, e + 1) if all(n % d == 0 for n in self.expert_counts)]
+        return [max(built)]
 
     def layer_counts(self) -> list[int]:
         """Trainable parameters per layer (a tied layer's module counted at each use, as
@@ -164,20 +197,41 @@ def _split_dim(module: nn.Module, attr: str, style: str | None) -> int | None:
     return None
 
 
+def _experts_of(model: nn.Module) -> dict[int, tuple[int, int, int]]:
+    """id(parameter) -> (local expert index, local expert count, ep_size) of every expert."""
+    out = {}
+    for m in model.modules():
+        if isinstance(m, MOELayer):
+            for i, expert in enumerate(m.experts.deepspeed_experts):
+                for p in expert.parameters():
+                    out[id(p)] = (i, m.num_local_experts, m.ep_size)
+    return out
+
+
 def _params_of(
-    module: nn.Module, prefix: str, styles: dict[str, str], seen: set[int]
+    module: nn.Module,
+    prefix: str,
+    styles: dict[str, str],
+    seen: dict[int, int],
+    experts: dict[int, tuple[int, int, int]],
+    layer: int = 0,
 ) -> list[ParamInfo]:
-    out = []
+    """``module``'s parameters; ``seen`` maps those read already to their layer: tied within
+    a layer, counted once; tied to an earlier layer, kept with ``shared_with`` set."""
+    out, mine = [], set()
     for sub, m in module.named_modules():
         name = f"{prefix}.{sub}".strip(".") if prefix else sub
         style = styles.get(name)
         for attr, p in m.named_parameters(recurse=False):
-            if id(p) in seen:
-                continue  # tied: counted with its first module
-            seen.add(id(p))
+            owner = seen.setdefault(id(p), layer)
+            if id(p) in mine:
+                continue  # tied inside the layer: counted with its first module
+            mine.add(id(p))
             split = _split_dim(m, attr, style)
             sp = style == "sequence_parallel"
-            out.append(ParamInfo(tuple(p.shape), name, split, p.requires_grad, sp))
+            e = experts.get(id(p), (-1, 0, 1))
+            shared = owner if owner != layer else -1
+            out.append(ParamInfo(tuple(p.shape), name, split, p.requires_grad, sp, *e, shared))
     return out
 
 
@@ -189,16 +243,17 @@ def read_model(model: nn.Module, plan: dict[str, str] | None = None, name: str =
     except ValueError:
         styles = {}  # no plan: tensor parallelism is not an option for this model
     names = {id(m): n for n, m in model.named_modules()}
-    seen: set[int] = set()
+    experts = _experts_of(model)
+    seen: dict[int, int] = {}
     layers, tied = [], {}
-    for fn, key in funcs:
+    for index, (fn, key) in enumerate(funcs):
         if not isinstance(fn, nn.Module):
             layers.append(LayerInfo(getattr(fn, "__name__", type(fn).__name__), [], key))
             continue
         prefix = names.get(id(fn), "")
-        params = _params_of(fn, prefix, styles, seen)
-        if key is not None:
-            tied.setdefault(key, []).extend(params)
+        params = _params_of(fn, prefix, styles, seen, experts, index)
+        if key is not None:  # a TiedLayerSpec: its module's parameters, once per key
+            tied.setdefault(key, []).extend(p for p in params if p.shared_with < 0)
             params = []
         layers.append(LayerInfo(type(fn).__name__, params, key, prefix))
     loss = getattr(model, "loss_fn", None)
@@ -212,4 +267,6 @@ def read_model(model: nn.Module, plan: dict[str, str] | None = None, name: str =
         [fn for fn, _ in funcs],
         loss,
         getattr(model, "dims", None),
+        free_ep=getattr(model, "free_ep", False),
+        context_attention=getattr(model, "context_attention", False),
     )

@@ -2,7 +2,8 @@
 
 Per micro-batch, a stage runs its forward (F FLOPs / t on each TP rank), a backward of 2F,
 with checkpointing a second forward of the checkpointed layers, and the collectives that sit
-on that path (tensor parallelism, the pipeline's messages). The step is (PTD-P eq. 1)
+on that path (tensor parallelism, the pipeline's messages, MoE all-to-alls, context
+parallelism's blocks). The step is (PTD-P eq. 1)
 
     gas x t_mb  +  bubble x t_mb             (the slowest stage's t_mb; the bubble: p - 1
                                               for 1F1B, less for the zero-bubble schedules,
@@ -52,15 +53,23 @@ class StepTime:
         return self.compute + self.exposed_comm + self.bubble
 
 
+ON_PATH = ("tensor", "pipeline", "expert", "context")  # waited for inside a micro-batch
+
+
 def spans_nodes(axis: str, layout: Layout, procs_per_node: int) -> bool:
-    """Does a group of ``axis`` reach across nodes? (tp innermost, then dp, then pp; under
-    MiCS "data" is the shard group and "replicate" spans the data ranks.)"""
-    spans = {
-        "tensor": layout.tp,
-        "data": layout.tp * layout.shard,
-        "replicate": layout.tp * layout.dp,
-    }
-    return spans.get(axis, layout.world) > procs_per_node
+    """Does a group of ``axis`` reach across nodes? (tp innermost, then cp, dp, pp; an
+    expert group is ep consecutive data ranks; under MiCS "data" is the shard group and
+    "replicate" spans the data ranks.)"""
+    tp, cp = layout.tp, layout.cp
+    inner = {
+        "tensor": tp,
+        "context": tp * cp,
+        "expert": tp * cp * layout.ep,
+        "data": tp * layout.shard,
+        "replicate": tp * cp * layout.dp,
+        "pipeline": layout.world,
+    }[axis]
+    return inner > procs_per_node
 
 
 def by_link(calls: list[Call], layout: Layout, procs_per_node: int) -> dict[str, int]:
@@ -71,7 +80,7 @@ def by_link(calls: list[Call], layout: Layout, procs_per_node: int) -> dict[str,
     return out
 
 
-def _comm(calls: list[Call], layout: Layout, cluster: Cluster, axis: str) -> float:
+def axis_time(calls: list[Call], layout: Layout, cluster: Cluster, axis: str) -> float:
     """Seconds of the calls of ``axis`` in one step."""
     total = 0.0
     for c in calls:
@@ -91,11 +100,10 @@ def compute_time(work: StageWork, cluster: Cluster, precision: str) -> float:
 
 
 def micro_batch_time(work: StageWork, layout: Layout, cluster: Cluster, precision: str) -> float:
-    """The stage's forward + backward (+ recompute) and its on-path communication, once."""
+    """The stage's forward + backward (+ recompute) and its on-path communication, once:
+    tensor-parallel collectives, pipeline messages, MoE all-to-alls, context blocks."""
     compute = compute_time(work, cluster, precision)
-    path = _comm(work.calls, layout, cluster, "tensor") + _comm(
-        work.calls, layout, cluster, "pipeline"
-    )
+    path = sum(axis_time(work.calls, layout, cluster, a) for a in ON_PATH)
     return compute + path / layout.grad_accum
 
 
@@ -119,7 +127,8 @@ def step_time(
     gas = layout.grad_accum
     compute = gas * compute_time(w, cluster, precision)
     on_path = per_mb[slow] * gas - compute
-    data = _comm(w.calls, layout, cluster, "data") + _comm(w.calls, layout, cluster, "replicate")
+    data = axis_time(w.calls, layout, cluster, "data")
+    data += axis_time(w.calls, layout, cluster, "replicate")
     exposed = on_path + (1.0 - cluster.overlap) * data
     compute += optimizer_time(w.states, layout, cluster)
     f, wgt = shares(w.flops, w.recompute_flops)

@@ -18,6 +18,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
+from shardwise.parallel.moe.layer import MOELayer
 from shardwise.parallel.tensor.styles import ROW
 from shardwise.plan.saved import Saved
 from shardwise.plan.shape import COLUMN_STYLES
@@ -39,6 +40,7 @@ class Tracker(TorchFunctionMode):
         self.events: list[tuple[str, int]] = []  # tensor-parallel collective sites, in order
         self.last_column_input: set[int] = set()
         self.loss_shape: tuple[int, int] | None = None  # (N, V) inside a loss_parallel module
+        self.attention_flops = 0  # of the last trace: what context parallelism multiplies
 
     def tag(self, out: Any, split: bool) -> None:
         for t in tree_leaves(out):
@@ -66,6 +68,8 @@ class Tracker(TorchFunctionMode):
     def __torch_function__(
         self, func: Any, types: Any, args: tuple = (), kwargs: Any = None
     ) -> Any:
+        if getattr(func, "__name__", "") == "scaled_dot_product_attention":
+            self.events.append(("attn", bytes_of(args[0])))  # one query block (context: cp)
         split = any(isinstance(a, torch.Tensor) and self.is_split(a) for a in tree_leaves(args))
         self.inside_split += split
         try:
@@ -89,8 +93,14 @@ def hook_styles(model: nn.Module, styles: dict[str, str], tr: Tracker) -> list[A
     rep_out   a colwise_rep layer's output (gathered)
     ce_rows   the targets of a vocabulary-parallel loss (two all-reduces of them)
     sp_in     a sequence-parallel module's input (the first one splits the sequence)
+    a2a       a MoE layer's (E, C, M) dispatched slots (expert parallelism's all-to-alls)
+    attn      a query block of scaled_dot_product_attention (booked by the Tracker itself)
     """
     handles = []
+    for m in model.modules():
+        if isinstance(m, MOELayer):
+            a2a = lambda mod, args: tr.events.append(("a2a", bytes_of(args)))  # noqa: E731
+            handles.append(m.experts.register_forward_pre_hook(a2a))
 
     def column_pre(mod: nn.Module, args: tuple) -> None:
         tensors = [t for t in tree_leaves(args) if isinstance(t, torch.Tensor)]
@@ -164,6 +174,8 @@ def trace(
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), tr, flops:
         out = fn(x)
     rows, vocab = loss_shape[0] if loss_shape else (0, 0)
+    counts_by_op = flops.get_flop_counts().get("Global", {})
+    tr.attention_flops = sum(n for op, n in counts_by_op.items() if "attention" in str(op))
     return Saved(**counts, vocab_rows=rows, vocab=vocab), out, flops.get_total_flops()
 
 

@@ -17,6 +17,12 @@ all-reduce 2 (n-1)/n S, reduce-scatter / all-gather / broadcast (n-1)/n S, send 
                layer its output, the vocabulary embedding its output; with it, all-gather /
                reduce-scatter pairs instead, and the sequence-parallel weights' gradients are
                all-reduced; a vocabulary-parallel loss all-reduces N maxima and 2N sums
+    expert     per MoE layer and micro-batch (ep > 1), the dispatch and the combine
+               all-to-all of the (E, C, M) slots, forward and backward (a checkpoint's
+               recompute: forward again): 4 x E C M bytes
+    context    per attention call and micro-batch (cp > 1), ring: 2 (cp-1) K/V blocks sent
+               forward, 2 (cp-1) again and 2 cp fp32 dK/dV partials backward; Ulysses: 4
+               all-to-alls of one (B, H, S/cp, D) block forward, 4 backward
     pipeline   per micro-batch, activations to the next stage and their gradients back (in
                1/t chunks, all-gathered by the receiving TP ranks, when TP splits them), and
                once per batch the activation's description (two int64 messages)
@@ -30,10 +36,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shardwise.plan.candidates import Layout
-from shardwise.plan.memory import DTYPE_BYTES, Options, buckets, zero3_units
+from shardwise.plan.memory import DTYPE_BYTES, Options, buckets, replica_parts, zero3_units
 from shardwise.plan.shape import ParamInfo
 
-RING = {"all_reduce": 2.0, "reduce_scatter": 1.0, "all_gather": 1.0, "broadcast": 1.0}
+RING = {
+    "all_reduce": 2.0,
+    "reduce_scatter": 1.0,
+    "all_gather": 1.0,
+    "broadcast": 1.0,
+    "all_to_all": 1.0,
+}
+AXES = ("data", "tensor", "pipeline", "expert", "context")
 
 
 @dataclass(frozen=True)
@@ -71,7 +84,7 @@ def by_op(calls: list[Call]) -> dict[str, dict[str, int]]:
 
 
 def by_axis(calls: list[Call]) -> dict[str, int]:
-    out = {"data": 0, "tensor": 0, "pipeline": 0}
+    out = dict.fromkeys(AXES, 0)
     for c in calls:
         out["data" if c.axis == "replicate" else c.axis] += c.sent
     return out
@@ -80,32 +93,37 @@ def by_axis(calls: list[Call]) -> dict[str, int]:
 def data_calls(
     params: list[ParamInfo], layout: Layout, precision: str, opts: Options, isolate: set[int]
 ) -> list[Call]:
-    """The data-parallel gradient reduction and parameter gathers of one step."""
-    dp, gas, c = layout.dp, layout.grad_accum, DTYPE_BYTES[precision]
-    if dp == 1:
+    """The data-parallel gradient reduction and parameter gathers of one step, over the data
+    x context ranks, an expert's over its expert-data group (memory.replica_parts)."""
+    data, gas, c = layout.dp * layout.cp, layout.grad_accum, DTYPE_BYTES[precision]
+    if data == 1:
         return []
     trained = [p for p in params if p.trainable]
     if layout.zero_stage == 3:
         return _zero3_calls(trained, layout, c, opts)
-    stage, s = layout.zero_stage, layout.shard
+    stage = layout.zero_stage
     plain = stage == 0 and c == 4 and not layout.offload
-    parts = s if stage >= 1 else 1
     calls = []
-    for lay in buckets(trained, layout.tp, parts, opts.bucket_elements, isolate):
-        size = (4 if plain else c) * lay.padded
-        if stage == 0:
-            calls.append(Call("all_reduce", "data", size, dp))
-            continue
-        if s > 1:
-            calls.append(Call("reduce_scatter", "data", size, s, gas if stage == 2 else 1))
-            calls.append(Call("all_gather", "data", size, s))
-        if s < dp:  # MiCS: the shard, summed over its replicas once per step
-            calls.append(Call("all_reduce", "replicate", c * lay.shard_numel, dp // s))
+    for k, (n, ps) in enumerate(replica_parts(trained, data)):
+        if n == 1:
+            continue  # no other copy: nothing to reduce
+        alone = isolate if k == 0 else set()
+        s = layout.shard if n == data else n  # MiCS shards the whole data group's parameters
+        for lay in buckets(ps, layout.tp, s if stage >= 1 else 1, opts.bucket_elements, alone):
+            size = (4 if plain else c) * lay.padded
+            if stage == 0:
+                calls.append(Call("all_reduce", "data", size, n))
+                continue
+            if s > 1:
+                calls.append(Call("reduce_scatter", "data", size, s, gas if stage == 2 else 1))
+                calls.append(Call("all_gather", "data", size, s))
+            if s < n:  # MiCS: the shard, summed over its replicas once per step
+                calls.append(Call("all_reduce", "replicate", c * lay.shard_numel, n // s))
     return calls
 
 
 def _zero3_calls(params: list[ParamInfo], layout: Layout, c: int, opts: Options) -> list[Call]:
-    dp, gas, s = layout.dp, layout.grad_accum, layout.shard
+    dp, gas, s = layout.dp * layout.cp, layout.grad_accum, layout.shard
     units = zero3_units(params, s, opts.persistence_threshold, opts.model_persistence_threshold)
     calls = []
     for lay, persistent in units:
@@ -168,18 +186,65 @@ def tensor_calls(
     return calls
 
 
+def expert_calls(sites: list[tuple[str, int]], layout: Layout, forward_only: bool) -> list[Call]:
+    """The MoE all-to-alls of one step (module docstring) at the traced ``a2a`` sites."""
+    if layout.ep == 1:
+        return []
+    per = 2 if forward_only else 4
+    return [
+        Call("all_to_all", "expert", size, layout.ep, per * layout.grad_accum)
+        for site, size in sites
+        if site == "a2a"
+    ]
+
+
+def context_calls(
+    sites: list[tuple[str, int]], layout: Layout, precision: str, forward_only: bool
+) -> list[Call]:
+    """Context parallelism's traffic of one step at the traced attention calls (``attn``:
+    the bytes of one (B, H, S/cp, D) query block; module docstring)."""
+    cp, gas = layout.cp, layout.grad_accum
+    if cp == 1:
+        return []
+    calls = []
+    for site, size in sites:
+        if site != "attn":
+            continue
+        if layout.cp_method == "ulysses":
+            calls.append(Call("all_to_all", "context", size, cp, (4 if forward_only else 8) * gas))
+            continue
+        blocks = 2 * (cp - 1) * gas * (1 if forward_only else 2)  # K and V, each hop
+        calls += [
+            Call("send", "context", size, 2, blocks),
+            Call("recv", "context", size, 2, blocks),
+        ]
+        if not forward_only:  # the fp32 dK/dV partials travel home with their blocks
+            fp32 = size * 4 // DTYPE_BYTES[precision]
+            calls += [Call(op, "context", fp32, 2, 2 * cp * gas) for op in ("send", "recv")]
+    return calls
+
+
 def pipeline_calls(
-    layout: Layout, stage: int, bytes_in: int, bytes_out: int, ndim: int, c: int
+    layout: Layout,
+    stage: int,
+    bytes_in: int,
+    bytes_out: int,
+    ndim: int,
+    c: int,
+    ends: tuple[bool, bool] | None = None,
 ) -> list[Call]:
     """Activations to the next stage, gradients to the previous one, per micro-batch; the
-    description of the activation once per step; partitioned over TP when it applies."""
+    description of the activation once per step; partitioned over TP when it applies.
+    ``ends``: (first, last) of the model chunk when it is not the stage's own position (an
+    interleaved chunk)."""
     pp, tp, gas = layout.pp, layout.tp, layout.grad_accum
     if pp == 1:
         return []
+    first, last = ends if ends is not None else (stage == 0, stage == pp - 1)
     chunked = tp > 1 and not layout.sequence_parallel
     calls = []
     for size, to_next in ((bytes_out, True), (bytes_in, False)):
-        if (stage == pp - 1 and to_next) or (stage == 0 and not to_next):
+        if (last and to_next) or (first and not to_next):
             continue
         # With SP the boundary tensor is already 1/t of the sequence; with TP alone each TP
         # rank sends ceil(numel / t) elements of it (p2p.flat_chunk).
@@ -191,24 +256,29 @@ def pipeline_calls(
         if chunked:  # this rank all-gathers what it receives (the peer's chunks of it)
             calls.append(Call("all_gather", "tensor", size, tp, gas))
     meta = 8 * (6 + ndim)  # [split, is_tuple, count, dtype, requires_grad, ndim, *shape]
-    if stage < pp - 1:
+    if not last:
         calls += [Call("send", "pipeline", 8, 2), Call("send", "pipeline", meta, 2)]
-    if stage > 0:
+    if not first:
         calls += [Call("recv", "pipeline", 8, 2), Call("recv", "pipeline", meta, 2)]
     return calls
 
 
-def scalar_calls(layout: Layout, stage: int, precision: str, norm: bool) -> list[Call]:
-    """The step's mean loss (train_batch) and the gradient norm's partial sums."""
-    dp, mp = layout.dp, layout.pp * layout.tp
+def scalar_calls(
+    layout: Layout, stage: int, precision: str, norm: bool, experts_apart: bool = False
+) -> list[Call]:
+    """The step's mean loss (train_batch) and the gradient norm's partial sums
+    (``experts_apart``: some experts live on part of the data group, their squares summed)."""
+    dp, mp = layout.dp * layout.cp, layout.pp * layout.tp
     calls = []
     last = stage == layout.pp - 1
     if dp > 1 and last:
         calls.append(Call("all_reduce", "data", 4, dp))
     if layout.pp > 1:
         calls.append(Call("broadcast", "pipeline", 4, layout.pp))
-    if norm and layout.shard > 1 and layout.zero_stage >= 1:  # ZeRO: each rank a shard's part
+    if norm and layout.zero_stage >= 1 and layout.shard > 1:  # ZeRO: each rank a shard's part
         calls.append(Call("all_reduce", "data", 4, layout.shard))  # MiCS: its shard group
+    elif norm and dp > 1 and experts_apart:  # some experts on part of the data group
+        calls.append(Call("all_reduce", "data", 4, dp))
     if norm and mp > 1:
         calls.append(Call("all_reduce", "pipeline" if layout.pp > 1 else "tensor", 4, mp))
     return calls

@@ -61,9 +61,11 @@ def timeline(
     t_backward: float = 2.0,
     t_weight: float | None = None,
     placement: str = "loop",
+    record: list | None = None,
 ) -> tuple[list[float], list[float]]:
     """(finish time, busy time) of every stage: its idle time is finish - busy, within the
-    makespan max(finish) - busy."""
+    makespan max(finish) - busy. ``record``, when given, receives one
+    ``(stage, start, end, instruction)`` per compute instruction (a picture of the run)."""
     stages = len(programs)
     links: dict[tuple, list[tuple[int, int, float]]] = {}  # (kind, src, dst, dst chunk) -> queue
     cost = _costs(chunks, t_forward, t_backward, t_weight)
@@ -80,8 +82,11 @@ def timeline(
                 elif ins.op in (Op.RECV_ACT, Op.RECV_GRAD):
                     if not _receive(links, stages, chunks, s, ins, clock, placement):
                         break
-                clock[s] += cost.get(ins.op, 0.0)
-                busy[s] += cost.get(ins.op, 0.0)
+                took = cost.get(ins.op, 0.0)
+                if record is not None and took:
+                    record.append((s, clock[s], clock[s] + took, ins))
+                clock[s] += took
+                busy[s] += took
                 pc[s] += 1
                 moved = True
         if not moved:
