@@ -141,7 +141,9 @@ def hook_styles(model: nn.Module, styles: dict[str, str], tr: Tracker) -> list[A
     return handles
 
 
-def _cpu_attention_flops(q: Any, k: Any, *args: Any, **kw: Any) -> int:
+def _cpu_attention_flops(
+    q: tuple[int, ...], k: tuple[int, ...], *args: object, **kw: object
+) -> int:
     """The fused CPU attention: QK^T and PV, 2 FLOPs per multiply-add (torch counts the
     GPU kernels alike; this one it does not know)."""
     b, h, s, d = q  # torch's counter passes shapes

@@ -155,7 +155,9 @@ def _isolated_and_skipped(
     return runner.tied.all_params(), skip | frozenset(runner.tied.counted_elsewhere)
 
 
-def _config_source(args: Any, config: Any, config_params: Any) -> Any:
+def _config_source(
+    args: object, config: dict | str | None, config_params: dict | str | None
+) -> dict | str | None:
     from_args = getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
     given = [c for c in (config, config_params) if c is not None]
     if from_args is not None and given:
@@ -213,7 +215,7 @@ def _ensure_logging() -> None:
         logger.setLevel(logging.INFO)
 
 
-def _log_start(cfg: Config, mesh: ProcessMesh, batch: Any) -> None:
+def _log_start(cfg: Config, mesh: ProcessMesh, batch: BatchSizes) -> None:
     if mesh.rank != 0:
         return
     _ensure_logging()

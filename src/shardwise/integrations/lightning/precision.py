@@ -19,12 +19,17 @@ model in 16 bits with fp32 master weights (docs/lightning.md). What it does per 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+if TYPE_CHECKING:  # annotations only
+    import lightning.pytorch as pl
+    from lightning.fabric.utilities.types import Steppable
+    from lightning.pytorch.utilities.enums import GradClipAlgorithmType
 
 SUPPORTED = ("32-true", "32", "bf16-mixed", "bf16-true", "bf16", "16-mixed", "16-true", "16")
 
@@ -68,12 +73,21 @@ class ShardwisePrecision(Precision):
         return self.engine
 
     def backward(  # type: ignore[override]
-        self, tensor: torch.Tensor, model: Any, optimizer: Any, *args: Any, **kwargs: Any
+        self,
+        tensor: torch.Tensor,
+        model: pl.LightningModule,
+        optimizer: Steppable | None,
+        *args: Any,
+        **kwargs: Any,
     ) -> None:
         self._engine().backward(tensor, scale_wrt_gas=False)
 
     def optimizer_step(  # type: ignore[override]
-        self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any
+        self,
+        optimizer: Steppable,
+        model: pl.LightningModule,
+        closure: Callable[[], Any],
+        **kwargs: Any,
     ) -> Any:
         if isinstance(optimizer, torch.optim.LBFGS):
             raise MisconfigurationException("ShardwiseStrategy cannot run LBFGS (it re-evaluates)")
@@ -88,6 +102,9 @@ class ShardwisePrecision(Precision):
         return result
 
     def clip_gradients(
-        self, optimizer: Any, clip_val: Any = 0.0, gradient_clip_algorithm: Any = None
+        self,
+        optimizer: torch.optim.Optimizer,
+        clip_val: int | float = 0.0,
+        gradient_clip_algorithm: GradClipAlgorithmType | None = None,
     ) -> None:
         """The engine clips (the config's ``gradient_clipping``); nothing to do here."""

@@ -26,9 +26,10 @@ callbacks), with the model, the optimizer, backward, the step and checkpoints ha
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from lightning.fabric.utilities.seed import reset_seed
@@ -37,6 +38,12 @@ from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+
+if TYPE_CHECKING:  # annotations only
+    import lightning.pytorch as pl
+    from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+    from lightning.fabric.strategies.registry import _StrategyRegistry
+    from lightning.pytorch.utilities.enums import GradClipAlgorithmType
 
 import shardwise
 from shardwise.integrations.lightning.config import engine_config, storable
@@ -85,10 +92,10 @@ class ShardwiseStrategy(DDPStrategy):
     def __init__(
         self,
         config: dict | str | Path | None = None,
-        accelerator: Any = None,
+        accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
-        cluster_environment: Any = None,
-        checkpoint_io: Any = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = None,
@@ -157,7 +164,7 @@ class ShardwiseStrategy(DDPStrategy):
         return {"num_replicas": self._engine.dp_world_size, "rank": self._engine.dp_rank}
 
     # ------------------------------------------------------------------ the engine
-    def setup(self, trainer: Any) -> None:
+    def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None and self.lightning_module is not None
         self.accelerator.setup(trainer)
         self.model_to_device()
@@ -197,7 +204,13 @@ class ShardwiseStrategy(DDPStrategy):
         assert self.lightning_module is not None
         self.lightning_module.to(self.root_device)
 
-    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+    def optimizer_step(
+        self,
+        optimizer: torch.optim.Optimizer,
+        closure: Callable[[], Any],
+        model: pl.LightningModule | torch.nn.Module | None = None,
+        **kwargs: Any,
+    ) -> Any:
         module = model or self.lightning_module
         trainer = getattr(module, "_trainer", None)
         if trainer is not None and module.automatic_optimization:
@@ -211,7 +224,7 @@ class ShardwiseStrategy(DDPStrategy):
     def handles_gradient_accumulation(self) -> bool:
         return True  # engine.step() at every batch; it updates on the boundary only
 
-    def optimizer_state(self, optimizer: Any) -> dict:
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
         return {}  # the engine saves its (sharded) optimizer state itself
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
@@ -252,10 +265,10 @@ class ShardwiseStrategy(DDPStrategy):
             )
         return dict(client or {})
 
-    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         """Nothing: ``load_checkpoint`` loaded the model into the engine's layout."""
 
-    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         """Nothing: ``load_checkpoint`` loaded the optimizer state, resharded."""
 
     # ------------------------------------------------------------------ the end
@@ -276,7 +289,7 @@ class ShardwiseStrategy(DDPStrategy):
         super().teardown()
 
     @classmethod
-    def register_strategies(cls, strategy_registry: Any) -> None:
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         """``"shardwise"`` (the config given, else data parallelism) and ZeRO 1-3 by name."""
         names = {"shardwise": None, **{f"shardwise_zero{s}": s for s in (1, 2, 3)}}
         for name, stage in names.items():
@@ -287,11 +300,11 @@ class ShardwiseStrategy(DDPStrategy):
             strategy_registry.register(name, cls, description=f"shardwise: {what}", config=config)
 
 
-def _algorithm(value: Any) -> str | None:
+def _algorithm(value: str | GradClipAlgorithmType | None) -> str | None:
     return None if value is None else str(getattr(value, "value", value))
 
 
-def _loader_batch_size(trainer: Any) -> int | None:
+def _loader_batch_size(trainer: pl.Trainer) -> int | None:
     """The batch size of a DataLoader given to ``fit`` (Lightning's private source; else None)."""
     source = getattr(getattr(trainer, "fit_loop", None), "_data_source", None)
     loader = getattr(source, "instance", None)
