@@ -23,7 +23,7 @@ def _exchange(batched: bool) -> tuple[list[float], list[tuple[str, bool]]]:
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
         send, recv = torch.full((3,), float(rank)), torch.empty(3)
-        last = max((c.seq for c in process_recorder().recent()), default=-1)
+        before = {id(c) for c in process_recorder().recent()}  # seq counts per group
         if batched:
             ops = [
                 dist.P2POp(dist.isend, send, (rank + 1) % world),
@@ -34,7 +34,8 @@ def _exchange(batched: bool) -> tuple[list[float], list[tuple[str, bool]]]:
             works = [dist.isend(send, (rank + 1) % world), dist.irecv(recv, (rank - 1) % world)]
         for work in works:
             work.wait()
-        booked = [(c.op, c.end is not None) for c in process_recorder().recent() if c.seq > last]
+        new = [c for c in process_recorder().recent() if id(c) not in before]
+        booked = [(c.op, c.end is not None) for c in new]
         return recv.tolist(), booked
     finally:
         uncover_torch_distributed()
