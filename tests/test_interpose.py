@@ -23,7 +23,10 @@ def _exchange(batched: bool) -> tuple[list[float], list[tuple[str, bool]]]:
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
         send, recv = torch.full((3,), float(rank)), torch.empty(3)
-        before = {id(c) for c in process_recorder().recent()}  # seq counts per group
+        # Calls seen before, held alive (a full ring frees the oldest, whose id a new call may
+        # take); matched by identity, since seq counts per group.
+        before = process_recorder().recent()
+        seen = {id(c) for c in before}
         if batched:
             ops = [
                 dist.P2POp(dist.isend, send, (rank + 1) % world),
@@ -34,7 +37,7 @@ def _exchange(batched: bool) -> tuple[list[float], list[tuple[str, bool]]]:
             works = [dist.isend(send, (rank + 1) % world), dist.irecv(recv, (rank - 1) % world)]
         for work in works:
             work.wait()
-        new = [c for c in process_recorder().recent() if id(c) not in before]
+        new = [c for c in process_recorder().recent() if id(c) not in seen]
         booked = [(c.op, c.end is not None) for c in new]
         return recv.tolist(), booked
     finally:
