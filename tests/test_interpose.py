@@ -20,6 +20,9 @@ from shardwise.diagnose.recorder import process_recorder
 
 def _exchange(batched: bool) -> tuple[list[float], list[tuple[str, bool]]]:
     cover_torch_distributed()
+    recorder, was_off = process_recorder(), not process_recorder().enabled
+    if was_off:  # an earlier test in this world may have turned the recorder off
+        recorder.configure(size=256)
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
         send, recv = torch.full((3,), float(rank)), torch.empty(3)
@@ -42,6 +45,8 @@ def _exchange(batched: bool) -> tuple[list[float], list[tuple[str, bool]]]:
         return recv.tolist(), booked
     finally:
         uncover_torch_distributed()
+        if was_off:
+            recorder.configure(size=0)
 
 
 def test_a_scripts_batched_p2p_ops_pass_through_the_cover_and_are_booked():
