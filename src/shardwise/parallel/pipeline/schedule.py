@@ -168,25 +168,23 @@ def make_schedule(
 def peak_in_flight(program: list[Instruction]) -> int:
     """The most micro-batches whose forward ran and whose backward has not: how many
     micro-batches' activations the stage stores at once."""
-    live, peak = set(), 0
-    for ins in program:
-        if ins.op is Op.FORWARD:
-            live.add((ins.mb, ins.chunk))
-            peak = max(peak, len(live))
-        elif ins.op in (Op.BACKWARD, Op.BACKWARD_INPUT):
-            live.discard((ins.mb, ins.chunk))
-    return peak
+    return _peak_live(program, (Op.BACKWARD, Op.BACKWARD_INPUT))
 
 
 def peak_held(program: list[Instruction]) -> int:
     """The most (micro-batch, chunk) units between their forward and the end of their
     backward (a full BACKWARD, or the W of a split one): what a zero-bubble stage keeps,
     activations until B and then each linear's input and output gradient until W."""
+    return _peak_live(program, (Op.BACKWARD, Op.BACKWARD_WEIGHT))
+
+
+def _peak_live(program: list[Instruction], ends: tuple[Op, ...]) -> int:
+    """The most (micro-batch, chunk) units alive at once: from FORWARD to an op of ``ends``."""
     live, peak = set(), 0
     for ins in program:
         if ins.op is Op.FORWARD:
             live.add((ins.mb, ins.chunk))
             peak = max(peak, len(live))
-        elif ins.op in (Op.BACKWARD, Op.BACKWARD_WEIGHT):
+        elif ins.op in ends:
             live.discard((ins.mb, ins.chunk))
     return peak
