@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from shardwise.launch.env import resolve_backend, resolve_timeout
+from shardwise.launch.env import resolve_backend, resolve_timeout, teardown_world
 
 # What a rank's traceback says when its collective failed because another rank died.
 _PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "DistBackendError")
@@ -70,7 +70,7 @@ def _worker(
         value = fn(rank, *args)
         results.put((rank, value))  # before teardown, so the parent never waits on a slow exit
     finally:
-        dist.destroy_process_group()
+        teardown_world()
 
 
 class SpawnedJob:

@@ -239,6 +239,15 @@ class FlightRecorder:
             if dist.get_world_size() > 1:
                 self._start_watchdog()
 
+    def disarm(self) -> None:
+        """Stop the watchdog before the world it watches is torn down: its thread polls the
+        job's store, and a thread inside a store call when the interpreter finalizes dies in
+        pybind11's GIL re-acquire (SIGABRT). The next collective starts a new one."""
+        with self._lock:
+            watchdog, self.watchdog = self.watchdog, None
+        if watchdog is not None:
+            watchdog.close()
+
     def _start_watchdog(self) -> None:
         with self._lock:
             if self.watchdog is None:

@@ -331,7 +331,7 @@ def _init_group(
         world_size=env.world_size,
         timeout=timeout,
     )
-    atexit.register(_collect_at_exit)
+    atexit.register(teardown_world)
     guard_worker(env.rank)  # die with the launcher; uncaught errors reach its failure summary
     master = (env.master_addr, env.master_port)  # a lost host is named within a minute
     start_heartbeat(env.node_rank, env.local_rank, env.world_size, env.local_world_size, master)
@@ -347,13 +347,14 @@ def _init_group(
     return env
 
 
-def _collect_at_exit() -> None:
+def teardown_world() -> None:
     """Free unreachable engines (and the process groups they hold) while the world is still
     up, then tear the world down: left to the interpreter's final teardown, the gloo groups
     are destroyed in no particular order and a script that returned normally sometimes dies
     of SIGABRT ("terminate called without an active exception"; 2 runs in 16 of a 2-rank DP
-    step, 0 in 16 with the collection; benchmarks/clean_exit.py counts it). Only the world
-    shardwise set up is torn down (this is registered by ``_init_group``)."""
+    step, 0 in 16 with the collection; benchmarks/clean_exit.py counts it). Run at exit for
+    the world ``init_distributed`` set up, and by ``shardwise.spawn``'s children."""
+    process_recorder().disarm()  # its thread polls the store of the world that goes now
     gc.collect()
 
     if dist.is_available() and dist.is_initialized():
