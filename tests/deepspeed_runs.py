@@ -198,17 +198,24 @@ def deepspeed_save_and_resume(
 
 
 def shardwise_resume(
-    stage: int, dtype: str, path: str, scratch: str, before: int = 3, after: int = 5
+    stage: int,
+    dtype: str,
+    path: str,
+    scratch: str,
+    before: int = 3,
+    after: int = 5,
+    tag: str | None = None,
 ) -> dict:
-    """A shardwise engine (ZeRO ``stage`` on this world) loads DeepSpeed's checkpoint and
-    trains ``after`` steps; what it loaded is read back through a save into ``scratch``."""
+    """A shardwise engine (ZeRO ``stage`` on this world) loads DeepSpeed's checkpoint (tag
+    ``tag`` of ``path``, default ``latest``'s) and trains ``after`` steps; what it loaded is
+    read back through a save into ``scratch``."""
     import shardwise
 
     m = model(seed=5)
     engine, *_ = shardwise.initialize(
         model=m, optimizer=adamw(m), config=config(stage, dtype, dist.get_world_size())
     )
-    _, client = engine.load_checkpoint(path)
+    _, client = engine.load_checkpoint(path, tag=tag)
     counters = (engine.global_steps, engine.global_samples)
     lr = engine.get_lr()
     loaded = _shardwise_loaded_state(engine, scratch)

@@ -24,7 +24,7 @@ they load with torch's weights-only unpickler (and shardwise's own allow-list).
 
 import pytest
 import torch
-from deepspeed_export_runs import export_and_resume
+from deepspeed_export_runs import export_and_resume, universal_resume, universal_save
 from harness import run_distributed
 
 import shardwise
@@ -55,8 +55,13 @@ def _id(cell: tuple) -> str:
 def test_deepspeed_resumes_a_shardwise_save_as_shardwise_goes_on(runs, cell):
     stage, dtype, variant = cell
     tag = f"shardwise z{stage} {dtype} {variant or '1 group'} 2 ranks -> DeepSpeed"
-    cell = runs[1][cell]
-    sw, ds = cell["shardwise"], cell["deepspeed"]
+    found = runs[1][cell]
+    _compare(found["shardwise"], found["deepspeed"], cell, tag)
+
+
+def _compare(sw: dict, ds: dict, cell: tuple, tag: str) -> None:
+    """DeepSpeed's load and continuation ``ds`` against shardwise's save and own ``sw``."""
+    _, dtype, variant = cell
     assert ds["load_path"] is not None, f"{tag}: DeepSpeed found nothing to load"
     assert ds["loaded"].keys() == sw["held"].keys(), tag
     for name, want in sw["held"].items():
@@ -80,6 +85,35 @@ def test_deepspeed_resumes_a_shardwise_save_as_shardwise_goes_on(runs, cell):
             assert worst <= 1e-6, f"{tag}: {name} differs by {worst:.2e}"
         else:
             assert _within_bf16_ulps(have, want).all(), f"{tag}: {name} by {worst:.2e}"
+
+
+UNIVERSAL_CELLS = [(1, "fp32", ""), (3, "fp32", ""), (2, "bf16", "groups")]
+
+
+@pytest.fixture(scope="module")
+def universal(tmp_path_factory) -> tuple[str, dict, dict]:
+    root = str(tmp_path_factory.mktemp("ds-universal"))
+    sw = run_distributed(universal_save, 2, UNIVERSAL_CELLS, root)[0]
+    return root, sw, run_distributed(universal_resume, 1, UNIVERSAL_CELLS, root)[0]
+
+
+@pytest.mark.parametrize(
+    "cell", UNIVERSAL_CELLS, ids=[_id(c) + "-universal-1r" for c in UNIVERSAL_CELLS]
+)
+def test_deepspeed_loads_a_shardwise_universal_folder_at_another_world_size(universal, cell):
+    """shardwise on 2 ranks saves format="deepspeed-universal"; DeepSpeed on 1 rank loads it
+    with ``"checkpoint": {"load_universal": true}`` (no ``ds_to_universal`` step) and goes on
+    as shardwise went on (the bounds of the module docstring: the same global batch of 4 rows,
+    whose gradient summed as 2 x 2 rows or as 4 differs by fp32 rounding only)."""
+    root, sw, ds = universal
+    stage, dtype, variant = cell
+    tag = f"shardwise z{stage} {dtype} {variant or '1 group'} 2 ranks -> universal -> DeepSpeed 1 rank"
+    path = f"{root}/universal-z{stage}-{dtype}-{variant}"
+    with open(f"{path}/latest_universal") as f:
+        assert f.read() == "global_step3", tag
+    _compare(sw[cell], ds[cell], cell, tag)
+    with open_checkpoint(f"{path}/global_step3") as reader:  # and shardwise reads it back
+        assert reader.describe()["format"].endswith("universal checkpoint"), tag
 
 
 def test_the_files_hold_plain_values_and_shardwise_reads_them_back(runs):

@@ -23,8 +23,10 @@ the engine as it was. fp16 is not in the matrix: DeepSpeed
 0.19 refuses fp16 on the CPU accelerator, so no test here can write an fp16 checkpoint.
 """
 
+import os
 import re
 import shutil
+import sys
 
 import pytest
 import torch
@@ -116,14 +118,53 @@ def test_a_deepspeed_checkpoint_resumes_in_a_shardwise_pipeline(tmp_path):
     _resume_and_compare(ds, "fp32", (0, 2), tmp_path, tag, shardwise_pipeline_resume)
 
 
+UNIVERSAL_CELLS = [  # DeepSpeed ZeRO stage on 2 ranks, fp32 -> shardwise (ZeRO stage, ranks)
+    (1, (3, 1)),
+    (2, (0, 1)),
+    (3, (1, 2)),
+]
+
+
+@pytest.mark.parametrize(
+    "stage, target",
+    UNIVERSAL_CELLS,
+    ids=[f"ds-z{s}-fp32-2r-universal->sw-z{t}-{w}r" for s, (t, w) in UNIVERSAL_CELLS],
+)
+def test_a_universal_folder_of_ds_to_universal_resumes_in_another_layout(
+    stage, target, tmp_path, monkeypatch
+):
+    """DeepSpeed's own ``ds_to_universal`` (run here, in this process, as its command line
+    does) turns the 2-rank tag into a universal folder (whole tensors under zero/); shardwise
+    loads that folder and goes on as DeepSpeed's own resume of the original tag does."""
+    from deepspeed.checkpoint import ds_to_universal
+
+    ds = run_distributed(deepspeed_save_and_resume, 2, stage, "fp32", str(tmp_path))[0]
+    folder = str(tmp_path / "global_step3_universal")
+    args = ["--input_folder", str(tmp_path / "global_step3"), "--output_folder", folder]
+    args += ["--num_extract_workers", "1", "--num_merge_workers", "1", "--inject_missing_state"]
+    monkeypatch.setattr(sys, "argv", ["ds_to_universal.py", *args])
+    ds_to_universal.main(ds_to_universal.parse_arguments())
+    assert os.path.isfile(f"{folder}/zero/0.weight/exp_avg_sq.pt"), "no universal folder"
+    tag = f"ds-z{stage}-fp32-2r-universal->sw-z{target[0]}-{target[1]}r"
+    _resume_and_compare(ds, "fp32", target, tmp_path, tag, load_tag="global_step3_universal")
+
+
 def _resume_and_compare(
-    ds: dict, dtype: str, target: tuple, tmp_path, tag: str, resume=shardwise_resume
+    ds: dict,
+    dtype: str,
+    target: tuple,
+    tmp_path,
+    tag: str,
+    resume=shardwise_resume,
+    load_tag: str | None = None,
 ) -> None:
-    """shardwise loads tmp_path's DeepSpeed checkpoint into ``target`` and trains on: compared
-    with DeepSpeed's own resume ``ds`` (module docstring)."""
+    """shardwise loads tmp_path's DeepSpeed checkpoint (the tag ``latest`` names, or
+    ``load_tag``) into ``target`` and trains on: compared with DeepSpeed's own resume ``ds``
+    (module docstring)."""
     to_stage, to_world = target
     scratch = str(tmp_path / "shardwise")
-    sw = run_distributed(resume, to_world, to_stage, dtype, str(tmp_path), scratch)
+    kwargs = {} if load_tag is None else {"tag": load_tag}
+    sw = run_distributed(resume, to_world, to_stage, dtype, str(tmp_path), scratch, **kwargs)
     loaded = sw[0]["loaded"]
     assert loaded.keys() == ds["loaded"].keys(), tag
     for name, want in ds["loaded"].items():  # the load itself: exact, whatever the layouts

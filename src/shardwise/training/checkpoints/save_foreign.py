@@ -8,6 +8,9 @@ no rank ever holds more than its own files. Formats:
 
     deepspeed   checkpoint/foreign/deepspeed_write.py: what DeepSpeed 0.19's
                 ``load_checkpoint`` resumes at the same data-parallel size
+    deepspeed-universal  checkpoint/foreign/deepspeed_universal_write.py: the universal
+                folder DeepSpeed 0.19 loads at any data-parallel size (``load_universal``);
+                ``latest_universal`` names it, as ``ds_to_universal`` does
     dcp         checkpoint/foreign/dcp_write.py: a torch.distributed.checkpoint directory
                 with torchtitan's keys, written by torch's own ``dcp.save``
 """
@@ -25,9 +28,11 @@ import torch
 from shardwise import comm
 from shardwise.checkpoint import storage
 from shardwise.checkpoint.foreign import dcp_write
+from shardwise.checkpoint.foreign import deepspeed_universal_write as dsu
 from shardwise.checkpoint.foreign import deepspeed_write as dsw
 from shardwise.checkpoint.foreign.deepspeed import DS_KEYS
 from shardwise.checkpoint.gather import all_gather_json
+from shardwise.checkpoint.pieces import Piece
 from shardwise.checkpoint.reader import CheckpointReader
 from shardwise.checkpoint.reshard import fill
 from shardwise.checkpoint.tags import check_tag
@@ -37,7 +42,8 @@ from shardwise.training.checkpoints.held import layout, tied_aliases
 if TYPE_CHECKING:  # annotations only
     from shardwise.training.parts import TrainParts
 
-FORMATS = ("shardwise", "deepspeed", "dcp")
+FORMATS = ("shardwise", "deepspeed", "deepspeed-universal", "dcp")
+DEEPSPEED = ("deepspeed", "deepspeed-universal")
 
 
 def check_format(fmt: str, async_save: bool) -> None:
@@ -81,19 +87,25 @@ def save_foreign(
 ) -> bool:
     """Write ``save_dir/tag`` in format ``fmt`` (module docstring); every rank calls it."""
     check_tag(tag)
-    if fmt == "deepspeed":  # refusals before anything is written
-        check_deepspeed(parts)
+    if fmt in DEEPSPEED:  # refusals before anything is written
+        check_deepspeed(parts, fmt)
         client = _client(client_state)
     with staged(save_dir, tag, contents, int(parts.counters.global_steps)) as reader:
         path = os.path.join(save_dir, tag)
+        spec = deepspeed_spec(parts, reader) if fmt in DEEPSPEED else None
+        if fmt == "deepspeed-universal":
+            dsu.check(spec)
         os.makedirs(path, exist_ok=True)
         if fmt == "deepspeed":
-            _write_deepspeed(parts, deepspeed_spec(parts, reader), reader, path, client)
+            _write_deepspeed(parts, spec, reader, path, client)
+        elif fmt == "deepspeed-universal":
+            _write_universal(parts, spec, reader, path, client)
         else:
             _write_dcp(parts, reader, path)
     comm.barrier()
     if save_latest and comm.get_rank() == 0:
-        with open(os.path.join(save_dir, "latest"), "w") as f:
+        latest = "latest_universal" if fmt == "deepspeed-universal" else "latest"
+        with open(os.path.join(save_dir, latest), "w") as f:
             f.write(tag)
     comm.barrier()
     return True
@@ -124,9 +136,15 @@ def _write_dcp(parts: TrainParts, reader: CheckpointReader, path: str) -> None:
 # ------------------------------------------------------------------ DeepSpeed
 
 
-def check_deepspeed(parts: TrainParts) -> None:
+def check_deepspeed(parts: TrainParts, fmt: str = "deepspeed") -> None:
     """Refuse the layouts this writer does not produce."""
     topo = parts.mesh.topology
+    zero = parts.config.zero_optimization
+    if fmt == "deepspeed-universal" and zero.stage == 0:
+        raise ValueError(
+            "format='deepspeed-universal' needs ZeRO stage 1-3: DeepSpeed loads universal "
+            "folders into its ZeRO optimizers only; save with format='deepspeed' at stage 0"
+        )
     if (topo.tp, topo.pp, topo.cp) != (1, 1, 1):
         raise ValueError(
             f"format='deepspeed' writes data-parallel layouts (ZeRO 0-3) only; this run has "
@@ -140,7 +158,6 @@ def check_deepspeed(parts: TrainParts) -> None:
         )
     if parts.optimizer is None:
         raise ValueError("format='deepspeed' needs an optimizer: DeepSpeed's files hold its state")
-    zero = parts.config.zero_optimization
     for key in ("round_robin_gradients", "parameter_alignment"):  # DeepSpeed reorders or pads
         if getattr(zero, key):  # its flat groups then: the layout written here would not fit
             raise ValueError(
@@ -244,4 +261,33 @@ def _write_deepspeed(
             t.name = "model/" + t.name[7:]
     fill(reader, rank_files.targets)
     for name, obj in rank_files.files(_common(parts, spec), client).items():
+        dsw.write(obj, os.path.join(path, name))
+
+
+def _write_universal(
+    parts: TrainParts, spec: dsw.Spec, reader: CheckpointReader, path: str, client: dict
+) -> None:
+    """This rank's parameter folders, and rank 0's model file and global state."""
+    rank, world = comm.get_rank(), comm.get_world_size()
+    names = set(reader.names())
+    folders = dsu.ParamFiles(spec, rank, world)
+    targets = list(folders.targets)
+    if rank == 0:
+        model = dsw.RankFiles(spec, 0, optimizer=False)
+        first = next(n for g in spec.groups for n in g)
+        step = torch.zeros(())
+        targets += model.targets
+        if "step" in spec.scalar_keys:
+            targets.append(Piece(f"optim/step/{first}", (), (), None, step))
+    for t in targets:  # fp32 training keeps no separate masters: the weights are
+        if t.name.startswith("master/") and t.name not in names:
+            t.name = "model/" + t.name[7:]
+    fill(reader, targets)
+    files = folders.files()
+    if rank == 0:
+        (model_file,) = model.files(_common(parts, spec), client).values()
+        files[dsu.model_file_name(spec)] = model_file
+        files[f"{dsu.ZERO}/optimizer_state.pt"] = dsu.global_state(spec, float(step))
+    dsu.makedirs(path, files)
+    for name, obj in files.items():
         dsw.write(obj, os.path.join(path, name))
