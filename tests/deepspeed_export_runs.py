@@ -44,6 +44,9 @@ def setup(cell: tuple, seed: int) -> tuple:
     stage, dtype, variant = cell
     m = model(seed)
     cfg = config(stage, dtype, dist.get_world_size())
+    if variant in ("frozen", "tied"):
+        m = model(seed, variant)
+        return m, adamw(m), cfg
     if variant == "groups":
         cfg["zero_optimization"]["sub_group_size"] = 15
         return m, grouped_adamw(m), cfg
@@ -60,7 +63,7 @@ def _shardwise_side(
     engine, *_ = shardwise.initialize(model=m, optimizer=opt, config=cfg)
     saved_losses = train(engine, 0, before, dtype)
     engine.save_checkpoint(path, client_state={"note": "from shardwise"}, format=fmt)
-    held = _shardwise_loaded_state(engine, path + "-own")
+    held = _shardwise_loaded_state(engine, path + "-own", cell[2])
     losses = train(engine, before, after, dtype)
     params = {k: v.detach().float().clone() for k, v in engine.consolidated_state_dict().items()}
     return {"saved_losses": saved_losses, "held": held, "losses": losses, "params": params}

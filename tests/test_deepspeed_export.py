@@ -35,6 +35,9 @@ pytest.importorskip("deepspeed", reason="DeepSpeed 0.19 (pip install -e '.[bench
 
 CELLS = [(stage, dtype, "") for dtype in ("fp32", "bf16") for stage in (0, 1, 2, 3)]
 CELLS += [(1, "bf16", "groups"), (3, "fp32", "groups")]  # 2 parameter groups; ZeRO-3 sub-groups
+# A frozen bias (ZeRO-2/3 save it apart: frozen_param_shapes, frozen_param_fragments) and a
+# weight shared by two layers (shared_params; one parameter, two state-dict names)
+CELLS += [(2, "fp32", "frozen"), (3, "fp32", "frozen"), (1, "fp32", "tied"), (3, "bf16", "tied")]
 
 
 @pytest.fixture(scope="module")

@@ -118,6 +118,31 @@ def test_a_deepspeed_checkpoint_resumes_in_a_shardwise_pipeline(tmp_path):
     _resume_and_compare(ds, "fp32", (0, 2), tmp_path, tag, shardwise_pipeline_resume)
 
 
+VARIANT_CELLS = [  # (DeepSpeed ZeRO stage, ranks, model variant) in fp32 -> (shardwise stage, ranks)
+    ((2, 2, "frozen"), (3, 1)),
+    ((3, 2, "frozen"), (1, 2)),
+    ((1, 1, "tied"), (3, 2)),
+    ((3, 2, "tied"), (0, 1)),
+]
+
+
+@pytest.mark.parametrize(
+    "source, target",
+    VARIANT_CELLS,
+    ids=[f"ds-z{s}-fp32-{w}r-{v}->sw-z{t}-{tw}r" for (s, w, v), (t, tw) in VARIANT_CELLS],
+)
+def test_frozen_and_tied_parameters_resume_in_another_layout(source, target, tmp_path):
+    """A frozen bias (requires_grad False: in no optimizer group; ZeRO-2/3 save it apart, in
+    frozen_param_shapes and per-rank frozen_param_fragments) and a weight two layers share
+    (one parameter; DeepSpeed's shared_params names the alias)."""
+    stage, world, variant = source
+    ds = run_distributed(
+        deepspeed_save_and_resume, world, stage, "fp32", str(tmp_path), 3, 5, variant
+    )
+    tag = f"ds-z{stage}-fp32-{world}r-{variant}->sw-z{target[0]}-{target[1]}r"
+    _resume_and_compare(ds[0], "fp32", target, tmp_path, tag, variant=variant)
+
+
 UNIVERSAL_CELLS = [  # DeepSpeed ZeRO stage on 2 ranks, fp32 -> shardwise (ZeRO stage, ranks)
     (1, (3, 1)),
     (2, (0, 1)),
@@ -157,6 +182,7 @@ def _resume_and_compare(
     tag: str,
     resume=shardwise_resume,
     load_tag: str | None = None,
+    variant: str = "",
 ) -> None:
     """shardwise loads tmp_path's DeepSpeed checkpoint (the tag ``latest`` names, or
     ``load_tag``) into ``target`` and trains on: compared with DeepSpeed's own resume ``ds``
@@ -164,6 +190,7 @@ def _resume_and_compare(
     to_stage, to_world = target
     scratch = str(tmp_path / "shardwise")
     kwargs = {} if load_tag is None else {"tag": load_tag}
+    kwargs |= {"variant": variant} if variant else {}
     sw = run_distributed(resume, to_world, to_stage, dtype, str(tmp_path), scratch, **kwargs)
     loaded = sw[0]["loaded"]
     assert loaded.keys() == ds["loaded"].keys(), tag
