@@ -13,6 +13,11 @@ no rank ever holds more than its own files. Formats:
                 ``latest_universal`` names it, as ``ds_to_universal`` does
     dcp         checkpoint/foreign/dcp_write.py: a torch.distributed.checkpoint directory
                 with torchtitan's keys, written by torch's own ``dcp.save``
+
+Stored as shardwise's own saves are (save.py takes the directory's lock and refuses later
+steps first): the files go into the hidden ``.<tag>.tmp-<nonce>``, which rank 0 renames into
+place once every rank has written (storage.install), with ``shardwise_save.json`` (format,
+step) for ``keep_last`` rotation (rotation.py).
 """
 
 from __future__ import annotations
@@ -26,16 +31,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from shardwise import comm
-from shardwise.checkpoint import storage
+from shardwise.checkpoint import rotation, storage
 from shardwise.checkpoint.foreign import dcp_write
 from shardwise.checkpoint.foreign import deepspeed_universal_write as dsu
 from shardwise.checkpoint.foreign import deepspeed_write as dsw
 from shardwise.checkpoint.foreign.deepspeed import DS_KEYS
-from shardwise.checkpoint.gather import all_gather_json
+from shardwise.checkpoint.gather import all_gather_json, broadcast_json
+from shardwise.checkpoint.manifest import CheckpointError
 from shardwise.checkpoint.pieces import Piece
 from shardwise.checkpoint.reader import CheckpointReader
 from shardwise.checkpoint.reshard import fill
-from shardwise.checkpoint.tags import check_tag
 from shardwise.precision import compute_dtype
 from shardwise.training.checkpoints.held import layout, tied_aliases
 
@@ -79,36 +84,66 @@ def staged(save_dir: str, tag: str, contents: tuple, step: int) -> Iterator[Chec
 def save_foreign(
     parts: TrainParts,
     fmt: str,
-    save_dir: str,
-    tag: str,
+    plan: storage.SavePlan,
     contents: tuple,
     client_state: dict | None,
     save_latest: bool,
 ) -> bool:
-    """Write ``save_dir/tag`` in format ``fmt`` (module docstring); every rank calls it."""
-    check_tag(tag)
+    """Write ``plan``'s tag in format ``fmt`` (module docstring); every rank calls it after
+    ``storage.begin_save`` (the directory's lock, no newer steps there). The files go into the
+    plan's hidden directory; once every rank has written, rank 0 adds the step marker
+    (rotation.MARKER) and installs it as shardwise's own saves are installed (atomic rename,
+    ``latest``, ``keep_last`` rotation); a failure on any rank leaves the directory as it was."""
     if fmt in DEEPSPEED:  # refusals before anything is written
         check_deepspeed(parts, fmt)
         client = _client(client_state)
-    with staged(save_dir, tag, contents, int(parts.counters.global_steps)) as reader:
-        path = os.path.join(save_dir, tag)
-        spec = deepspeed_spec(parts, reader) if fmt in DEEPSPEED else None
-        if fmt == "deepspeed-universal":
-            dsu.check(spec)
-        os.makedirs(path, exist_ok=True)
-        if fmt == "deepspeed":
-            _write_deepspeed(parts, spec, reader, path, client)
-        elif fmt == "deepspeed-universal":
-            _write_universal(parts, spec, reader, path, client)
-        else:
-            _write_dcp(parts, reader, path)
-    comm.barrier()
-    if save_latest and comm.get_rank() == 0:
-        latest = "latest_universal" if fmt == "deepspeed-universal" else "latest"
-        with open(os.path.join(save_dir, latest), "w") as f:
-            f.write(tag)
-    comm.barrier()
+    step = int(parts.counters.global_steps)
+    failure: BaseException | None = None
+    try:
+        with staged(plan.save_dir, plan.tag, contents, step) as reader:
+            spec = deepspeed_spec(parts, reader) if fmt in DEEPSPEED else None
+            if fmt == "deepspeed-universal":
+                dsu.check(spec)
+            os.makedirs(plan.tmp, exist_ok=True)
+            if fmt == "deepspeed":
+                _write_deepspeed(parts, spec, reader, plan.tmp, client)
+            elif fmt == "deepspeed-universal":
+                _write_universal(parts, spec, reader, plan.tmp, client)
+            else:
+                _write_dcp(parts, reader, plan.tmp)
+    except Exception as e:  # noqa: BLE001 - every rank must reach the gather, or the others hang
+        failure = e
+    _publish(plan, fmt, step, save_latest, failure)
     return True
+
+
+def _publish(
+    plan: storage.SavePlan, fmt: str, step: int, save_latest: bool, failure: BaseException | None
+) -> None:
+    """Rank 0 installs the hidden directory once every rank has written; all raise if any
+    rank failed (this rank's own error first)."""
+    mine = "" if failure is None else f"rank {comm.get_rank()}: {type(failure).__name__}: {failure}"
+    errors = [e for e in all_gather_json(mine) if e]
+    status = ""
+    if comm.get_rank() == 0:
+        try:
+            if errors:
+                shutil.rmtree(plan.tmp, ignore_errors=True)
+            else:
+                with open(os.path.join(plan.tmp, rotation.MARKER), "wb") as f:
+                    f.write(rotation.marker(fmt, step))
+                latest = "latest_universal" if fmt == "deepspeed-universal" else storage.LATEST
+                storage.install(plan.save_dir, plan.tag, plan.tmp, latest if save_latest else None,
+                                plan.keep_last, plan.step)  # fmt: skip
+        except OSError as e:
+            status = f"{type(e).__name__}: {e}"
+    status = broadcast_json(status)
+    if failure is not None:
+        raise failure
+    if errors or status:
+        raise CheckpointError(
+            f"checkpoint {plan.tag!r} in {plan.save_dir} not saved: {'; '.join(errors) or status}"
+        )
 
 
 def _write_dcp(parts: TrainParts, reader: CheckpointReader, path: str) -> None:
