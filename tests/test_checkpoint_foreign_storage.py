@@ -23,15 +23,16 @@ FORMATS = ["deepspeed", "deepspeed-universal", "dcp"]
 LATEST = {"deepspeed": "latest", "deepspeed-universal": "latest_universal", "dcp": "latest"}
 
 
-def _engine(keep_last: int | None = None):
+def _engine(keep_last: int | None = None, load_universal: bool = False):
     torch.manual_seed(0)
     cfg = {
         "train_micro_batch_size_per_gpu": 1,
         "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
         "zero_optimization": {"stage": 1},
+        "checkpoint": {"load_universal": load_universal},
     }
     if keep_last is not None:
-        cfg["checkpoint"] = {"keep_last": keep_last}
+        cfg["checkpoint"]["keep_last"] = keep_last
     engine, *_ = shardwise.initialize(model=torch.nn.Linear(2, 2), config=cfg)
     return engine
 
@@ -102,3 +103,19 @@ def test_a_save_of_another_format_respects_another_job_s_lock(tmp_path):
     with pytest.raises(CheckpointError, match=r"host 'node-17' pid 4242"):
         engine.save_checkpoint(str(tmp_path), format="dcp")
     assert _listing(tmp_path) == [], "nothing may be written under another job's lock"
+
+
+@pytest.mark.parametrize("load_universal, want", [(False, "global_step3"), (True, "global_step2")])
+def test_load_universal_loads_the_tag_latest_universal_names(load_universal, want, tmp_path):
+    """As in DeepSpeed: with ``"checkpoint": {"load_universal": true}`` a load without a tag
+    takes ``latest_universal``'s tag (a universal folder), otherwise ``latest``'s."""
+    engine = _engine()
+    _step(engine, 2)
+    engine.save_checkpoint(str(tmp_path), format="deepspeed-universal")  # latest_universal
+    _step(engine)
+    engine.save_checkpoint(str(tmp_path))  # latest -> global_step3, shardwise's own
+    other = _engine(load_universal=load_universal)
+    path, _ = other.load_checkpoint(str(tmp_path))
+    case = f"load_universal={load_universal}"
+    assert path == str(tmp_path / want), f"{case}: loaded {path}"
+    assert other.global_steps == int(want[-1]), case

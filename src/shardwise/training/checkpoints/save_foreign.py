@@ -41,6 +41,7 @@ from shardwise.checkpoint.manifest import CheckpointError
 from shardwise.checkpoint.pieces import Piece
 from shardwise.checkpoint.reader import CheckpointReader
 from shardwise.checkpoint.reshard import fill
+from shardwise.checkpoint.tags import LATEST_UNIVERSAL
 from shardwise.precision import compute_dtype
 from shardwise.training.checkpoints.held import layout, tied_aliases
 
@@ -132,7 +133,8 @@ def _publish(
             else:
                 with open(os.path.join(plan.tmp, rotation.MARKER), "wb") as f:
                     f.write(rotation.marker(fmt, step))
-                latest = "latest_universal" if fmt == "deepspeed-universal" else storage.LATEST
+                universal = fmt == "deepspeed-universal"
+                latest = LATEST_UNIVERSAL if universal else storage.LATEST
                 storage.install(plan.save_dir, plan.tag, plan.tmp, latest if save_latest else None,
                                 plan.keep_last, plan.step)  # fmt: skip
         except OSError as e:
