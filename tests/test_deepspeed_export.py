@@ -150,6 +150,9 @@ def test_inspect_reads_a_shardwise_save_for_deepspeed(runs, stage, capsys):
             {"format": "deepspeed", "zero": {"stage": 2, "round_robin_gradients": True}},
             "zero_optimization.round_robin_gradients",
         ),  # fmt: skip
+        ({"format": "deepspeed", "fp16": True}, "fp16 is refused.*GPUs only"),
+        ({"format": "deepspeed-universal", "fp16": True}, "'deepspeed-universal'.*fp16 is refused"),
+        ({"format": "deepspeed-universal"}, "needs ZeRO stage 1-3"),
     ],
 )
 def test_a_format_it_cannot_write_is_refused_naming_the_argument(tmp_path, kwargs, message):
@@ -157,6 +160,8 @@ def test_a_format_it_cannot_write_is_refused_naming_the_argument(tmp_path, kwarg
     cfg = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {}}}
     if "zero" in kwargs:
         cfg["zero_optimization"] = kwargs.pop("zero")
+    if kwargs.pop("fp16", False):
+        cfg |= {"fp16": {"enabled": True}, "zero_optimization": {"stage": 1}}
     engine, *_ = shardwise.initialize(model=m, config=cfg)
     with pytest.raises(ValueError, match=message):
         engine.save_checkpoint(str(tmp_path), **kwargs)

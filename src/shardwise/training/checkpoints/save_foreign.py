@@ -190,8 +190,9 @@ def check_deepspeed(parts: TrainParts, fmt: str = "deepspeed") -> None:
         )
     if compute_dtype(parts.config) == torch.float16:
         raise ValueError(
-            "format='deepspeed' writes fp32 and bf16 runs; fp16 is refused (DeepSpeed 0.19 runs "
-            "fp16 on GPUs only, so its dynamic loss scale could not be checked against it here)"
+            f"format={fmt!r} writes fp32 and bf16 runs; fp16 is refused (DeepSpeed 0.19 runs "
+            "fp16 on GPUs only, so its dynamic loss scale could not be checked against it here; "
+            "save in shardwise's format, which keeps it)"
         )
     if parts.optimizer is None:
         raise ValueError("format='deepspeed' needs an optimizer: DeepSpeed's files hold its state")
