@@ -42,7 +42,8 @@ class Saved:
 
 
 def checkpoints(save_dir: str) -> list[Saved]:
-    """The complete shardwise checkpoints of ``save_dir`` (a manifest that parses and checks)."""
+    """The complete shardwise checkpoints of ``save_dir`` (a manifest that parses and checks,
+    or the marker of one saved in another format)."""
     found = []
     if not os.path.isdir(save_dir):
         return found
