@@ -18,7 +18,9 @@ going on) is the reference (deepspeed_export_runs.py). Compared:
 
 Counters, learning rate and client state arrive too. Two more cells: two parameter groups
 (weights, biases) under ZeRO-1 bf16, and under ZeRO-3 fp32 with a ``sub_group_size`` that cuts
-the groups into several flat sub-groups. The files hold no class of shardwise's:
+the groups into several flat sub-groups; a frozen bias (ZeRO-2/3) and a shared weight (ZeRO-1
+fp32, ZeRO-3 bf16). Then format="deepspeed-universal" on 2 ranks, which DeepSpeed loads on 1
+rank with load_universal. The files hold no class of shardwise's:
 they load with torch's weights-only unpickler (and shardwise's own allow-list).
 """
 

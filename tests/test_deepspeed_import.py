@@ -17,7 +17,9 @@ ranks, the same global batch) loads the same files and trains the same 5 steps
           (2^-7 relative): DeepSpeed and shardwise round the bf16 gradients of another reduction
           order differently, one ulp at a time (measured: 1 ulp, losses 4e-4 relative).
 
-Counters, learning rate and client state are checked too. Then ``shardwise checkpoint
+Counters, learning rate and client state are checked too. The same comparison for models with
+a frozen bias and with a weight two layers share, and for the universal folders DeepSpeed's own
+``ds_to_universal`` makes of a 2-rank ZeRO-1/2/3 tag. Then ``shardwise checkpoint
 inspect`` on a real checkpoint, and damaged ones refused, by inspect and by a load that leaves
 the engine as it was. fp16 is not in the matrix: DeepSpeed
 0.19 refuses fp16 on the CPU accelerator, so no test here can write an fp16 checkpoint.
