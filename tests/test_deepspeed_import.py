@@ -145,35 +145,37 @@ def test_frozen_and_tied_parameters_resume_in_another_layout(source, target, tmp
     _resume_and_compare(ds[0], "fp32", target, tmp_path, tag, variant=variant)
 
 
-UNIVERSAL_CELLS = [  # DeepSpeed ZeRO stage on 2 ranks, fp32 -> shardwise (ZeRO stage, ranks)
-    (1, (3, 1)),
-    (2, (0, 1)),
-    (3, (1, 2)),
+UNIVERSAL_CELLS = [  # (DeepSpeed ZeRO stage, dtype) on 2 ranks -> shardwise (ZeRO stage, ranks)
+    ((1, "fp32"), (3, 1)),
+    ((2, "fp32"), (0, 1)),
+    ((3, "fp32"), (1, 2)),
+    ((1, "bf16"), (2, 2)),
 ]
 
 
 @pytest.mark.parametrize(
-    "stage, target",
+    "source, target",
     UNIVERSAL_CELLS,
-    ids=[f"ds-z{s}-fp32-2r-universal->sw-z{t}-{w}r" for s, (t, w) in UNIVERSAL_CELLS],
+    ids=[f"ds-z{s}-{d}-2r-universal->sw-z{t}-{w}r" for (s, d), (t, w) in UNIVERSAL_CELLS],
 )
 def test_a_universal_folder_of_ds_to_universal_resumes_in_another_layout(
-    stage, target, tmp_path, monkeypatch
+    source, target, tmp_path, monkeypatch
 ):
     """DeepSpeed's own ``ds_to_universal`` (run here, in this process, as its command line
     does) turns the 2-rank tag into a universal folder (whole tensors under zero/); shardwise
     loads that folder and goes on as DeepSpeed's own resume of the original tag does."""
     from deepspeed.checkpoint import ds_to_universal
 
-    ds = run_distributed(deepspeed_save_and_resume, 2, stage, "fp32", str(tmp_path))[0]
+    stage, dtype = source
+    ds = run_distributed(deepspeed_save_and_resume, 2, stage, dtype, str(tmp_path))[0]
     folder = str(tmp_path / "global_step3_universal")
     args = ["--input_folder", str(tmp_path / "global_step3"), "--output_folder", folder]
     args += ["--num_extract_workers", "1", "--num_merge_workers", "1", "--inject_missing_state"]
     monkeypatch.setattr(sys, "argv", ["ds_to_universal.py", *args])
     ds_to_universal.main(ds_to_universal.parse_arguments())
     assert os.path.isfile(f"{folder}/zero/0.weight/exp_avg_sq.pt"), "no universal folder"
-    tag = f"ds-z{stage}-fp32-2r-universal->sw-z{target[0]}-{target[1]}r"
-    _resume_and_compare(ds, "fp32", target, tmp_path, tag, load_tag="global_step3_universal")
+    tag = f"ds-z{stage}-{dtype}-2r-universal->sw-z{target[0]}-{target[1]}r"
+    _resume_and_compare(ds, dtype, target, tmp_path, tag, load_tag="global_step3_universal")
 
 
 def _resume_and_compare(
