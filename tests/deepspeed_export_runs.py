@@ -44,29 +44,38 @@ def setup(cell: tuple, seed: int) -> tuple:
     stage, dtype, variant = cell
     m = model(seed)
     cfg = config(stage, dtype, dist.get_world_size())
+    if variant in ("frozen", "tied"):
+        m = model(seed, variant)
+        return m, adamw(m), cfg
     if variant == "groups":
         cfg["zero_optimization"]["sub_group_size"] = 15
         return m, grouped_adamw(m), cfg
     return m, adamw(m), cfg
 
 
-def _shardwise_side(cell: tuple, path: str, before: int, after: int) -> dict:
+def _shardwise_side(
+    cell: tuple, path: str, before: int, after: int, fmt: str = "deepspeed"
+) -> dict:
     import shardwise
 
     stage, dtype, _ = cell
     m, opt, cfg = setup(cell, seed=0)
     engine, *_ = shardwise.initialize(model=m, optimizer=opt, config=cfg)
     saved_losses = train(engine, 0, before, dtype)
-    engine.save_checkpoint(path, client_state={"note": "from shardwise"}, format="deepspeed")
-    held = _shardwise_loaded_state(engine, path + "-own")
+    engine.save_checkpoint(path, client_state={"note": "from shardwise"}, format=fmt)
+    held = _shardwise_loaded_state(engine, path + "-own", cell[2])
     losses = train(engine, before, after, dtype)
     params = {k: v.detach().float().clone() for k, v in engine.consolidated_state_dict().items()}
     return {"saved_losses": saved_losses, "held": held, "losses": losses, "params": params}
 
 
-def _deepspeed_side(ds, cell: tuple, path: str, before: int, after: int) -> dict:
+def _deepspeed_side(
+    ds, cell: tuple, path: str, before: int, after: int, universal: bool = False
+) -> dict:
     stage, dtype, _ = cell
     m, opt, cfg = setup(cell, seed=5)
+    if universal:
+        cfg["checkpoint"] = {"load_universal": True}
     engine, *_ = ds.initialize(model=m, optimizer=opt, config=cfg)
     load_path, client = engine.load_checkpoint(path)
     counters = (engine.global_steps, engine.global_samples, engine.get_lr())
@@ -87,4 +96,28 @@ def export_and_resume(cells: list, root: str, before: int = 3, after: int = 3) -
         sw = _shardwise_side(cell, path, before, after)
         out[cell] = {"shardwise": sw, "deepspeed": _deepspeed_side(ds, cell, path, before, after)}
     torch.distributed.barrier()
+    return out
+
+
+def universal_path(root: str, cell: tuple) -> str:
+    return os.path.join(root, "universal-z{}-{}-{}".format(*cell))
+
+
+def universal_save(cells: list, root: str, before: int = 3, after: int = 3) -> dict:
+    """{cell: shardwise's side}: it saves with format="deepspeed-universal" and goes on."""
+    out = {}
+    for cell in cells:
+        path = universal_path(root, cell)
+        out[cell] = _shardwise_side(cell, path, before, after, "deepspeed-universal")
+    torch.distributed.barrier()
+    return out
+
+
+def universal_resume(cells: list, root: str, before: int = 3, after: int = 3) -> dict:
+    """{cell: DeepSpeed's side}: it loads each universal folder with ``load_universal`` (on
+    this world, another size than the saving one's) and trains ``after`` steps."""
+    ds = _deepspeed()
+    out = {}
+    for cell in cells:
+        out[cell] = _deepspeed_side(ds, cell, universal_path(root, cell), before, after, True)
     return out

@@ -33,13 +33,26 @@ SCHEDULER = {
 }
 
 
-def model(seed: int) -> nn.Module:
+def model(seed: int, variant: str = "") -> nn.Module:
+    """The tiny model; variant "frozen": its first bias does not train (requires_grad
+    False); "tied": two more 8 x 8 layers sharing one weight (state dict names "2.weight"
+    and "4.weight", one parameter)."""
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    if variant == "tied":
+        layers = [nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8)]
+        m = nn.Sequential(*layers, nn.Tanh(), nn.Linear(8, 3))
+        m[4].weight = m[2].weight
+        return m
+    m = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    if variant == "frozen":
+        m[0].bias.requires_grad_(False)
+    return m
 
 
 def adamw(module: nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(module.parameters(), lr=0.01, weight_decay=0.01)
+    """AdamW over the parameters that train."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    return torch.optim.AdamW(params, lr=0.01, weight_decay=0.01)
 
 
 def config(stage: int, dtype: str, world: int) -> dict:
@@ -104,8 +117,8 @@ def _deepspeed():
     return deepspeed
 
 
-def _ds_engine(ds, cfg: dict, seed: int):
-    m = model(seed)
+def _ds_engine(ds, cfg: dict, seed: int, variant: str = ""):
+    m = model(seed, variant)
     engine, *_ = ds.initialize(model=m, optimizer=adamw(m), config=cfg)
     return engine
 
@@ -125,7 +138,7 @@ def _ds_loaded_state(engine, stage: int) -> dict:
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
     out = {}
-    named = list(engine.module.named_parameters())
+    named = [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
     if stage >= 1:  # collective under ZeRO: every rank asks for every parameter
         link = getattr(engine.optimizer, "_lazy_init_hp_params_optimizer_state", None)
         if link is not None:  # ZeRO-1/2 link the states to the parameters at the first step
@@ -150,7 +163,7 @@ def _ds_loaded_state(engine, stage: int) -> dict:
     return out
 
 
-def _shardwise_loaded_state(engine, path: str) -> dict | None:
+def _shardwise_loaded_state(engine, path: str, variant: str = "") -> dict | None:
     """The same, for a shardwise engine: saved, then read back whole on rank 0."""
     from shardwise.checkpoint.pieces import Piece
     from shardwise.checkpoint.reader import CheckpointReader
@@ -160,7 +173,9 @@ def _shardwise_loaded_state(engine, path: str) -> dict | None:
     if dist.get_rank() != 0:
         return None
     out, targets = {}, []
-    for name, p in model(0).named_parameters():
+    for name, p in model(0, variant).named_parameters():
+        if not p.requires_grad:
+            continue
         for kind in ("master", *(f"optim/{k}" for k in STATE_KEYS)):
             t = out[f"{kind}/{name}"] = torch.empty(p.shape)
             targets.append(
@@ -180,16 +195,16 @@ def deepspeed_save(stage: int, dtype: str, path: str, steps: int = 3) -> None:
 
 
 def deepspeed_save_and_resume(
-    stage: int, dtype: str, path: str, before: int = 3, after: int = 5
+    stage: int, dtype: str, path: str, before: int = 3, after: int = 5, variant: str = ""
 ) -> dict:
     """DeepSpeed's run, save and own resume at the same layout (module docstring)."""
     ds = _deepspeed()
     cfg = config(stage, dtype, dist.get_world_size())
-    first = _ds_engine(ds, cfg, seed=0)
+    first = _ds_engine(ds, cfg, seed=0, variant=variant)
     saved_losses = train(first, 0, before, dtype)
     first.save_checkpoint(path, client_state={"note": "from deepspeed", "step": before})
     del first
-    second = _ds_engine(ds, cfg, seed=5)
+    second = _ds_engine(ds, cfg, seed=5, variant=variant)
     second.load_checkpoint(path)
     loaded = _ds_loaded_state(second, stage)
     losses = train(second, before, after, dtype)
@@ -198,20 +213,28 @@ def deepspeed_save_and_resume(
 
 
 def shardwise_resume(
-    stage: int, dtype: str, path: str, scratch: str, before: int = 3, after: int = 5
+    stage: int,
+    dtype: str,
+    path: str,
+    scratch: str,
+    before: int = 3,
+    after: int = 5,
+    tag: str | None = None,
+    variant: str = "",
 ) -> dict:
-    """A shardwise engine (ZeRO ``stage`` on this world) loads DeepSpeed's checkpoint and
-    trains ``after`` steps; what it loaded is read back through a save into ``scratch``."""
+    """A shardwise engine (ZeRO ``stage`` on this world) loads DeepSpeed's checkpoint (tag
+    ``tag`` of ``path``, default ``latest``'s) and trains ``after`` steps; what it loaded is
+    read back through a save into ``scratch``."""
     import shardwise
 
-    m = model(seed=5)
+    m = model(5, variant)
     engine, *_ = shardwise.initialize(
         model=m, optimizer=adamw(m), config=config(stage, dtype, dist.get_world_size())
     )
-    _, client = engine.load_checkpoint(path)
+    _, client = engine.load_checkpoint(path, tag=tag)
     counters = (engine.global_steps, engine.global_samples)
     lr = engine.get_lr()
-    loaded = _shardwise_loaded_state(engine, scratch)
+    loaded = _shardwise_loaded_state(engine, scratch, variant)
     losses = train(engine, before, after, dtype)
     params = {k: v.detach().float().clone() for k, v in engine.consolidated_state_dict().items()}
     return {

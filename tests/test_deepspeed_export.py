@@ -18,13 +18,15 @@ going on) is the reference (deepspeed_export_runs.py). Compared:
 
 Counters, learning rate and client state arrive too. Two more cells: two parameter groups
 (weights, biases) under ZeRO-1 bf16, and under ZeRO-3 fp32 with a ``sub_group_size`` that cuts
-the groups into several flat sub-groups. The files hold no class of shardwise's:
+the groups into several flat sub-groups; a frozen bias (ZeRO-2/3) and a shared weight (ZeRO-1
+fp32, ZeRO-3 bf16). Then format="deepspeed-universal" on 2 ranks, which DeepSpeed loads on 1
+rank with load_universal. The files hold no class of shardwise's:
 they load with torch's weights-only unpickler (and shardwise's own allow-list).
 """
 
 import pytest
 import torch
-from deepspeed_export_runs import export_and_resume
+from deepspeed_export_runs import export_and_resume, universal_resume, universal_save
 from harness import run_distributed
 
 import shardwise
@@ -35,6 +37,9 @@ pytest.importorskip("deepspeed", reason="DeepSpeed 0.19 (pip install -e '.[bench
 
 CELLS = [(stage, dtype, "") for dtype in ("fp32", "bf16") for stage in (0, 1, 2, 3)]
 CELLS += [(1, "bf16", "groups"), (3, "fp32", "groups")]  # 2 parameter groups; ZeRO-3 sub-groups
+# A frozen bias (ZeRO-2/3 save it apart: frozen_param_shapes, frozen_param_fragments) and a
+# weight shared by two layers (shared_params; one parameter, two state-dict names)
+CELLS += [(2, "fp32", "frozen"), (3, "fp32", "frozen"), (1, "fp32", "tied"), (3, "bf16", "tied")]
 
 
 @pytest.fixture(scope="module")
@@ -55,8 +60,13 @@ def _id(cell: tuple) -> str:
 def test_deepspeed_resumes_a_shardwise_save_as_shardwise_goes_on(runs, cell):
     stage, dtype, variant = cell
     tag = f"shardwise z{stage} {dtype} {variant or '1 group'} 2 ranks -> DeepSpeed"
-    cell = runs[1][cell]
-    sw, ds = cell["shardwise"], cell["deepspeed"]
+    found = runs[1][cell]
+    _compare(found["shardwise"], found["deepspeed"], cell, tag)
+
+
+def _compare(sw: dict, ds: dict, cell: tuple, tag: str) -> None:
+    """DeepSpeed's load and continuation ``ds`` against shardwise's save and own ``sw``."""
+    _, dtype, variant = cell
     assert ds["load_path"] is not None, f"{tag}: DeepSpeed found nothing to load"
     assert ds["loaded"].keys() == sw["held"].keys(), tag
     for name, want in sw["held"].items():
@@ -80,6 +90,35 @@ def test_deepspeed_resumes_a_shardwise_save_as_shardwise_goes_on(runs, cell):
             assert worst <= 1e-6, f"{tag}: {name} differs by {worst:.2e}"
         else:
             assert _within_bf16_ulps(have, want).all(), f"{tag}: {name} by {worst:.2e}"
+
+
+UNIVERSAL_CELLS = [(1, "fp32", ""), (3, "fp32", ""), (2, "bf16", "groups")]
+
+
+@pytest.fixture(scope="module")
+def universal(tmp_path_factory) -> tuple[str, dict, dict]:
+    root = str(tmp_path_factory.mktemp("ds-universal"))
+    sw = run_distributed(universal_save, 2, UNIVERSAL_CELLS, root)[0]
+    return root, sw, run_distributed(universal_resume, 1, UNIVERSAL_CELLS, root)[0]
+
+
+@pytest.mark.parametrize(
+    "cell", UNIVERSAL_CELLS, ids=[_id(c) + "-universal-1r" for c in UNIVERSAL_CELLS]
+)
+def test_deepspeed_loads_a_shardwise_universal_folder_at_another_world_size(universal, cell):
+    """shardwise on 2 ranks saves format="deepspeed-universal"; DeepSpeed on 1 rank loads it
+    with ``"checkpoint": {"load_universal": true}`` (no ``ds_to_universal`` step) and goes on
+    as shardwise went on (the bounds of the module docstring: the same global batch of 4 rows,
+    whose gradient summed as 2 x 2 rows or as 4 differs by fp32 rounding only)."""
+    root, sw, ds = universal
+    stage, dtype, variant = cell
+    tag = f"shardwise z{stage} {dtype} {variant or '1 group'} 2 ranks -> universal -> DeepSpeed 1 rank"
+    path = f"{root}/universal-z{stage}-{dtype}-{variant}"
+    with open(f"{path}/latest_universal") as f:
+        assert f.read() == "global_step3", tag
+    _compare(sw[cell], ds[cell], cell, tag)
+    with open_checkpoint(f"{path}/global_step3") as reader:  # and shardwise reads it back
+        assert reader.describe()["format"].endswith("universal checkpoint"), tag
 
 
 def test_the_files_hold_plain_values_and_shardwise_reads_them_back(runs):
@@ -113,6 +152,9 @@ def test_inspect_reads_a_shardwise_save_for_deepspeed(runs, stage, capsys):
             {"format": "deepspeed", "zero": {"stage": 2, "round_robin_gradients": True}},
             "zero_optimization.round_robin_gradients",
         ),  # fmt: skip
+        ({"format": "deepspeed", "fp16": True}, "fp16 is refused.*GPUs only"),
+        ({"format": "deepspeed-universal", "fp16": True}, "'deepspeed-universal'.*fp16 is refused"),
+        ({"format": "deepspeed-universal"}, "needs ZeRO stage 1-3"),
     ],
 )
 def test_a_format_it_cannot_write_is_refused_naming_the_argument(tmp_path, kwargs, message):
@@ -120,6 +162,8 @@ def test_a_format_it_cannot_write_is_refused_naming_the_argument(tmp_path, kwarg
     cfg = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {}}}
     if "zero" in kwargs:
         cfg["zero_optimization"] = kwargs.pop("zero")
+    if kwargs.pop("fp16", False):
+        cfg |= {"fp16": {"enabled": True}, "zero_optimization": {"stage": 1}}
     engine, *_ = shardwise.initialize(model=m, config=cfg)
     with pytest.raises(ValueError, match=message):
         engine.save_checkpoint(str(tmp_path), **kwargs)

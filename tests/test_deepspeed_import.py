@@ -17,14 +17,18 @@ ranks, the same global batch) loads the same files and trains the same 5 steps
           (2^-7 relative): DeepSpeed and shardwise round the bf16 gradients of another reduction
           order differently, one ulp at a time (measured: 1 ulp, losses 4e-4 relative).
 
-Counters, learning rate and client state are checked too. Then ``shardwise checkpoint
+Counters, learning rate and client state are checked too. The same comparison for models with
+a frozen bias and with a weight two layers share, and for the universal folders DeepSpeed's own
+``ds_to_universal`` makes of a 2-rank ZeRO-1/2/3 tag. Then ``shardwise checkpoint
 inspect`` on a real checkpoint, and damaged ones refused, by inspect and by a load that leaves
 the engine as it was. fp16 is not in the matrix: DeepSpeed
 0.19 refuses fp16 on the CPU accelerator, so no test here can write an fp16 checkpoint.
 """
 
+import os
 import re
 import shutil
+import sys
 
 import pytest
 import torch
@@ -116,14 +120,82 @@ def test_a_deepspeed_checkpoint_resumes_in_a_shardwise_pipeline(tmp_path):
     _resume_and_compare(ds, "fp32", (0, 2), tmp_path, tag, shardwise_pipeline_resume)
 
 
+VARIANT_CELLS = [  # (DeepSpeed ZeRO stage, ranks, model variant) in fp32 -> (shardwise stage, ranks)
+    ((2, 2, "frozen"), (3, 1)),
+    ((3, 2, "frozen"), (1, 2)),
+    ((1, 1, "tied"), (3, 2)),
+    ((3, 2, "tied"), (0, 1)),
+]
+
+
+@pytest.mark.parametrize(
+    "source, target",
+    VARIANT_CELLS,
+    ids=[f"ds-z{s}-fp32-{w}r-{v}->sw-z{t}-{tw}r" for (s, w, v), (t, tw) in VARIANT_CELLS],
+)
+def test_frozen_and_tied_parameters_resume_in_another_layout(source, target, tmp_path):
+    """A frozen bias (requires_grad False: in no optimizer group; ZeRO-2/3 save it apart, in
+    frozen_param_shapes and per-rank frozen_param_fragments) and a weight two layers share
+    (one parameter; DeepSpeed's shared_params names the alias)."""
+    stage, world, variant = source
+    ds = run_distributed(
+        deepspeed_save_and_resume, world, stage, "fp32", str(tmp_path), 3, 5, variant
+    )
+    tag = f"ds-z{stage}-fp32-{world}r-{variant}->sw-z{target[0]}-{target[1]}r"
+    _resume_and_compare(ds[0], "fp32", target, tmp_path, tag, variant=variant)
+
+
+UNIVERSAL_CELLS = [  # (DeepSpeed ZeRO stage, dtype) on 2 ranks -> shardwise (ZeRO stage, ranks)
+    ((1, "fp32"), (3, 1)),
+    ((2, "fp32"), (0, 1)),
+    ((3, "fp32"), (1, 2)),
+    ((1, "bf16"), (2, 2)),
+]
+
+
+@pytest.mark.parametrize(
+    "source, target",
+    UNIVERSAL_CELLS,
+    ids=[f"ds-z{s}-{d}-2r-universal->sw-z{t}-{w}r" for (s, d), (t, w) in UNIVERSAL_CELLS],
+)
+def test_a_universal_folder_of_ds_to_universal_resumes_in_another_layout(
+    source, target, tmp_path, monkeypatch
+):
+    """DeepSpeed's own ``ds_to_universal`` (run here, in this process, as its command line
+    does) turns the 2-rank tag into a universal folder (whole tensors under zero/); shardwise
+    loads that folder and goes on as DeepSpeed's own resume of the original tag does."""
+    from deepspeed.checkpoint import ds_to_universal
+
+    stage, dtype = source
+    ds = run_distributed(deepspeed_save_and_resume, 2, stage, dtype, str(tmp_path))[0]
+    folder = str(tmp_path / "global_step3_universal")
+    args = ["--input_folder", str(tmp_path / "global_step3"), "--output_folder", folder]
+    args += ["--num_extract_workers", "1", "--num_merge_workers", "1", "--inject_missing_state"]
+    monkeypatch.setattr(sys, "argv", ["ds_to_universal.py", *args])
+    ds_to_universal.main(ds_to_universal.parse_arguments())
+    assert os.path.isfile(f"{folder}/zero/0.weight/exp_avg_sq.pt"), "no universal folder"
+    tag = f"ds-z{stage}-{dtype}-2r-universal->sw-z{target[0]}-{target[1]}r"
+    _resume_and_compare(ds, dtype, target, tmp_path, tag, load_tag="global_step3_universal")
+
+
 def _resume_and_compare(
-    ds: dict, dtype: str, target: tuple, tmp_path, tag: str, resume=shardwise_resume
+    ds: dict,
+    dtype: str,
+    target: tuple,
+    tmp_path,
+    tag: str,
+    resume=shardwise_resume,
+    load_tag: str | None = None,
+    variant: str = "",
 ) -> None:
-    """shardwise loads tmp_path's DeepSpeed checkpoint into ``target`` and trains on: compared
-    with DeepSpeed's own resume ``ds`` (module docstring)."""
+    """shardwise loads tmp_path's DeepSpeed checkpoint (the tag ``latest`` names, or
+    ``load_tag``) into ``target`` and trains on: compared with DeepSpeed's own resume ``ds``
+    (module docstring)."""
     to_stage, to_world = target
     scratch = str(tmp_path / "shardwise")
-    sw = run_distributed(resume, to_world, to_stage, dtype, str(tmp_path), scratch)
+    kwargs = {} if load_tag is None else {"tag": load_tag}
+    kwargs |= {"variant": variant} if variant else {}
+    sw = run_distributed(resume, to_world, to_stage, dtype, str(tmp_path), scratch, **kwargs)
     loaded = sw[0]["loaded"]
     assert loaded.keys() == ds["loaded"].keys(), tag
     for name, want in ds["loaded"].items():  # the load itself: exact, whatever the layouts

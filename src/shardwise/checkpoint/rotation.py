@@ -14,12 +14,19 @@ follow from it, both applied by rank 0 of a save (storage.save_pieces):
   never the one just written nor the one ``latest`` names. Ties (two tags of one step) go by
   creation time. Checkpoints without a recorded step (manifest version 1) and directories
   that are not shardwise checkpoints are never touched.
+
+A checkpoint shardwise wrote in another format (``save_checkpoint(format="deepspeed")``, ...)
+has no manifest; it carries ``shardwise_save.json`` instead (``{"format", "step",
+"created"}``), so the same two rules cover it. Foreign checkpoints shardwise did not write
+have neither file and are never touched.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import time
 from dataclasses import dataclass
 
 from shardwise.checkpoint import manifest as mf
@@ -35,18 +42,29 @@ class Saved:
 
 
 def checkpoints(save_dir: str) -> list[Saved]:
-    """The complete shardwise checkpoints of ``save_dir`` (a manifest that parses and checks)."""
+    """The complete shardwise checkpoints of ``save_dir`` (a manifest that parses and checks,
+    or the marker of one saved in another format)."""
     found = []
     if not os.path.isdir(save_dir):
         return found
     for name in sorted(os.listdir(save_dir)):
         path = os.path.join(save_dir, name, mf.MANIFEST)
+        if not os.path.isfile(path):
+            path = os.path.join(save_dir, name, MARKER)
         if name.startswith(".") or not os.path.isfile(path):
             continue
         saved = _read(path, name)
         if saved is not None:  # else not ours, damaged, or not complete: never delete it
             found.append(saved)
     return found
+
+
+MARKER = "shardwise_save.json"  # in a checkpoint of another format that shardwise wrote
+
+
+def marker(fmt: str, step: int) -> bytes:
+    """The contents of ``MARKER`` for a checkpoint of format ``fmt`` at ``step``."""
+    return json.dumps({"format": fmt, "step": step, "created": time.time()}).encode()
 
 
 _seen: dict[str, tuple[tuple, Saved | None]] = {}  # manifest path: (its version, what it says)
@@ -64,9 +82,10 @@ def _read(path: str, tag: str) -> Saved | None:
         if path in _seen and _seen[path][0] == version:
             return _seen[path][1]
         with open(path, "rb") as f:
-            m = mf.parse(f.read(), path)
-        saved = Saved(tag, m["step"], float(m["created"]))
-    except (OSError, CheckpointError):
+            text = f.read()
+        m = json.loads(text) if path.endswith(MARKER) else mf.parse(text, path)
+        saved = Saved(tag, None if m["step"] is None else int(m["step"]), float(m["created"]))
+    except (OSError, CheckpointError, ValueError, KeyError, TypeError):
         return None
     _seen[path] = (version, saved)
     return saved

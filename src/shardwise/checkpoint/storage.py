@@ -264,6 +264,16 @@ def _publish(
         shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointError(f"manifest: {e}") from e
     _write_synced(os.path.join(tmp, mf.MANIFEST), text)
+    install(save_dir, tag, tmp, LATEST if save_latest else None, keep_last, step)
+    return ""
+
+
+def install(
+    save_dir: str, tag: str, tmp: str, latest: str | None, keep_last: int | None, step: int | None
+) -> None:
+    """Rank 0, the last steps of a save (3 of the module docstring): the complete hidden
+    directory ``tmp`` renamed to ``<tag>``, the file ``latest`` (a name, or None) pointing at
+    it, rotation, leftovers removed. Saves of other formats end here too (save_foreign.py)."""
     _fsync_dir(tmp)
     final = os.path.join(save_dir, tag)
     old = None
@@ -274,15 +284,14 @@ def _publish(
     _fsync_dir(save_dir)
     if old:
         shutil.rmtree(old, ignore_errors=True)
-    if save_latest:
-        latest_tmp = os.path.join(save_dir, f".{LATEST}.tmp-{os.getpid()}")
+    if latest is not None:
+        latest_tmp = os.path.join(save_dir, f".{latest}.tmp-{os.getpid()}")
         _write_synced(latest_tmp, tag.encode())
-        os.replace(latest_tmp, os.path.join(save_dir, LATEST))
+        os.replace(latest_tmp, os.path.join(save_dir, latest))
         _fsync_dir(save_dir)
     if keep_last is not None:
         rotation.rotate(save_dir, keep_last, step, keep=tag)
     _remove_leftovers(save_dir)
-    return ""
 
 
 def _remove_leftovers(save_dir: str) -> None:

@@ -13,6 +13,7 @@ import re
 from shardwise.checkpoint.manifest import CheckpointError
 
 LATEST = "latest"
+LATEST_UNIVERSAL = "latest_universal"  # DeepSpeed's name for the newest universal folder
 _TAG_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+=-]*")
 
 
@@ -24,9 +25,10 @@ def check_tag(tag: str) -> None:
         )
 
 
-def latest_tag(load_dir: str) -> str | None:
-    """The tag ``<load_dir>/latest`` names, or None when there is no such file."""
-    path = os.path.join(load_dir, LATEST)
+def latest_tag(load_dir: str, name: str = LATEST) -> str | None:
+    """The tag ``<load_dir>/latest`` names (or the file ``name``: DeepSpeed's universal
+    folders are named by ``latest_universal``), or None when there is no such file."""
+    path = os.path.join(load_dir, name)
     if not os.path.isfile(path):
         return None
     with open(path, encoding="utf-8", errors="replace") as f:

@@ -9,8 +9,10 @@ DeepSpeed's keys and what they mean here:
                             does when the ranks pass different tags. Used: "Fail" raises, "Warn"
                             warns, and both "Warn" and "Ignore" save under rank 0's tag (one
                             checkpoint directory; DeepSpeed's ranks would each write their own)
-    load_universal          no effect: every shardwise checkpoint loads under any layout, which
-                            is what DeepSpeed's converted "universal" checkpoints are for
+    load_universal          as in DeepSpeed, which file names the tag load_checkpoint loads when
+                            given none: ``latest_universal`` (a universal folder, written by
+                            ``ds_to_universal`` or format="deepspeed-universal") instead of
+                            ``latest``. Any checkpoint loads under any layout either way
     use_node_local_storage  true is refused: rank 0 publishes the manifest after every rank has
                             written its file, so every rank must see one file system
     parallel_write          {"pipeline_stage": bool}, no effect: every rank writes its own file

@@ -325,8 +325,8 @@ class Engine(EngineAccessors, CompileMethods, nn.Module):
     ) -> bool | SaveHandle:
         """Write ``save_dir/<tag>`` (default ``global_step<N>``); every rank must call it.
         ``async_save``: copy now, write in the background; returns the save's handle.
-        ``format``: "shardwise" (default), "deepspeed" (DeepSpeed 0.19's files, resumed by its
-        ``load_checkpoint`` at the same data-parallel size) or "dcp" (torch DCP)."""
+        ``format``: "shardwise" (default), "deepspeed", "deepspeed-universal" (DeepSpeed 0.19
+        resumes it at any data-parallel size) or "dcp" (torch DCP): save_foreign.py."""
         return save.save_checkpoint(
             self.parts,
             self.autosave,

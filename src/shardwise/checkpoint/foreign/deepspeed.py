@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from shardwise.checkpoint.foreign import deepspeed_optim as optim
+from shardwise.checkpoint.foreign import deepspeed_universal as universal
 from shardwise.checkpoint.foreign.deepspeed_files import DeepSpeedFiles, find
 from shardwise.checkpoint.foreign.safe_load import load_pt
 from shardwise.checkpoint.manifest import CheckpointError
@@ -89,6 +90,8 @@ class DeepSpeedReader:
         if not isinstance(main, dict) or "global_steps" not in main:
             raise CheckpointError(f"{files.model[0][0]}: not a DeepSpeed model-state file")
         self._optims = {mp: [load_pt(f) for f in fs] for mp, fs in files.optim.items()}
+        # A universal folder (ds_to_universal): whole tensors under zero/ instead of partitions
+        self._universal = universal.global_state(path) if universal.is_universal(path) else None
         self.config = main.get("ds_config") if isinstance(main.get("ds_config"), dict) else {}
         self.stage, self.dropped = self._stage(), {}
         self.pipeline = self._stages(len(self._models), bool(files.layers))
@@ -142,6 +145,8 @@ class DeepSpeedReader:
     # ---------------------------------------------------------------- mapping
 
     def _stage(self) -> int:
+        if self._universal is not None:
+            return int(self._universal.get("zero_stage") or 0)
         if not self._optims:
             return 0
         osd = self._optims[min(self._optims)][0].get("optimizer_state_dict", {})
@@ -218,6 +223,11 @@ class DeepSpeedReader:
     ) -> optim.Mapped:
         """Every stage's optimizer state (one stage without a pipeline), merged."""
         out, params = optim.Mapped(), [k for k in module if k not in self._buffers]
+        if self._universal is not None:
+            if self.pipeline > 1:
+                raise CheckpointError(f"{self.path}: a universal folder of a pipeline: not mapped")
+            shapes = _shapes(self._main.get("param_shapes"))
+            return universal.mapped(self.path, self._universal, shapes, self.stage)
         if order is not None and self.pipeline > 1:
             order = None  # this run's groups name all stages: cut per stage below
         for mp in sorted(self._models):
@@ -297,8 +307,9 @@ class DeepSpeedReader:
             if (cfg.get("bf16") or cfg.get("bfloat16") or {}).get("enabled")
             else ("float16" if (cfg.get("fp16") or {}).get("enabled") else "float32")
         )
+        kind = "universal checkpoint" if self._universal is not None else "checkpoint"
         return {
-            "format": f"DeepSpeed {main.get('ds_version', '?')} checkpoint",
+            "format": f"DeepSpeed {main.get('ds_version', '?')} {kind}",
             "layout": {
                 "zero_stage": self.stage,
                 "data_parallel": int(main.get("dp_world_size") or 1),

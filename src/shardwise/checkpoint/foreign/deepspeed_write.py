@@ -82,9 +82,10 @@ def _whole(shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
 
 class RankFiles:
     """The files rank ``rank`` writes: ``targets`` to fill from a checkpoint reader
-    (reshard.fill), then ``files(common)`` the dicts by file name."""
+    (reshard.fill), then ``files(common)`` the dicts by file name; without ``optimizer``
+    the model file alone."""
 
-    def __init__(self, spec: Spec, rank: int) -> None:
+    def __init__(self, spec: Spec, rank: int, optimizer: bool = True) -> None:
         self.spec, self.rank = spec, rank
         self.targets: list[Piece] = []
         self.module: dict[str, torch.Tensor] = {}
@@ -92,6 +93,8 @@ class RankFiles:
         writes_model = spec.stage == 3 or rank == 0
         if writes_model:
             self._module()
+        if not optimizer:  # the model file alone (a universal folder's)
+            return
         if spec.stage == 0:
             self.optim = self._zero0() if rank == 0 else None
         elif spec.stage < 3:
@@ -266,7 +269,7 @@ class RankFiles:
             model.update(client)
             name = "mp_rank_00_model_states.pt"
             out[f"zero_pp_rank_{self.rank}_{name}" if spec.stage == 3 else name] = model
-        if zero:
+        if zero and self.optim is not None:
             prefix = "bf16_" if spec.dtype == torch.bfloat16 else ""
             optim = {"optimizer_state_dict": self.optim, "ds_config": common["ds_config"],
                      "ds_version": DS_VERSION}  # fmt: skip

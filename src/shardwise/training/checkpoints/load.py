@@ -46,6 +46,7 @@ from shardwise.checkpoint.rank_state import (
     source_rank,
 )
 from shardwise.checkpoint.reshard import CheckpointError, apply, check, plan
+from shardwise.checkpoint.tags import LATEST_UNIVERSAL
 from shardwise.training.checkpoints.held import check_unexpected, frozen_names, layout
 from shardwise.training.checkpoints.readers import open_for
 from shardwise.training.counters import TrainingCounters
@@ -70,8 +71,9 @@ def load_checkpoint(
 ) -> tuple[str | None, dict | None]:
     """Load ``load_dir/<tag>`` (default: the tag named by ``load_dir/latest``) into this
     engine, whatever layout wrote it, or nothing if anything is wrong (module docstring)."""
-    if tag is None:
-        tag = storage.latest_tag(load_dir)
+    if tag is None:  # "load_universal": DeepSpeed's latest_universal names the tag
+        universal = parts.config.checkpoint.load_universal
+        tag = storage.latest_tag(load_dir, LATEST_UNIVERSAL if universal else storage.LATEST)
         if tag is None:
             _warn_nothing_to_load(load_dir)
             return None, None

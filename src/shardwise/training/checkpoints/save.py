@@ -63,12 +63,9 @@ def save_checkpoint(
     steps = parts.counters.global_steps
     tag = f"global_step{steps}" if tag is None else str(tag)
     pieces, rank_state, meta = contents(parts, client_state, exclude_frozen_parameters)
-    if format != "shardwise":
-        whole = (pieces, rank_state, meta)
-        return save_foreign(parts, format, save_dir, tag, whole, client_state, save_latest)
     options = parts.config.checkpoint
     loaded_here = autosave.loaded_from == os.path.abspath(save_dir)
-    plan = storage.begin_save(
+    plan = storage.begin_save(  # the lock and the refusal of newer steps: every format
         save_dir,
         tag,
         keep_last=options.keep_last,
@@ -76,6 +73,9 @@ def save_checkpoint(
         step=int(steps),
         allow_newer=options.overwrite_newer or loaded_here,
     )
+    if format != "shardwise":
+        whole = (pieces, rank_state, meta)
+        return save_foreign(parts, format, plan, whole, client_state, save_latest)
     if async_save:
         writer = autosave.writer_for(parts.mesh)
         return writer.submit(plan, pieces, rank_state, meta, save_latest)

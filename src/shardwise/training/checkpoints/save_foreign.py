@@ -8,8 +8,16 @@ no rank ever holds more than its own files. Formats:
 
     deepspeed   checkpoint/foreign/deepspeed_write.py: what DeepSpeed 0.19's
                 ``load_checkpoint`` resumes at the same data-parallel size
+    deepspeed-universal  checkpoint/foreign/deepspeed_universal_write.py: the universal
+                folder DeepSpeed 0.19 loads at any data-parallel size (``load_universal``);
+                ``latest_universal`` names it, as ``ds_to_universal`` does
     dcp         checkpoint/foreign/dcp_write.py: a torch.distributed.checkpoint directory
                 with torchtitan's keys, written by torch's own ``dcp.save``
+
+Stored as shardwise's own saves are (save.py takes the directory's lock and refuses later
+steps first): the files go into the hidden ``.<tag>.tmp-<nonce>``, which rank 0 renames into
+place once every rank has written (storage.install), with ``shardwise_save.json`` (format,
+step) for ``keep_last`` rotation (rotation.py).
 """
 
 from __future__ import annotations
@@ -23,21 +31,25 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from shardwise import comm
-from shardwise.checkpoint import storage
+from shardwise.checkpoint import rotation, storage
 from shardwise.checkpoint.foreign import dcp_write
+from shardwise.checkpoint.foreign import deepspeed_universal_write as dsu
 from shardwise.checkpoint.foreign import deepspeed_write as dsw
 from shardwise.checkpoint.foreign.deepspeed import DS_KEYS
-from shardwise.checkpoint.gather import all_gather_json
+from shardwise.checkpoint.gather import all_gather_json, broadcast_json
+from shardwise.checkpoint.manifest import CheckpointError
+from shardwise.checkpoint.pieces import Piece
 from shardwise.checkpoint.reader import CheckpointReader
 from shardwise.checkpoint.reshard import fill
-from shardwise.checkpoint.tags import check_tag
+from shardwise.checkpoint.tags import LATEST_UNIVERSAL
 from shardwise.precision import compute_dtype
 from shardwise.training.checkpoints.held import layout, tied_aliases
 
 if TYPE_CHECKING:  # annotations only
     from shardwise.training.parts import TrainParts
 
-FORMATS = ("shardwise", "deepspeed", "dcp")
+FORMATS = ("shardwise", "deepspeed", "deepspeed-universal", "dcp")
+DEEPSPEED = ("deepspeed", "deepspeed-universal")
 
 
 def check_format(fmt: str, async_save: bool) -> None:
@@ -73,30 +85,67 @@ def staged(save_dir: str, tag: str, contents: tuple, step: int) -> Iterator[Chec
 def save_foreign(
     parts: TrainParts,
     fmt: str,
-    save_dir: str,
-    tag: str,
+    plan: storage.SavePlan,
     contents: tuple,
     client_state: dict | None,
     save_latest: bool,
 ) -> bool:
-    """Write ``save_dir/tag`` in format ``fmt`` (module docstring); every rank calls it."""
-    check_tag(tag)
-    if fmt == "deepspeed":  # refusals before anything is written
-        check_deepspeed(parts)
+    """Write ``plan``'s tag in format ``fmt`` (module docstring); every rank calls it after
+    ``storage.begin_save`` (the directory's lock, no newer steps there). The files go into the
+    plan's hidden directory; once every rank has written, rank 0 adds the step marker
+    (rotation.MARKER) and installs it as shardwise's own saves are installed (atomic rename,
+    ``latest``, ``keep_last`` rotation); a failure on any rank leaves the directory as it was."""
+    if fmt in DEEPSPEED:  # refusals before anything is written
+        check_deepspeed(parts, fmt)
         client = _client(client_state)
-    with staged(save_dir, tag, contents, int(parts.counters.global_steps)) as reader:
-        path = os.path.join(save_dir, tag)
-        os.makedirs(path, exist_ok=True)
-        if fmt == "deepspeed":
-            _write_deepspeed(parts, deepspeed_spec(parts, reader), reader, path, client)
-        else:
-            _write_dcp(parts, reader, path)
-    comm.barrier()
-    if save_latest and comm.get_rank() == 0:
-        with open(os.path.join(save_dir, "latest"), "w") as f:
-            f.write(tag)
-    comm.barrier()
+    step = int(parts.counters.global_steps)
+    failure: BaseException | None = None
+    try:
+        with staged(plan.save_dir, plan.tag, contents, step) as reader:
+            spec = deepspeed_spec(parts, reader) if fmt in DEEPSPEED else None
+            if fmt == "deepspeed-universal":
+                dsu.check(spec)
+            os.makedirs(plan.tmp, exist_ok=True)
+            if fmt == "deepspeed":
+                _write_deepspeed(parts, spec, reader, plan.tmp, client)
+            elif fmt == "deepspeed-universal":
+                _write_universal(parts, spec, reader, plan.tmp, client)
+            else:
+                _write_dcp(parts, reader, plan.tmp)
+    except Exception as e:  # noqa: BLE001 - every rank must reach the gather, or the others hang
+        failure = e
+    _publish(plan, fmt, step, save_latest, failure)
     return True
+
+
+def _publish(
+    plan: storage.SavePlan, fmt: str, step: int, save_latest: bool, failure: BaseException | None
+) -> None:
+    """Rank 0 installs the hidden directory once every rank has written; all raise if any
+    rank failed (this rank's own error first)."""
+    mine = "" if failure is None else f"rank {comm.get_rank()}: {type(failure).__name__}: {failure}"
+    errors = [e for e in all_gather_json(mine) if e]
+    status = ""
+    if comm.get_rank() == 0:
+        try:
+            if errors:
+                shutil.rmtree(plan.tmp, ignore_errors=True)
+            else:
+                with open(os.path.join(plan.tmp, rotation.MARKER), "wb") as f:
+                    f.write(rotation.marker(fmt, step))
+                universal = fmt == "deepspeed-universal"
+                latest = LATEST_UNIVERSAL if universal else storage.LATEST
+                storage.install(plan.save_dir, plan.tag, plan.tmp, latest if save_latest else None,
+                                plan.keep_last, plan.step)  # fmt: skip
+        except OSError as e:
+            status = f"{type(e).__name__}: {e}"
+    status = broadcast_json(status)
+    if failure is not None:
+        raise failure
+    if errors or status:
+        raise CheckpointError(
+            f"checkpoint {plan.tag!r} in {plan.save_dir} not saved: {'; '.join(errors) or status}"
+        )
 
 
 def _write_dcp(parts: TrainParts, reader: CheckpointReader, path: str) -> None:
@@ -124,9 +173,15 @@ def _write_dcp(parts: TrainParts, reader: CheckpointReader, path: str) -> None:
 # ------------------------------------------------------------------ DeepSpeed
 
 
-def check_deepspeed(parts: TrainParts) -> None:
+def check_deepspeed(parts: TrainParts, fmt: str = "deepspeed") -> None:
     """Refuse the layouts this writer does not produce."""
     topo = parts.mesh.topology
+    zero = parts.config.zero_optimization
+    if fmt == "deepspeed-universal" and zero.stage == 0:
+        raise ValueError(
+            "format='deepspeed-universal' needs ZeRO stage 1-3: DeepSpeed loads universal "
+            "folders into its ZeRO optimizers only; save with format='deepspeed' at stage 0"
+        )
     if (topo.tp, topo.pp, topo.cp) != (1, 1, 1):
         raise ValueError(
             f"format='deepspeed' writes data-parallel layouts (ZeRO 0-3) only; this run has "
@@ -135,12 +190,12 @@ def check_deepspeed(parts: TrainParts) -> None:
         )
     if compute_dtype(parts.config) == torch.float16:
         raise ValueError(
-            "format='deepspeed' writes fp32 and bf16 runs; fp16 is refused (DeepSpeed 0.19 runs "
-            "fp16 on GPUs only, so its dynamic loss scale could not be checked against it here)"
+            f"format={fmt!r} writes fp32 and bf16 runs; fp16 is refused (DeepSpeed 0.19 runs "
+            "fp16 on GPUs only, so its dynamic loss scale could not be checked against it here; "
+            "save in shardwise's format, which keeps it)"
         )
     if parts.optimizer is None:
         raise ValueError("format='deepspeed' needs an optimizer: DeepSpeed's files hold its state")
-    zero = parts.config.zero_optimization
     for key in ("round_robin_gradients", "parameter_alignment"):  # DeepSpeed reorders or pads
         if getattr(zero, key):  # its flat groups then: the layout written here would not fit
             raise ValueError(
@@ -244,4 +299,33 @@ def _write_deepspeed(
             t.name = "model/" + t.name[7:]
     fill(reader, rank_files.targets)
     for name, obj in rank_files.files(_common(parts, spec), client).items():
+        dsw.write(obj, os.path.join(path, name))
+
+
+def _write_universal(
+    parts: TrainParts, spec: dsw.Spec, reader: CheckpointReader, path: str, client: dict
+) -> None:
+    """This rank's parameter folders, and rank 0's model file and global state."""
+    rank, world = comm.get_rank(), comm.get_world_size()
+    names = set(reader.names())
+    folders = dsu.ParamFiles(spec, rank, world)
+    targets = list(folders.targets)
+    if rank == 0:
+        model = dsw.RankFiles(spec, 0, optimizer=False)
+        first = next(n for g in spec.groups for n in g)
+        step = torch.zeros(())
+        targets += model.targets
+        if "step" in spec.scalar_keys:
+            targets.append(Piece(f"optim/step/{first}", (), (), None, step))
+    for t in targets:  # fp32 training keeps no separate masters: the weights are
+        if t.name.startswith("master/") and t.name not in names:
+            t.name = "model/" + t.name[7:]
+    fill(reader, targets)
+    files = folders.files()
+    if rank == 0:
+        (model_file,) = model.files(_common(parts, spec), client).values()
+        files[dsu.model_file_name(spec)] = model_file
+        files[f"{dsu.ZERO}/optimizer_state.pt"] = dsu.global_state(spec, float(step))
+    dsu.makedirs(path, files)
+    for name, obj in files.items():
         dsw.write(obj, os.path.join(path, name))
