@@ -65,8 +65,12 @@ def adamw(model: torch.nn.Module) -> torch.optim.AdamW:
     return torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
 
 
-def build_ours(args: argparse.Namespace) -> Contender:
+def build_ours(args: argparse.Namespace, diagnostics: bool = True) -> Contender:
+    """Our stage 0; ``diagnostics=False``: the same engine with the per-step features that are
+    on by default (the flight recorder of every collective) off during its blocks, to measure
+    what they cost together (docs/reliability.md, "What runs every step by default")."""
     import shardwise
+    from shardwise.comm import recorder
 
     model = make_model(args)
     opt = adamw(model)
@@ -81,7 +85,11 @@ def build_ours(args: argparse.Namespace) -> Contender:
     }
     engine, *_ = shardwise.initialize(model=model, optimizer=opt, config=config)
 
+    keep = recorder().calls.maxlen if diagnostics else 0  # the process-wide recorder: per block
+
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if recorder().enabled != bool(keep):
+            recorder().configure(size=keep)
         loss = engine(x, y)
         engine.backward(loss)
         engine.step()
@@ -93,7 +101,7 @@ def build_ours(args: argparse.Namespace) -> Contender:
         grads = [p.grad for p in model.parameters()]
         return tensor_mb([*model.parameters(), *grads, *optimizer_tensors(opt)])
 
-    return Contender("shardwise", step, state_mb)
+    return Contender("shardwise" if diagnostics else "shardwise, recorder off", step, state_mb)
 
 
 def build_ddp(args: argparse.Namespace) -> Contender:
@@ -173,11 +181,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="our zero_optimization.reduce_bucket_size (default: shardwise's own)",
     )
     p.add_argument("--skip-deepspeed", action="store_true", help="only ours vs DDP")
+    p.add_argument(
+        "--diagnostics-off-row",
+        action="store_true",
+        help="add our engine with the flight recorder off: what the default diagnostics cost",
+    )
     return p.parse_args(argv)
 
 
 def build_all(args: argparse.Namespace) -> tuple[list[Contender], str]:
     contenders = [build_ours(args), build_ddp(args)]
+    if args.diagnostics_off_row:
+        contenders.append(build_ours(args, diagnostics=False))
     note = ""
     if args.skip_deepspeed:
         note = "DeepSpeed skipped: --skip-deepspeed"
