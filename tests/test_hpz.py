@@ -61,6 +61,20 @@ def test_hpz_trains_like_one_process(name, size, gas, extra):
         assert secondary == 4 * (16 * 32 + 32 * 32 + 32 * 4) // size, f"{name} rank {rank}"
 
 
+def test_hpz_is_flat_zero3_bit_for_bit():
+    """hpZ moves values only (a gather from the secondary shards returns the same bits as one
+    over all ranks), so it equals flat ZeRO-3 exactly, not merely within the tolerance above."""
+    flat = {"stage": 3, "stage3_param_persistence_threshold": 40}
+    runs = {
+        name: run_distributed(engine_run, DP, DP, 3, CLIP, "sgd", zero_optimization=block)
+        for name, block in (("flat", flat), ("hpz", zero()))
+    }
+    for rank, (a, b) in enumerate(zip(runs["flat"], runs["hpz"], strict=True)):
+        assert a["losses"] == b["losses"] and a["norms"] == b["norms"], f"rank {rank}"
+        for name in a["params"]:
+            assert torch.equal(a["params"][name], b["params"][name]), f"rank {rank}: {name}"
+
+
 def _step_calls(gas: int, **extra) -> dict:
     """The collectives of one optimizer step after a warm-up step: (op, group) -> calls, the
     group named "hpz" (a secondary group) or by its size."""
