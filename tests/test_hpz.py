@@ -162,6 +162,15 @@ def test_the_partition_size_must_divide_the_data_ranks():
     assert hpz_groups(Topology.build(4), 4) == [[0, 1, 2, 3]]
 
 
+def test_topo_prints_the_secondary_groups():
+    from shardwise.launch.cli import make_parser, topo_command
+
+    argv = ["topo", "--nnodes", "2", "--nproc-per-node", "4", "--zero-hpz-partition-size", "4"]
+    text = topo_command(make_parser().parse_args(argv))
+    want = "ZeRO-3 secondary groups (hpZ, 4 ranks each): [0, 1, 2, 3] [4, 5, 6, 7]"
+    assert want in text, text
+
+
 HPZ3 = zero()
 CKPT_LAYOUTS = {  # name: (world size, config keys); the global batch is 8 in each
     "single": (1, {}),
