@@ -85,10 +85,12 @@ class HpzGroup:
 class Secondary:
     """One unit's secondary shard; called as its gather (``Unit.gather``: (full, shard) ->
     handle): over the H group from the secondary while it is valid, else over the unit's
-    group from the primary shard, filling the secondary when that gather completes."""
+    group from the primary shard (through the hook it had, if any), filling the secondary when
+    that gather completes."""
 
     def __init__(self, unit: Unit, part: HpzGroup) -> None:
         self.unit, self.part, self.filled = unit, part, -1  # filled: the generation, -1 never
+        self.primary = unit.gather  # the unit's own gather hook (None: one all-gather)
         n = unit.layout.padded // part.size
         self.tensor = torch.zeros(n, dtype=unit.shard.dtype, device=unit.shard.device)
 
@@ -100,6 +102,8 @@ class Secondary:
         if self.valid:
             mine = self.tensor.to(full.device, non_blocking=True)
             return comm.all_gather_into_tensor(full, mine, group=self.part.group, async_op=True)
+        if self.primary is not None:
+            return _Fill(self.primary(full, shard), full, self)
         work = comm.all_gather_into_tensor(full, shard, group=self.unit.group, async_op=True)
         return _Fill(work, full, self)
 
