@@ -39,12 +39,14 @@ def zero(size: int = H, **extra) -> dict:
 
 # (name, H, gas, config extras): H = 2 is two groups of two; accumulation (gas 3) gathers later
 # micro-batches from the secondary shards; the recompute of checkpointed layers gathers inside
-# backward; H = 4 = dp keeps the secondary over every rank (a copy of the primary partition).
+# backward; H = 4 = dp keeps the secondary over every rank (a copy of the primary partition);
+# offload_param keeps the secondary beside the primary shard (host memory; the same here).
 LAYOUTS = [
     ("h2", 2, 1, {}),
     ("h2-gas3", 2, 3, {}),
     ("h2-recompute", 2, 1, RECOMPUTE),
     ("h4", 4, 1, {}),
+    ("h2-offload-param", 2, 1, {"zero_optimization": zero(offload_param={"device": "cpu"})}),
 ]
 
 
