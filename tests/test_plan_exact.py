@@ -51,6 +51,7 @@ LAYOUTS = [
     ("dp4-zero3-offload-bf16", L(4, 1, 1, 3, 1, 2, offload=True), "bf16"),
     ("dp4-zero2-mics2", L(4, 1, 1, 2, 1, 2, mics=2), "fp32"),  # hierarchical-zero.md
     ("dp4-zero3-mics2-bf16", L(4, 1, 1, 3, 1, 2, mics=2), "bf16"),
+    ("dp4-zero3-hpz2", L(4, 1, 1, 3, 1, 2, hpz=2), "fp32"),  # hpz.md
 ]
 STATES = ("params", "grads", "optimizer")
 

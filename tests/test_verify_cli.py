@@ -34,6 +34,7 @@ BUG_SCRIPT = REPO / "tests" / "scripts" / "verify_rms_norm.py"
         ("tp2xsp", Layout("tp2xsp", tp=2, sp=True)),
         ("dp2xcp2xulysses", Layout("dp2xcp2xulysses", dp=2, cp=2, ulysses=True)),
         ("dp4xzero3xmics2", Layout("dp4xzero3xmics2", dp=4, zero=3, mics=2)),
+        ("dp4xzero3xhpz2", Layout("dp4xzero3xhpz2", dp=4, zero=3, hpz=2)),
     ],
 )
 def test_layout_names(text, want):
@@ -60,6 +61,8 @@ def nothing_starts(monkeypatch):
         (["--layouts", "dp2,dp2"], ["--layouts", "twice"]),
         (["--layouts", "dp4xmics2"], ["--layouts", "mics2", "zero1"]),
         (["--layouts", "dp4xzero2xmics3"], ["--layouts", "multiple of 3"]),
+        (["--layouts", "dp4xzero2xhpz2"], ["--layouts", "hpz2", "zero3"]),
+        (["--layouts", "dp4xzero3xhpz3"], ["--layouts", "multiple of 3"]),
         (["--layouts", "dp2xulysses"], ["--layouts", "context-parallel", "cp2"]),
         (["--layouts", "dp2", "--steps", "0"], ["--steps 0", "at least 1"]),
         (["--layouts", "pp2"], ["--layouts pp2", "'pipeline' builder"]),
@@ -222,6 +225,10 @@ def test_the_layout_name_decides_sizes_the_script_config_already_sets():
         {"zero_optimization": {"mics_shard_size": 2}}, Layout("x", dp=2, zero=1), 8
     )
     assert mics["zero_optimization"]["mics_shard_size"] == -1, f"no mics part: flat ZeRO {mics}"
+    hpz = layout_config({"zero_optimization": {"zero_hpz_partition_size": 2}}, Layout("x", dp=2), 8)
+    assert hpz["zero_optimization"]["zero_hpz_partition_size"] == 1, f"no hpz part: off {hpz}"
+    hpz = layout_config({}, Layout("x", dp=4, zero=3, hpz=2), 8)
+    assert hpz["zero_optimization"]["zero_hpz_partition_size"] == 2, f"hpz2 part: on {hpz}"
 
 
 def test_a_layout_that_did_not_run_counts_as_diverged():

@@ -69,6 +69,7 @@ def _values(dimension) -> set:
         ("optimizer", lambda c: c.optimizer, set(OPTIMIZERS + REFUSED_OPTIMIZERS)),
         ("scheduler", lambda c: c.scheduler, set(SCHEDULERS)),
         ("mics", lambda c: c.mics, {0, 1, 2}),
+        ("hpz", lambda c: c.hpz, {0, 2, 4}),
         ("moe k", lambda c: c.moe.get("k"), {None, 1, 2}),
         ("noise", lambda c: c.moe.get("noisy_gate_policy", "-"), set(NOISE) | {"-"}),
         ("residual", lambda c: c.moe.get("use_residual"), {None, False, True}),
@@ -90,6 +91,8 @@ def test_every_draw_fits_the_world_and_replays_from_its_json():
         assert 1 <= case.world <= MAX_WORLD, f"{case.summary()}: world {case.world}"
         assert case.dp % case.ep == 0, f"{case.summary()}: ep does not divide dp"
         assert not case.mics or (case.zero and (case.dp * case.cp) % case.mics == 0), case
+        data = case.dp * case.cp
+        assert not case.hpz or (case.zero == 3 and not case.mics and data % case.hpz == 0), case
         assert from_json(case.to_json()) == case, f"{case.to_json()} does not replay"
     assert Case().to_json() == "{}", "the defaults should not be written"
     with pytest.raises(ValueError, match="unknown fields \\['tq'\\]"):

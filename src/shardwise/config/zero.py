@@ -106,7 +106,7 @@ class ZeroConfig:
     legacy_stage1: bool = False
     round_robin_gradients: bool = False
     use_multi_rank_bucket_allreduce: bool = True
-    zero_hpz_partition_size: int = spec(1, ge=0)
+    zero_hpz_partition_size: int = spec(1, ge=0)  # hpZ: ranks per secondary group; <= 1 off
     zero_quantized_weights: bool = False
     zero_quantized_nontrainable_weights: bool = False
     zero_quantized_gradients: bool = False
@@ -207,6 +207,7 @@ def _check_zero(zero: ZeroConfig) -> None:
         if getattr(zero, key) != default:
             raise fail(join(path, key), f"{feature} is not supported by shardwise; remove the key")
     _check_mics(zero)
+    _check_hpz(zero)
     if zero.offload_param is not None and zero.stage != 3:
         raise fail(join(path, "offload_param"), f"needs ZeRO stage 3 (stage is {zero.stage})")
     if zero.offload_optimizer is not None:
@@ -233,4 +234,23 @@ def _check_mics(zero: ZeroConfig) -> None:
             join(path, "mics_hierarchical_params_gather"),
             "gathers ZeRO-3 parameters of a MiCS shard group in two hops and needs "
             '"stage": 3 and mics_shard_size > 0; set them or remove the key',
+        )
+
+
+def _check_hpz(zero: ZeroConfig) -> None:
+    """hpZ keeps secondary shards of ZeRO-3's parameters: no other stage has parameter shards,
+    and MiCS keeps its gathers inside its shard group already (zero/hpz.py)."""
+    path, size = "zero_optimization", zero.zero_hpz_partition_size
+    if size > 1 and zero.stage != 3:
+        raise fail(
+            join(path, "zero_hpz_partition_size"),
+            f"{size} keeps a secondary copy of ZeRO-3's parameter shards within groups of that "
+            f'many ranks and needs "stage": 3 (stage is {zero.stage}); set "stage": 3, or 1 '
+            "to turn hpZ off",
+        )
+    if size > 1 and zero.mics_shard:
+        raise fail(
+            join(path, "zero_hpz_partition_size"),
+            f"{size} with mics_shard_size={zero.mics_shard_size}: MiCS already keeps every "
+            "gather inside its shard group; use one of the two (remove a key)",
         )

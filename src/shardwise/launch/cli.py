@@ -23,6 +23,7 @@ from shardwise.checkpoint import cli as checkpoint_cli
 from shardwise.diagnose import cli as diagnose_cli
 from shardwise.launch.run import launch
 from shardwise.parallel.moe.groups import expert_rank_groups
+from shardwise.parallel.zero.hpz import hpz_groups
 from shardwise.plan import cli as plan_cli
 from shardwise.topology import AXIS_NAMES, Topology, TopologyError
 from shardwise.verify import cli as verify_cli
@@ -105,6 +106,15 @@ def _add_topo_parser(sub: argparse._SubParsersAction) -> None:
         default=-1,
         help="zero_optimization.mics_shard_size: ZeRO shards within groups of this many data "
         "ranks and replicates across them (MiCS / HSDP); <= 0: off",
+    )
+    p.add_argument(
+        "--zero-hpz-partition-size",
+        "--zero_hpz_partition_size",
+        dest="zero_hpz_partition_size",
+        type=int,
+        default=1,
+        help="zero_optimization.zero_hpz_partition_size: ZeRO-3 keeps a secondary copy of its "
+        "parameter shards within groups of this many data ranks (hpZ); <= 1: off",
     )
     p.add_argument("--nnodes", "--num_nodes", dest="nnodes", type=int, default=None)
     p.add_argument(
@@ -218,6 +228,9 @@ def topo_command(args: argparse.Namespace) -> str:
     for kind, size in (("shard", shard), ("replicate", topo.replicas)) if shard else ():
         listed = " ".join(str(g) for g in topo.zero_groups(kind))
         groups.append(f"ZeRO {kind} groups (MiCS, {size} ranks each): {listed}")
+    if (size := args.zero_hpz_partition_size) > 1:
+        listed = " ".join(str(g) for g in hpz_groups(topo, size))
+        groups.append(f"ZeRO-3 secondary groups (hpZ, {size} ranks each): {listed}")
     return "\n".join([topo.rank_table(nproc_per_node=per_node), "", *groups])
 
 

@@ -58,12 +58,14 @@ def default_tensors(module: torch.nn.Module, optimizer: Optimizer) -> dict[str, 
 def breakdown(
     module: torch.nn.Module, optimizer: Optimizer, strategy: GradientStrategy, staging: int = 0
 ) -> dict[str, int]:
-    """``{"params", "grads", "optimizer", "comm_buffers", "total"}`` in bytes, this rank, and
-    ``"checkpoint_staging"`` (host buffers of asynchronous saves) when ``staging`` > 0."""
+    """``{"params", "grads", "optimizer", "comm_buffers", "total"}`` in bytes, this rank,
+    ``"checkpoint_staging"`` (host buffers of asynchronous saves) when ``staging`` > 0, and
+    any kind of the strategy's own (``"hpz_secondary"``: hpZ's secondary parameter shards)."""
     tensors = default_tensors(module, optimizer)
     tensors.update(strategy.memory_tensors())
     seen: set = set()
-    out = {kind: _bytes(tensors.get(kind, []), seen) for kind in KINDS}
+    kinds = KINDS + tuple(k for k in tensors if k not in KINDS)  # a strategy's own (hpZ's)
+    out = {kind: _bytes(tensors.get(kind, []), seen) for kind in kinds}
     if staging:
         out["checkpoint_staging"] = staging
     out["total"] = sum(out.values())

@@ -2,8 +2,8 @@
 
 The first class whose ``accepts(ctx)`` holds is built with ``from_context(ctx)``; the order
 makes the choice: one data rank in plain fp32 needs no reduction at all, several need the
-bucketed all-reduce, stage 3 shards parameters, and every other case (stages 1-2, 16-bit or
-offloaded stage 0) keeps fp32 master shards.
+bucketed all-reduce, stage 3 shards parameters (with hpZ's secondary shards when asked),
+and every other case (stages 1-2, 16-bit or offloaded stage 0) keeps fp32 master shards.
 """
 
 from __future__ import annotations
@@ -12,10 +12,17 @@ from shardwise.config.errors import ConfigError
 from shardwise.parallel.data.reducer import DataParallelReducer, LocalGradients
 from shardwise.parallel.data.replica_groups import has_replicas
 from shardwise.parallel.strategy_contract import GradientStrategy, StrategyContext
+from shardwise.parallel.zero.hpz import HpzStrategy
 from shardwise.parallel.zero.stage3 import Zero3Strategy
 from shardwise.parallel.zero.stage12 import ZeroStrategy
 
-STRATEGIES: tuple[type, ...] = (LocalGradients, DataParallelReducer, Zero3Strategy, ZeroStrategy)
+STRATEGIES: tuple[type, ...] = (
+    LocalGradients,
+    DataParallelReducer,
+    HpzStrategy,  # stage 3 with zero_hpz_partition_size > 1: before Zero3Strategy
+    Zero3Strategy,
+    ZeroStrategy,
+)
 
 
 def build_strategy(ctx: StrategyContext) -> GradientStrategy:

@@ -5,7 +5,9 @@
     global batch (sequences) = dp x micro_batch x grad_accum
 
 MiCS (``mics``: ZeRO shards within groups of that many data ranks, replicated across them) is
-weighed at the data ranks of one node (procs_per_node / tp) when the data ranks span nodes.
+weighed at the data ranks of one node (procs_per_node / tp) when the data ranks span nodes;
+so is hpZ (``hpz``: ZeRO-3 keeps a secondary copy of its parameter shards over that many data
+ranks, so only the first gather of a step crosses nodes; zero/hpz.py).
 
 A pipeline runs ``grad_accum`` micro-batches per step through its stages under a schedule:
 GPipe, 1F1B, interleaved 1F1B (two chunks per stage in a loop, micro-batches a multiple of
@@ -51,6 +53,7 @@ class Layout:
     sequence_parallel: bool = False
     schedule: str = "1f1b"
     mics: int = 0  # ZeRO shard group size (MiCS); 0: ZeRO shards over all dp x cp ranks
+    hpz: int = 0  # hpZ's secondary group size (ZeRO-3); 0: off
     ep: int = 1  # expert-parallel size (inside the data axis: dp % ep == 0)
     cp: int = 1  # context-parallel size (ranks splitting each sequence)
     cp_method: str = "ring"  # or "ulysses"
@@ -77,6 +80,7 @@ class Layout:
         parts += ["offload"] if self.offload else []
         parts += [self.schedule] if self.pp > 1 and self.schedule != "1f1b" else []
         parts += [f"mics{self.mics}"] if self.mics else []
+        parts += [f"hpz{self.hpz}"] if self.hpz else []
         return " ".join(parts)
 
     def as_dict(self) -> dict:
@@ -149,6 +153,8 @@ def candidates(
                         yield lay
                         if lay.zero_stage and mics:
                             yield replace(lay, mics=mics)
+                        if lay.zero_stage == 3 and mics:  # hpZ: a node's data ranks too
+                            yield replace(lay, hpz=mics)
 
 
 def _cp_sizes(
@@ -250,6 +256,8 @@ def to_config(layout: Layout, precision: str, shape: ModelShape | None = None) -
         cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
     if layout.mics:
         cfg["zero_optimization"]["mics_shard_size"] = layout.mics
+    if layout.hpz:
+        cfg["zero_optimization"]["zero_hpz_partition_size"] = layout.hpz
     is_pipe = shape is not None and shape.module_is_pipeline
     if layout.tp > 1:
         cfg["tensor_parallel"] = {"size": layout.tp, "sequence_parallel": layout.sequence_parallel}

@@ -5,8 +5,9 @@ are plain dicts (the JSON of ``shardwise plan --json``), bytes per rank and seco
 
     dp, tp, pp, zero_stage, micro_batch, grad_accum, activation_checkpointing, offload,
     sequence_parallel, schedule, ep, cp, cp_method, feasible, reason,
-    memory {params, grads, optimizer, activations, buffers, peak, host, checkpoint_staging},
-    mics, comm_bytes {data, tensor, pipeline, expert, context}, link_bytes {intra_node, inter_node},
+    memory {params, grads, optimizer, activations, buffers, peak, host, checkpoint_staging,
+    hpz_secondary}, mics, hpz, comm_bytes {data, tensor, pipeline, expert, context},
+    link_bytes {intra_node, inter_node},
     comm_ops {op: {calls, bytes, sent_bytes}},
     bubble, step_time_s, time {compute, exposed_comm, bubble}, tokens_per_s, mfu, stage,
     estimate (the time rests on cluster numbers nobody measured: estimated, their names)
@@ -129,7 +130,7 @@ class Planner:
         """(params, isolated, model states, data-parallel calls), cached: they do not depend
         on the micro-batch or on checkpointing."""
         key = (layout.tp, layout.pp, layout.dp, layout.zero_stage, layout.offload, stage)
-        key += (layout.mics, layout.grad_accum, layout.schedule, layout.ep, layout.cp)
+        key += (layout.mics, layout.hpz, layout.grad_accum, layout.schedule, layout.ep, layout.cp)
         if key not in self._states:
             ranges = self.ranges(layout, stage)
             params = layout_params(range_params(self.shape, ranges), layout, self.shape.free_ep)
@@ -256,6 +257,7 @@ def _record(layout: Layout, view: StageView | None, time: Any, reason: str = "")
         "peak": int(view.peak),
         "host": s.host,
         "checkpoint_staging": s.checkpoint_staging,
+        "hpz_secondary": s.secondary,
     }
     rec["comm_bytes"] = traffic.by_axis(view.calls)
     rec["comm_ops"] = traffic.by_op(view.calls)

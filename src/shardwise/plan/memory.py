@@ -76,10 +76,11 @@ class ModelStates:
     buffers: int = 0  # transient communication buffers at their peak
     masters: int = 0  # the fp32 master copies, part of ``optimizer`` (there before any step)
     checkpoint_staging: int = 0  # host copies of params + optimizer for asynchronous saves
+    secondary: int = 0  # hpZ's secondary parameter shards (zero/hpz.py), beside ``params``
 
     @property
     def device(self) -> int:
-        return self.params + self.grads + self.optimizer - self.host
+        return self.params + self.grads + self.optimizer - self.host + self.secondary
 
 
 def stage_bounds(shape: ModelShape, pp: int, method: str = "parameters") -> list[int]:
@@ -253,7 +254,9 @@ def _zero3(
     window = min(sum(gathered), opts.prefetch_elements + max(gathered, default=0), opts.max_live)
     buffers = c * (window + 3 * max(gathered, default=0))  # gathered + reduce-scatter sends
     host = opt if layout.offload else 0
-    return ModelStates(c * held + c * frozen, c * held, opt, host, buffers, master * held)
+    secondary = c * sum(g // layout.hpz for g in gathered) if layout.hpz else 0  # P/H per unit
+    states = ModelStates(c * held + c * frozen, c * held, opt, host, buffers, master * held)
+    return replace(states, secondary=secondary)
 
 
 def _numel(shape: tuple[int, ...]) -> int:

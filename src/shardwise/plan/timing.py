@@ -59,7 +59,7 @@ ON_PATH = ("tensor", "pipeline", "expert", "context")  # waited for inside a mic
 def spans_nodes(axis: str, layout: Layout, procs_per_node: int) -> bool:
     """Does a group of ``axis`` reach across nodes? (tp innermost, then cp, dp, pp; an
     expert group is ep consecutive data ranks; under MiCS "data" is the shard group and
-    "replicate" spans the data ranks.)"""
+    "replicate" spans the data ranks; hpZ's "hpz" is its secondary group.)"""
     tp, cp = layout.tp, layout.cp
     inner = {
         "tensor": tp,
@@ -67,6 +67,7 @@ def spans_nodes(axis: str, layout: Layout, procs_per_node: int) -> bool:
         "expert": tp * cp * layout.ep,
         "data": tp * layout.shard,
         "replicate": tp * cp * layout.dp,
+        "hpz": tp * layout.hpz,
         "pipeline": layout.world,
     }[axis]
     return inner > procs_per_node
@@ -129,6 +130,7 @@ def step_time(
     on_path = per_mb[slow] * gas - compute
     data = axis_time(w.calls, layout, cluster, "data")
     data += axis_time(w.calls, layout, cluster, "replicate")
+    data += axis_time(w.calls, layout, cluster, "hpz")
     exposed = on_path + (1.0 - cluster.overlap) * data
     compute += optimizer_time(w.states, layout, cluster)
     f, wgt = shares(w.flops, w.recompute_flops)

@@ -11,7 +11,9 @@ all-reduce 2 (n-1)/n S, reduce-scatter / all-gather / broadcast (n-1)/n S, send 
                another in backward and a reduce-scatter, persistent units all-reduced per step;
                MiCS (zero/mics.py): gathers and reduce-scatters over the S ranks of a shard
                group, and per step one all-reduce of each bucket's (unit's) shard over the R
-               replicas (axis "replicate", counted with data in ``by_axis``)
+               replicas (axis "replicate", counted with data in ``by_axis``); hpZ
+               (zero/hpz.py): per unit one all-gather over all data ranks per step, the other
+               2 GAS - 1 over its secondary group of H ranks (axis "hpz", counted with data)
     tensor     per micro-batch, at each site the trace found (activations.py): without
                sequence parallelism a column layer all-reduces its input's gradient, a row
                layer its output, the vocabulary embedding its output; with it, all-gather /
@@ -86,7 +88,7 @@ def by_op(calls: list[Call]) -> dict[str, dict[str, int]]:
 def by_axis(calls: list[Call]) -> dict[str, int]:
     out = dict.fromkeys(AXES, 0)
     for c in calls:
-        out["data" if c.axis == "replicate" else c.axis] += c.sent
+        out["data" if c.axis in ("replicate", "hpz") else c.axis] += c.sent
     return out
 
 
@@ -131,8 +133,10 @@ def _zero3_calls(params: list[ParamInfo], layout: Layout, c: int, opts: Options)
         if persistent:  # over all data ranks: with MiCS they span the replicas' links too
             calls.append(Call("all_reduce", "replicate" if s < dp else "data", size, dp))
             continue
-        if s > 1:
-            calls.append(Call("all_gather", "data", size, s, 2 * gas))
+        if s > 1:  # hpZ: only the first gather of a step crosses all ranks, the rest its group
+            inside = 2 * gas - 1 if layout.hpz > 1 else 0
+            calls.append(Call("all_gather", "data", size, s, 2 * gas - inside))
+            calls += [Call("all_gather", "hpz", size, layout.hpz, inside)] if inside else []
             calls.append(Call("reduce_scatter", "data", size, s, gas))
         if s < dp:  # MiCS: the shard, summed over its replicas once per step
             calls.append(Call("all_reduce", "replicate", c * lay.shard_numel, dp // s))

@@ -41,9 +41,10 @@ def case_layout(case: Case) -> Layout:
     """The case's sizes as a verify Layout (named for the result directory)."""
     name = f"dp{case.dp}xtp{case.tp}xpp{case.pp}xcp{case.cp}xzero{case.zero}"
     name += f"xmics{case.mics}" if case.mics else ""
+    name += f"xhpz{case.hpz}" if case.hpz else ""
     ulysses = case.cp > 1 and case.cp_method == "ulysses"
     sizes = (case.dp, case.tp, case.pp, case.zero, case.sp, case.cp, ulysses)
-    return Layout(name, *sizes, mics=case.mics)
+    return Layout(name, *sizes, mics=case.mics, hpz=case.hpz)
 
 
 def _model_options(case: Case, layout_side: bool) -> dict:

@@ -78,6 +78,7 @@ class Case:
     moe: dict = field(default_factory=dict)  # MoE arguments: k, noisy_gate_policy, ...
     ep: int = 1
     mics: int = 0  # MiCS: ZeRO shard groups of this many data x context ranks; 0: all
+    hpz: int = 0  # hpZ: ZeRO-3's secondary shards over this many data x context ranks; 0: off
 
     @property
     def world(self) -> int:
@@ -98,6 +99,7 @@ class Case:
         """One short line: model, layout, config."""
         layout = f"dp{self.dp} tp{self.tp} pp{self.pp} cp{self.cp} zero{self.zero}"
         layout += f" mics{self.mics}" if self.mics else ""
+        layout += f" hpz{self.hpz}" if self.hpz else ""
         extra = [k for k in ("offload_optimizer", "offload_param", "sp") if getattr(self, k)]
         if self.cp > 1:
             extra.append(self.cp_method)
@@ -173,7 +175,8 @@ def draw_case(rng: random.Random) -> Case:
         case = replace(case, moe=_moe(rng), ep=rng.choice([e for e in (1, 2, 4) if dp % e == 0]))
     if case.world == 1 and not (zero or case.offload_optimizer):
         case = replace(case, dp=2)  # one plain process is the reference itself
-    return replace(case, mics=_mics(case))
+    case = replace(case, mics=_mics(case))
+    return replace(case, hpz=_hpz(case))
 
 
 def _mics(case: Case) -> int:
@@ -184,6 +187,18 @@ def _mics(case: Case) -> int:
     rng = random.Random(case.to_json())
     moe = case.model == "gpt-moe"  # refused with MiCS (experts have groups of their own)
     if not case.zero or moe or not sizes or rng.random() >= 1 / 3:
+        return 0
+    return rng.choice(sizes)
+
+
+def _hpz(case: Case) -> int:
+    """An hpZ group size for a ZeRO-3 case over several data ranks without MiCS, 1 time in 3:
+    a divisor above 1 of dp x cp. Drawn from the case itself, as ``_mics``, so the draws made
+    before hpZ joined the space keep every other field."""
+    sizes = [s for s in range(2, case.dp * case.cp + 1) if (case.dp * case.cp) % s == 0]
+    rng = random.Random("hpz" + case.to_json())
+    moe = case.model == "gpt-moe"  # ZeRO-3 refuses MoE layers anyway
+    if case.zero != 3 or case.mics or moe or not sizes or rng.random() >= 1 / 3:
         return 0
     return rng.choice(sizes)
 
@@ -199,6 +214,8 @@ def layout_blocks(case: Case) -> dict:
     zero: dict = {"stage": case.zero}
     if case.mics:
         zero["mics_shard_size"] = case.mics
+    if case.hpz:
+        zero["zero_hpz_partition_size"] = case.hpz
     if case.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu"}
     if case.offload_param:

@@ -2,7 +2,8 @@
 
 A layout is parts joined by ``x``: ``dpN`` (data-parallel ranks), ``tpN`` (tensor-parallel
 ranks), ``ppN`` (pipeline stages), ``zeroS`` (ZeRO stage S over the data ranks), ``micsN``
-(with ``zeroS``: ZeRO sharded within groups of N data ranks, replicated across them), ``sp``
+(with ``zeroS``: ZeRO sharded within groups of N data ranks, replicated across them), ``hpzN``
+(with ``zero3``: hpZ's secondary parameter shards over groups of N data ranks), ``sp``
 (sequence parallelism, with ``tpN``), ``cpN`` (context-parallel ranks, ring attention;
 ``ulysses`` for DeepSpeed-Ulysses), a pipeline schedule's name (``pp2xzbv``: ``1f1b``, ``gpipe``,
 ``interleaved``, ``zb-h1``, ``zbv``, ``dualpipev``; otherwise the script's config decides; the
@@ -28,7 +29,7 @@ from dataclasses import dataclass
 from shardwise.parallel.pipeline.schedule import SCHEDULES, V_SCHEDULES
 
 GRAMMAR = (
-    "dpN, tpN, ppN, cpN, zeroS (S = 1, 2, 3), micsN, sp, ulysses, a pipeline schedule "
+    "dpN, tpN, ppN, cpN, zeroS (S = 1, 2, 3), micsN, hpzN, sp, ulysses, a pipeline schedule "
     f"({', '.join(SCHEDULES)}), or a bare N (data ranks), joined by x"
 )
 EXAMPLE = "dp2,zero3x2,tp2,pp2,dp2xtp2"
@@ -54,6 +55,7 @@ class Layout:
     split: int = 1  # one process only: each step's rows as dp ranks hold them (module doc)
     schedule: str | None = None  # the pipeline schedule; None: the script's config decides
     mics: int = 0  # MiCS: ZeRO shard groups of this many data ranks; 0: shard over all
+    hpz: int = 0  # hpZ: ZeRO-3's secondary shards over groups of this many data ranks; 0: off
     compile: str | None = None  # verify --compile: the torch.compile backend of each block
 
     @property
@@ -78,7 +80,7 @@ def _part(layout: str, part: str, sizes: dict) -> None:
             raise LayoutError(f"--layouts: {layout!r} gives two schedules; give one")
         sizes["schedule"] = part
         return
-    m = re.fullmatch(r"(dp|tp|pp|cp|zero|mics)?(\d+)|sp|ulysses", part)
+    m = re.fullmatch(r"(dp|tp|pp|cp|zero|mics|hpz)?(\d+)|sp|ulysses", part)
     if m is None:
         raise LayoutError(f"--layouts: unknown part {part!r} in {layout!r}: use {GRAMMAR}")
     flag = part in ("sp", "ulysses")
@@ -108,6 +110,12 @@ def parse_layout(text: str) -> Layout:
             f"--layouts: {text!r}: mics{layout.mics} cuts the ZeRO shards into groups of "
             f"{layout.mics} data ranks: add zero1, zero2 or zero3 and a multiple of "
             f"{layout.mics} data ranks"
+        )
+    if layout.hpz and (layout.zero != 3 or layout.mics or (layout.dp * layout.cp) % layout.hpz):
+        raise LayoutError(
+            f"--layouts: {text!r}: hpz{layout.hpz} keeps ZeRO-3's parameter shards again over "
+            f"groups of {layout.hpz} data ranks: add zero3 (not mics) and a multiple of "
+            f"{layout.hpz} data ranks"
         )
     if layout.zero == 3 and layout.pp > 1:
         raise LayoutError(f"--layouts: {text!r}: ZeRO-3 does not combine with pipelines; use zero1")
@@ -155,6 +163,8 @@ def layout_config(base: dict, layout: Layout, global_batch: int) -> dict:
         zero = {**_block(cfg, "zero_optimization"), "stage": layout.zero}
         if layout.mics or "mics_shard_size" in zero:
             zero["mics_shard_size"] = layout.mics or -1
+        if layout.hpz or "zero_hpz_partition_size" in zero:
+            zero["zero_hpz_partition_size"] = layout.hpz or 1
         cfg["zero_optimization"] = zero
     if layout.tp > 1 or "tensor_parallel" in cfg:
         tp = {"size": layout.tp, "sequence_parallel": layout.sp}

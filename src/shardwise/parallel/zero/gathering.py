@@ -163,6 +163,8 @@ class Unit:
         comm.broadcast(whole, src=src, group=self.data_group)
         if not self.persistent:
             self.shard.copy_(self.layout.shard(whole, self.rank))
+        if hasattr(self.gather, "refill"):  # hpZ: its secondary shard too (zero/hpz.py)
+            self.gather.refill(whole)
         if self.master is not None and self.master.data_ptr() != self.shard.data_ptr():
             self.master.data.copy_(self.shard.float())
 
