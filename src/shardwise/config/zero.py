@@ -20,9 +20,7 @@ from shardwise.config.schema import AUTO, build, check_keys, schema_keys, spec
 
 # Keys whose non-default value asks for a GPU feature shardwise does not have: key -> (reason, default).
 _UNSUPPORTED_WHEN_SET: dict[str, tuple[str, Any]] = {
-    "zero_quantized_weights": ("ZeRO++ quantized weight all-gather (GPU kernels)", False),
     "zero_quantized_nontrainable_weights": ("ZeRO++ quantized frozen weights (GPU kernels)", False),
-    "zero_quantized_gradients": ("ZeRO++ quantized gradient all-to-all (GPU kernels)", False),
     "zenflow": ("ZenFlow's asynchronous offloaded optimizer step", None),
 }
 _OFFLOAD_KEYS = ("offload_optimizer", "offload_param")
@@ -207,6 +205,7 @@ def _check_zero(zero: ZeroConfig) -> None:
         if getattr(zero, key) != default:
             raise fail(join(path, key), f"{feature} is not supported by shardwise; remove the key")
     _check_mics(zero)
+    _check_quantized(zero)
     if zero.offload_param is not None and zero.stage != 3:
         raise fail(join(path, "offload_param"), f"needs ZeRO stage 3 (stage is {zero.stage})")
     if zero.offload_optimizer is not None:
@@ -233,4 +232,23 @@ def _check_mics(zero: ZeroConfig) -> None:
             join(path, "mics_hierarchical_params_gather"),
             "gathers ZeRO-3 parameters of a MiCS shard group in two hops and needs "
             '"stage": 3 and mics_shard_size > 0; set them or remove the key',
+        )
+
+
+def _check_quantized(zero: ZeroConfig) -> None:
+    """ZeRO++ quantizes the stage-3 parameter all-gather, and the gradient reduce-scatter of
+    the stages that shard gradients (DeepSpeed 0.19 acts at stage 3 only, and ignores the keys
+    elsewhere; stage 2's reduce-scatter takes the same scheme here)."""
+    path = "zero_optimization"
+    if zero.zero_quantized_weights and zero.stage != 3:
+        raise fail(
+            join(path, "zero_quantized_weights"),
+            'quantizes the ZeRO-3 parameter all-gather and needs "stage": 3 '
+            f"(stage is {zero.stage}); set the stage or remove the key",
+        )
+    if zero.zero_quantized_gradients and zero.stage not in (2, 3):
+        raise fail(
+            join(path, "zero_quantized_gradients"),
+            "quantizes the gradient reduce-scatter of ZeRO stage 2 or 3 "
+            f"(stage is {zero.stage}); set one or remove the key",
         )
