@@ -24,6 +24,7 @@ identical on every rank: quantization is deterministic, so ranks must not diverg
 """
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -31,12 +32,17 @@ import torch.nn.functional as F
 from harness import run_distributed
 from models import TinyMLP, rank_slice
 from one_process import global_batches, reference_run
+from verify_cases import run_script
 
 import shardwise
 from shardwise import comm
 from shardwise.parallel.zero import blockquant as bq
 from shardwise.parallel.zero.quantized_comm import QuantizedGather, quantized_reduce_scatter
 from shardwise.verify import VerifySetup
+from shardwise.verify.compare import FP32, QUANTIZED, compare
+from shardwise.verify.results import load_result
+from shardwise.verify.setup import load_setup
+from shardwise.verify.worker import run_reference, write_initial_weights
 
 EPS_W, EPS_G = 1 / (2 * 127), 1 / (2 * 7)  # s/2 relative to a block's max: int8, int4
 MB = 8
@@ -244,3 +250,22 @@ def test_loss_curve_within_two_percent_of_unquantized_and_bytes_cut():
     assert ratio == pytest.approx(0.125, abs=0.01), f"gradients: {ratio:.3f} of fp32 bytes"
     assert "reduce_scatter" not in quant["stats"], "a gradient was reduce-scattered unquantized"
     assert math.isfinite(worst)
+
+
+# ----------------------------------------------------------------------------- verify
+VERIFY_SCRIPT = str(Path(__file__).resolve().parent / "scripts" / "verify_quantized.py")
+
+
+@pytest.mark.parametrize("layout", ["zero3x2xqwxqg", "zero2x2xqg"])
+def test_verify_accepts_quantized_layouts_within_their_tolerance(tmp_path, layout):
+    """Within verify's quantized tolerance (compare.py), and beyond fp32's: the quantization
+    really ran (a layout that silently sent fp32 would pass fp32's)."""
+    steps, setup = 5, load_setup(VERIFY_SCRIPT)
+    init = tmp_path / "init.safetensors"
+    write_initial_weights(setup, init)
+    want = run_reference(setup, steps, init)
+    run_distributed(run_script, 2, VERIFY_SCRIPT, layout, steps, str(init), str(tmp_path / "q"))
+    got = load_result(tmp_path / "q")
+    verdict = compare(got, want, QUANTIZED, 2)
+    assert not verdict.diverged, f"{layout}: {verdict.findings}"
+    assert compare(got, want, FP32, 2).diverged, f"{layout}: exact: was anything quantized?"
