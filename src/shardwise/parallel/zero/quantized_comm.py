@@ -23,6 +23,10 @@ sums in fp32, its own chunk taken exact (it never left the rank):
 ring reduce-scatter of fp32: about 1/8. This is the one-hop scheme of the paper on one host;
 across hosts the paper's two hops (intra-node all-to-all, reduce, inter-node all-to-all) would
 cut inter-node bytes further, and are not built here. A group of one rank quantizes nothing.
+
+Only the training gathers are quantized: ``GatheredParameters`` and the consolidated state
+dict gather exact values (``Unit.materialize(exact=True)``), except for a unit already gathered
+by its module's forward, which they find as it is (quantized).
 """
 
 from __future__ import annotations
