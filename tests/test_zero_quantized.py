@@ -186,12 +186,26 @@ def train(dp: int, gas: int, steps: int, zero: dict) -> dict:
             losses.append(total.item() / dp)
         stats = comm.stats()
         dtypes: dict[str, set] = {}
+        sizes: dict[str, set] = {}
         for c in (c for c in rec.recent() if id(c) not in old):
             dtypes.setdefault(c.op, set()).update(str(d).removeprefix("torch.") for d in c.dtypes)
+            sizes.setdefault(c.op, set()).add(len(c.group.ranks))
     finally:
         rec.enabled = was
     params = {k: v.float() for k, v in engine.consolidated_state_dict().items()}
-    return {"losses": losses, "params": params, "stats": stats, "dtypes": dtypes}
+    return {"losses": losses, "params": params, "stats": stats, "dtypes": dtypes, "sizes": sizes}
+
+
+def on_nodes_of_two(fn, *args):
+    """``fn`` with 2 processes per node (DeepSpeed's NDEV_PER_NODE; only the two-hop layouts
+    read it)."""
+    import os
+
+    os.environ["NDEV_PER_NODE"] = "2"
+    try:
+        return fn(*args)
+    finally:
+        del os.environ["NDEV_PER_NODE"]
 
 
 def reference(dp: int, gas: int, steps: int) -> list[float]:
@@ -202,12 +216,16 @@ def reference(dp: int, gas: int, steps: int) -> list[float]:
 
 
 QW, QG = {"zero_quantized_weights": True}, {"zero_quantized_gradients": True}
+TWO_HOP = {"mics_hierarchical_params_gather": True}
 # (name, dp, gas, zero_optimization)
 LAYOUTS = [
     ("z3-dp2-qw", 2, 1, {"stage": 3, **QW}),
     ("z3-dp2-qg", 2, 1, {"stage": 3, **QG}),
     ("z3-dp2-gas2-qw-qg", 2, 2, {"stage": 3, **QW, **QG}),
     ("z2-dp2-gas2-qg", 2, 2, {"stage": 2, **QG}),
+    # one shard group of 4 ranks on 2 nodes of 2 (NDEV_PER_NODE): two-hop gathers, and qgZ's
+    # two hops (quantized_comm.py); its bound sums to the same (N-1)/N eps_g (module docstring)
+    ("z3-dp4-two-hop-qw-qg", 4, 1, {"stage": 3, "mics_shard_size": 4, **TWO_HOP, **QW, **QG}),
 ]
 
 
@@ -215,7 +233,7 @@ LAYOUTS = [
 def test_layout_trains_close_to_one_process(name, dp, gas, zero):
     steps = 30
     want = reference(dp, gas, steps)
-    results = run_distributed(train, dp, dp, gas, steps, zero)
+    results = run_distributed(on_nodes_of_two, dp, train, dp, gas, steps, zero)
     assert want[-1] < want[0] / 1.5, f"{name}: the reference does not learn; the test is void"
     qw, qg = (bool(zero.get(f"zero_quantized_{k}")) for k in ("weights", "gradients"))
     for rank, got in enumerate(results):
@@ -227,6 +245,8 @@ def test_layout_trains_close_to_one_process(name, dp, gas, zero):
         assert sent["all_gather"] == gathers, f"{name}: gathered {sent['all_gather']}"
         if zero.get("zero_quantized_gradients"):
             assert sent["all_to_all"] == {"uint8"}, f"{name}: all-to-all of {sent['all_to_all']}"
+            hops = {2} if TWO_HOP.keys() <= zero.keys() else {dp}
+            assert got["sizes"]["all_to_all"] == hops, f"{name}: all-to-all over {got['sizes']}"
             assert "reduce_scatter" not in sent, f"{name}: reduce-scattered {sent}"
     first = results[0]["params"]
     for rank, got in enumerate(results[1:], 1):

@@ -20,9 +20,19 @@ sums in fp32, its own chunk taken exact (it never left the rank):
     |out_j - sum_r g_r[j]| <= sum_{r != j} s_{r,k} / 2 <= (N-1) max_r max_k |g_r[j]| / 14
 
 (/ N for the mean). Bytes: (N-1)/N (S/2 + 4 ceil(S/B)) per chunk against (N-1)/N 4 S for a
-ring reduce-scatter of fp32: about 1/8. This is the one-hop scheme of the paper on one host;
-across hosts the paper's two hops (intra-node all-to-all, reduce, inter-node all-to-all) would
-cut inter-node bytes further, and are not built here. A group of one rank quantizes nothing.
+ring reduce-scatter of fp32: about 1/8. A group of one rank quantizes nothing.
+
+**Two hops** (stage 3, a shard group of n nodes x k ranks whose node groups exist: MiCS's
+``mics_hierarchical_params_gather``, zero/mics.py). Shard index g = node b x k + local j.
+Hop 1, inside the node (k ranks): rank (a, i) sends local rank j the n chunks of ranks (b, j),
+int4; rank (a, j) sums what it got in fp32 (its own exact): partial_b = sum over its node's
+ranks of chunk (b, j). Hop 2, across nodes (the n ranks of local index j): partial_b goes to
+node b, int4, and is summed there (its own exact):
+
+    |error| <= sum over the k-1 node peers of s_1/2  +  sum over the n-1 other nodes of s_2/2
+
+(s_2 from the partial sums, up to k times larger). Bytes across nodes per rank: (n-1) S/2,
+against the (N-k) S/2 of one hop: k times fewer, as the paper's hierarchical scheme.
 
 Only the training gathers are quantized: ``GatheredParameters`` and the consolidated state
 dict gather exact values (``Unit.materialize(exact=True)``), except for a unit already gathered
@@ -91,6 +101,25 @@ def quantized_reduce_scatter(out: torch.Tensor, send: torch.Tensor, group: Group
     return _Reduce(work, received, own, out, comm.get_rank(group))
 
 
+def two_hop_reduce_scatter(out: torch.Tensor, send: torch.Tensor, groups: Any) -> Any:
+    """qgZ in two hops (module docstring) over ``groups`` (zero/mics.ZeroGroups with
+    ``nodes`` > 1: ``intra`` and ``inter`` groups). Blocking; returns a finished handle."""
+    n, k = groups.nodes, comm.get_world_size(groups.intra)
+    size = out.numel()
+    chunks = send.view(n, k, size).transpose(0, 1)  # [j][b]: local rank j's n chunks
+    partial = torch.empty(n * size, dtype=torch.float32, device=out.device)
+    quantized_reduce_scatter(partial, chunks.reshape(-1), groups.intra).wait()  # hop 1
+    final = torch.empty(size, dtype=torch.float32, device=out.device)
+    quantized_reduce_scatter(final, partial, groups.inter).wait()  # hop 2
+    out.copy_(final)
+    return _Finished()
+
+
+class _Finished:
+    def wait(self) -> None:
+        pass
+
+
 class _Reduce:
     """Waits for the all-to-all, then sums the dequantized chunks (and the own exact one)."""
 
@@ -115,11 +144,17 @@ def quantize_units(strategy: S, group: Group, zero: ZeroConfig) -> S:
     through qgZ (``zero_quantized_gradients``), over ``group`` (the shard group). Persistent
     units are whole everywhere and all-reduced: as DeepSpeed leaves 1-D tensors unquantized,
     they stay exact. Returns ``strategy``."""
+    groups = strategy.groups  # MiCS's node groups (two hops) when it built them
+    reduce = (
+        partial(two_hop_reduce_scatter, groups=groups)
+        if groups.nodes > 1
+        else partial(quantized_reduce_scatter, group=group)
+    )
     for u in strategy.units:
         if u.persistent:
             continue
         if zero.zero_quantized_weights:
             u.quantized = QuantizedGather(group, u.gather)
         if zero.zero_quantized_gradients:
-            u.scatter = partial(quantized_reduce_scatter, group=group)
+            u.scatter = reduce
     return strategy
