@@ -311,7 +311,9 @@ ZERO_ERRORS = [
     ({"stage": 2, "offload_param": {"device": "cpu"}}, "zero_optimization.offload_param", "needs ZeRO stage 3"),
     ({"stage": 0, "offload_optimizer": {"device": "cpu"}}, "zero_optimization.offload_optimizer", "needs ZeRO stage 1, 2 or 3"),
     ({"stage": 2, "cpu_offload": True, "offload_optimizer": {"device": "cpu"}}, "zero_optimization.cpu_offload", "not both"),
-    ({"stage": 3, "zero_quantized_weights": True}, "zero_optimization.zero_quantized_weights", "not supported by shardwise"),
+    ({"stage": 3, "zero_quantized_nontrainable_weights": True}, "zero_optimization.zero_quantized_nontrainable_weights", "not supported by shardwise"),
+    ({"stage": 2, "zero_quantized_weights": True}, "zero_optimization.zero_quantized_weights", 'needs "stage": 3 (stage is 2)'),
+    ({"stage": 1, "zero_quantized_gradients": True}, "zero_optimization.zero_quantized_gradients", "ZeRO stage 2 or 3 (stage is 1)"),
 ]
 # fmt: on
 

@@ -134,6 +134,10 @@ def test_the_comm_log_shows_one_gather_across_all_ranks_per_step(name, gas, extr
         ({"stage": 2, "zero_hpz_partition_size": 2}, '"stage": 3'),
         ({"stage": 0, "zero_hpz_partition_size": 4}, '"stage": 3'),
         ({"stage": 3, "zero_hpz_partition_size": 2, "mics_shard_size": 2}, "use one of the two"),
+        (
+            {"stage": 3, "zero_hpz_partition_size": 2, "zero_quantized_weights": True},
+            "do not combine yet",
+        ),
     ],
 )
 def test_hpz_refuses_what_it_cannot_do(block, match):

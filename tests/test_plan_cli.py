@@ -10,7 +10,7 @@ from harness import run_distributed
 from plan_runs import SMALL, pipeline
 
 from shardwise.launch.cli import main
-from shardwise.plan import Dims, plan
+from shardwise.plan import Dims, Layout, plan
 
 GPT_FLAGS = ["--arch", "gpt", "--layers", "4", "--hidden", "128", "--heads", "4"]
 GPT_FLAGS += ["--vocab", "256", "--seq", "64", "--global-batch", "8"]
@@ -124,3 +124,28 @@ def test_model_flag_reads_a_build_function():
     with torch.device("meta"):
         pipe = pipeline()
     assert all(p.is_meta for p in pipe.parameters())
+
+
+def test_quantized_flags_mark_the_stages_that_have_them_and_cut_data_bytes(capsys):
+    """--zero-quantized-weights: stage 3 only; --zero-quantized-gradients: stages 2 and 3
+    (docs/planner.md); their data bytes fall (the exact counts: test_plan_exact.py). Hidden
+    512: matrices above the 100,000-element persistence threshold, so some are sharded."""
+    flags = ["--arch", "gpt", "--layers", "2", "--hidden", "512", "--heads", "4", "--vocab"]
+    flags += ["256", "--seq", "64", "--global-batch", "8", "--procs-per-node", "2", "--tp", "1"]
+    flags += ["--pp", "1", "--cp", "1"]
+    plain = {_layout_key(r): r for r in _json(capsys, *flags)}
+    quant = _json(capsys, *flags, "--zero-quantized-weights", "--zero-quantized-gradients")
+    assert {r["zero_stage"] for r in quant} == {0, 1, 2, 3}, "every stage planned"
+    for r in quant:
+        tag = str(_layout_key(r))
+        assert (r["qw"], r["qg"]) == (r["zero_stage"] == 3, r["zero_stage"] >= 2), tag
+        was = plain[_layout_key(r)]["comm_bytes"]["data"]
+        if r["qg"] and r["dp"] * r["cp"] > 1:  # gradients at 1/8, weights at 1/4 or fp32
+            assert r["comm_bytes"]["data"] < 0.7 * was, f"{tag}: {r['comm_bytes']} vs {was}"
+        else:
+            assert r["comm_bytes"]["data"] == was, tag
+
+
+def _layout_key(r: dict) -> tuple:
+    """The record's layout but for ZeRO++'s two flags."""
+    return tuple(r[k] for k in Layout.__dataclass_fields__ if k not in ("qw", "qg"))

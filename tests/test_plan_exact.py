@@ -52,6 +52,9 @@ LAYOUTS = [
     ("dp4-zero2-mics2", L(4, 1, 1, 2, 1, 2, mics=2), "fp32"),  # hierarchical-zero.md
     ("dp4-zero3-mics2-bf16", L(4, 1, 1, 3, 1, 2, mics=2), "bf16"),
     ("dp4-zero3-hpz2", L(4, 1, 1, 3, 1, 2, hpz=2), "fp32"),  # hpz.md
+    # ZeRO++: int8 gathers, int4 all-to-alls in place of reduce-scatters (zero_quantized.py)
+    ("zero3-qw-qg", L(2, 1, 1, 3, 2, 2, qw=True, qg=True), "fp32"),
+    ("zero2-qg-bf16", L(2, 1, 1, 2, 2, 2, qg=True), "bf16"),
 ]
 STATES = ("params", "grads", "optimizer")
 

@@ -35,6 +35,8 @@ BUG_SCRIPT = REPO / "tests" / "scripts" / "verify_rms_norm.py"
         ("dp2xcp2xulysses", Layout("dp2xcp2xulysses", dp=2, cp=2, ulysses=True)),
         ("dp4xzero3xmics2", Layout("dp4xzero3xmics2", dp=4, zero=3, mics=2)),
         ("dp4xzero3xhpz2", Layout("dp4xzero3xhpz2", dp=4, zero=3, hpz=2)),
+        ("zero3x2xqwxqg", Layout("zero3x2xqwxqg", dp=2, zero=3, qw=True, qg=True)),
+        ("zero2x2xqg", Layout("zero2x2xqg", dp=2, zero=2, qg=True)),
     ],
 )
 def test_layout_names(text, want):
@@ -64,6 +66,8 @@ def nothing_starts(monkeypatch):
         (["--layouts", "dp4xzero2xhpz2"], ["--layouts", "hpz2", "zero3"]),
         (["--layouts", "dp4xzero3xhpz3"], ["--layouts", "multiple of 3"]),
         (["--layouts", "dp2xulysses"], ["--layouts", "context-parallel", "cp2"]),
+        (["--layouts", "zero2x2xqw"], ["--layouts", "qw quantizes the ZeRO-3", "add zero3"]),
+        (["--layouts", "dp2xqg"], ["--layouts", "qg the gradient", "zero2 / zero3"]),
         (["--layouts", "dp2", "--steps", "0"], ["--steps 0", "at least 1"]),
         (["--layouts", "pp2"], ["--layouts pp2", "'pipeline' builder"]),
         (["--layouts", "dp3"], ["--layouts dp3", "8 rows", "multiple of 3"]),
@@ -229,6 +233,11 @@ def test_the_layout_name_decides_sizes_the_script_config_already_sets():
     assert hpz["zero_optimization"]["zero_hpz_partition_size"] == 1, f"no hpz part: off {hpz}"
     hpz = layout_config({}, Layout("x", dp=4, zero=3, hpz=2), 8)
     assert hpz["zero_optimization"]["zero_hpz_partition_size"] == 2, f"hpz2 part: on {hpz}"
+    quantized = {"zero_quantized_weights": True, "zero_quantized_gradients": True}
+    ref = layout_config({"zero_optimization": quantized}, Layout("x"), 8)["zero_optimization"]
+    assert not any(ref[k] for k in quantized), f"no qw / qg part: exact communication {ref}"
+    qw = layout_config({}, Layout("x", dp=2, zero=3, qw=True), 8)["zero_optimization"]
+    assert qw == {"stage": 3, "zero_quantized_weights": True}, f"qw sets its key: {qw}"
 
 
 def test_a_layout_that_did_not_run_counts_as_diverged():

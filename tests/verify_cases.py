@@ -99,3 +99,24 @@ def run_script(script: str, layout: str, steps: int, init: str, out: str) -> Non
     from shardwise.verify.setup import load_setup
 
     run_layout(load_setup(script), parse_layout(layout), steps, init, out)
+
+
+def _teacher_batches():
+    """A learnable task (y = a fixed random TinyNet's output), so that losses fall."""
+    g = torch.Generator().manual_seed(2)
+    a, b = torch.randn(8, 16, generator=g), torch.randn(16, 4, generator=g) / 4
+    while True:
+        x = torch.randn(8, 8, generator=g)
+        yield x, torch.tanh(x @ a) @ b
+
+
+def quantized_setup() -> VerifySetup:
+    """ZeRO++ layouts (qw, qg) on TinyNet with every parameter sharded (a persistence threshold
+    of 0: the default keeps this model's small tensors whole, and those are never quantized)."""
+    config = {
+        "optimizer": {"type": "SGD", "params": {"lr": 0.05}},
+        "zero_optimization": {"stage3_param_persistence_threshold": 0},
+        "seed": 3,
+    }
+    model = lambda: TinyNet(False, 0.0)  # noqa: E731
+    return VerifySetup(model=model, batches=_teacher_batches, config=config, loss_fn=nn.MSELoss())

@@ -57,6 +57,8 @@ class Layout:
     ep: int = 1  # expert-parallel size (inside the data axis: dp % ep == 0)
     cp: int = 1  # context-parallel size (ranks splitting each sequence)
     cp_method: str = "ring"  # or "ulysses"
+    qw: bool = False  # ZeRO++ zero_quantized_weights: int8 parameter gathers (stage 3)
+    qg: bool = False  # ZeRO++ zero_quantized_gradients: int4 gradient all-to-all (stage 2, 3)
 
     @property
     def shard(self) -> int:
@@ -81,6 +83,7 @@ class Layout:
         parts += [self.schedule] if self.pp > 1 and self.schedule != "1f1b" else []
         parts += [f"mics{self.mics}"] if self.mics else []
         parts += [f"hpz{self.hpz}"] if self.hpz else []
+        parts += [k for k in ("qw", "qg") if getattr(self, k)]
         return " ".join(parts)
 
     def as_dict(self) -> dict:
@@ -258,6 +261,9 @@ def to_config(layout: Layout, precision: str, shape: ModelShape | None = None) -
         cfg["zero_optimization"]["mics_shard_size"] = layout.mics
     if layout.hpz:
         cfg["zero_optimization"]["zero_hpz_partition_size"] = layout.hpz
+    if layout.qw or layout.qg:
+        cfg["zero_optimization"]["zero_quantized_weights"] = layout.qw
+        cfg["zero_optimization"]["zero_quantized_gradients"] = layout.qg
     is_pipe = shape is not None and shape.module_is_pipeline
     if layout.tp > 1:
         cfg["tensor_parallel"] = {"size": layout.tp, "sequence_parallel": layout.sequence_parallel}

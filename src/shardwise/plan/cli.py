@@ -17,6 +17,7 @@ import argparse
 import importlib
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +73,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help='count the host staging of "checkpoint": {"async": true}',
     )
+    for key, what in (
+        ("weights", "int8 ZeRO-3 gathers"),
+        ("gradients", "int4 ZeRO-2/3 all-to-all"),
+    ):
+        p.add_argument(
+            f"--zero-quantized-{key}",
+            action="store_true",
+            help=f"ZeRO++: count {what} where the stage allows it (zero_quantized_{key})",
+        )
     p.add_argument("--top", type=int, default=10, help="feasible layouts to show")
     p.add_argument("--json", action="store_true", help="every record as JSON")
     p.add_argument("--write-config", metavar="PATH", help="write the best layout's config")
@@ -148,7 +158,15 @@ def records(args: argparse.Namespace) -> tuple[Planner, list[dict]]:
     lays = candidates(
         shape, machine.world, machine.procs_per_node, args.global_batch, None, args.seq, cps
     )
-    return planner, planner.plan([lay for lay in lays if _fixed(args, lay)])
+    lays = [_quantized(args, lay) for lay in lays if _fixed(args, lay)]
+    return planner, planner.plan(lays)
+
+
+def _quantized(args: argparse.Namespace, lay: Layout) -> Layout:
+    """ZeRO++ on the layouts whose stage has it (weights: 3, not with hpZ, which the config
+    refuses for now; gradients: 2 and 3)."""
+    qw = args.zero_quantized_weights and lay.zero_stage == 3 and not lay.hpz
+    return replace(lay, qw=qw, qg=args.zero_quantized_gradients and lay.zero_stage >= 2)
 
 
 def _simulate(args: argparse.Namespace) -> dict:

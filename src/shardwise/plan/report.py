@@ -13,7 +13,7 @@ COLUMNS = (
     ("cp", lambda i, r: str(r["cp"]) + (f" {r['cp_method']}" if r["cp"] > 1 else "")),
     ("ep", lambda i, r: str(r["ep"])),
     ("pp", lambda i, r: str(r["pp"]) + ("" if r["schedule"] == "1f1b" else f" {r['schedule']}")),
-    ("zero", lambda i, r: str(r["zero_stage"]) + _hierarchy(r)),
+    ("zero", lambda i, r: " ".join(_zero(r))),
     ("mb x gas", lambda i, r: f"{r['micro_batch']}x{r['grad_accum']}"),
     ("ckpt", lambda i, r: "yes" if r["activation_checkpointing"] else "-"),
     ("offload", lambda i, r: "cpu" if r["offload"] else "-"),
@@ -32,11 +32,6 @@ COLUMNS = (
 )
 # Host memory of asynchronous checkpoints (--async-checkpoint): shown when counted.
 STAGING = ("stage GiB", lambda i, r: _gib(r["memory"]["checkpoint_staging"]))
-
-
-def _hierarchy(r: dict) -> str:
-    """`` mics4`` / `` hpz4``: MiCS's shard group, hpZ's secondary group (none: flat)."""
-    return "".join(f" {k}{r[k]}" for k in ("mics", "hpz") if r.get(k))
 
 
 def _gib(n: float) -> str:
@@ -109,3 +104,10 @@ def rank_text(view: dict[str, Any]) -> str:
     for op, e in view["comm_ops"].items():
         lines.append(f"  {op}: {e['calls']} calls, {e['bytes']:,} B, {e['sent_bytes']:,} B sent")
     return "\n".join(lines)
+
+
+def _zero(r: dict) -> list[str]:
+    """The stage, then MiCS's shard group, hpZ's secondary group and ZeRO++'s quantized
+    weights / gradients, those that are on."""
+    parts = [str(r["zero_stage"])] + [f"{k}{r[k]}" for k in ("mics", "hpz") if r.get(k)]
+    return parts + [k for k in ("qw", "qg") if r.get(k)]

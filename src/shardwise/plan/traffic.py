@@ -13,7 +13,10 @@ all-reduce 2 (n-1)/n S, reduce-scatter / all-gather / broadcast (n-1)/n S, send 
                group, and per step one all-reduce of each bucket's (unit's) shard over the R
                replicas (axis "replicate", counted with data in ``by_axis``); hpZ
                (zero/hpz.py): per unit one all-gather over all data ranks per step, the other
-               2 GAS - 1 over its secondary group of H ranks (axis "hpz", counted with data)
+               2 GAS - 1 over its secondary group of H ranks (axis "hpz", counted with data); ZeRO++
+               (zero/quantized_comm.py): ``qw`` gathers each shard's int8 payload (S bytes +
+               4 per 4096-element block, of 4 S in fp32), ``qg`` replaces a reduce-scatter by
+               an all-to-all of N int4 chunks (S/2 bytes + 4 per 512-element block each)
     tensor     per micro-batch, at each site the trace found (activations.py): without
                sequence parallelism a column layer all-reduces its input's gradient, a row
                layer its output, the vocabulary embedding its output; with it, all-gather /
@@ -35,8 +38,9 @@ fp16 on). Steady state: the first step adds one-off messages (split decisions) l
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from shardwise.parallel.zero import blockquant as bq
 from shardwise.plan.candidates import Layout
 from shardwise.plan.memory import DTYPE_BYTES, Options, buckets, replica_parts, zero3_units
 from shardwise.plan.shape import ParamInfo
@@ -117,11 +121,20 @@ def data_calls(
                 calls.append(Call("all_reduce", "data", size, n))
                 continue
             if s > 1:
-                calls.append(Call("reduce_scatter", "data", size, s, gas if stage == 2 else 1))
+                reduce = _reduce_call(size, lay.shard_numel, s, stage == 2 and layout.qg)
+                calls.append(replace(reduce, count=gas if stage == 2 else 1))
                 calls.append(Call("all_gather", "data", size, s))
             if s < n:  # MiCS: the shard, summed over its replicas once per step
                 calls.append(Call("all_reduce", "replicate", c * lay.shard_numel, n // s))
     return calls
+
+
+def _reduce_call(size: int, shard: int, n: int, quantized: bool) -> Call:
+    """A gradient reduce-scatter of ``size`` bytes over ``n`` ranks, or ZeRO++'s int4
+    all-to-all of the ``n`` chunks of ``shard`` elements that replaces it."""
+    if not quantized:
+        return Call("reduce_scatter", "data", size, n)
+    return Call("all_to_all", "data", n * bq.payload_bytes(shard, 4, bq.GRAD_BLOCK), n)
 
 
 def _zero3_calls(params: list[ParamInfo], layout: Layout, c: int, opts: Options) -> list[Call]:
@@ -134,10 +147,11 @@ def _zero3_calls(params: list[ParamInfo], layout: Layout, c: int, opts: Options)
             calls.append(Call("all_reduce", "replicate" if s < dp else "data", size, dp))
             continue
         if s > 1:  # hpZ: only the first gather of a step crosses all ranks, the rest its group
+            wire = s * bq.payload_bytes(lay.shard_numel, 8, bq.WEIGHT_BLOCK) if layout.qw else size
             inside = 2 * gas - 1 if layout.hpz > 1 else 0
-            calls.append(Call("all_gather", "data", size, s, 2 * gas - inside))
+            calls.append(Call("all_gather", "data", wire, s, 2 * gas - inside))
             calls += [Call("all_gather", "hpz", size, layout.hpz, inside)] if inside else []
-            calls.append(Call("reduce_scatter", "data", size, s, gas))
+            calls.append(replace(_reduce_call(size, lay.shard_numel, s, layout.qg), count=gas))
         if s < dp:  # MiCS: the shard, summed over its replicas once per step
             calls.append(Call("all_reduce", "replicate", c * lay.shard_numel, dp // s))
     return calls

@@ -19,7 +19,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from shardwise.verify.compare import TOLERANCES, Verdict, compare, failed, still, tolerance_for
+from shardwise.verify.compare import (
+    QUANTIZED,
+    TOLERANCES,
+    Verdict,
+    compare,
+    failed,
+    still,
+    tolerance_for,
+)
 from shardwise.verify.fuzz_run import fuzz_command
 from shardwise.verify.layout_names import (
     EXAMPLE,
@@ -186,9 +194,17 @@ def run(args: argparse.Namespace) -> int:
             out = work / layout.name
             shutil.rmtree(out, ignore_errors=True)  # a rerun with --out never reads stale files
             verdict = _launch(args, layout, init, out)
-            verdicts.append(verdict or compare(load_result(out), want[ref], tol, layout.world))
+            # quantized layouts: their own tolerance unless --tolerance chose one (compare.py)
+            mine = QUANTIZED if layout.quantized and not args.tolerance else tol
+            verdicts.append(verdict or compare(load_result(out), want[ref], mine, layout.world))
     finally:
         if not args.out:
             shutil.rmtree(work, ignore_errors=True)
     print(render(args.script, args.steps, tol, verdicts))
+    if any(layout.quantized for layout in layouts) and not args.tolerance:
+        q = QUANTIZED  # the rule of compare.py's docstring
+        print(
+            f"quantized layouts (qw, qg): {q.name} tolerance, loss and grad norm |diff| <= "
+            f"{q.abs:.0e} + {q.rel:.0e} |reference|, parameters within {q.param_max:.0e}"
+        )
     return 1 if any(v.diverged for v in verdicts) else 0

@@ -4,7 +4,9 @@ A layout is parts joined by ``x``: ``dpN`` (data-parallel ranks), ``tpN`` (tenso
 ranks), ``ppN`` (pipeline stages), ``zeroS`` (ZeRO stage S over the data ranks), ``micsN``
 (with ``zeroS``: ZeRO sharded within groups of N data ranks, replicated across them), ``hpzN``
 (with ``zero3``: hpZ's secondary parameter shards over groups of N data ranks), ``sp``
-(sequence parallelism, with ``tpN``), ``cpN`` (context-parallel ranks, ring attention;
+(sequence parallelism, with ``tpN``), ``qw`` / ``qg`` (ZeRO++'s quantized weights, with
+``zero3``, / gradients, with ``zero2`` or ``zero3``: compared within verify's quantized
+tolerance, compare.py), ``cpN`` (context-parallel ranks, ring attention;
 ``ulysses`` for DeepSpeed-Ulysses), a pipeline schedule's name (``pp2xzbv``: ``1f1b``, ``gpipe``,
 ``interleaved``, ``zb-h1``, ``zbv``, ``dualpipev``; otherwise the script's config decides; the
 two-chunk ones get ``chunks`` 2) and a bare ``N`` (the data-parallel size, so ``zero3x2`` is
@@ -29,7 +31,8 @@ from dataclasses import dataclass
 from shardwise.parallel.pipeline.schedule import SCHEDULES, V_SCHEDULES
 
 GRAMMAR = (
-    "dpN, tpN, ppN, cpN, zeroS (S = 1, 2, 3), micsN, hpzN, sp, ulysses, a pipeline schedule "
+    "dpN, tpN, ppN, cpN, zeroS (S = 1, 2, 3), micsN, hpzN, sp, ulysses, qw, qg, a pipeline "
+    "schedule "
     f"({', '.join(SCHEDULES)}), or a bare N (data ranks), joined by x"
 )
 EXAMPLE = "dp2,zero3x2,tp2,pp2,dp2xtp2"
@@ -57,6 +60,13 @@ class Layout:
     mics: int = 0  # MiCS: ZeRO shard groups of this many data ranks; 0: shard over all
     hpz: int = 0  # hpZ: ZeRO-3's secondary shards over groups of this many data ranks; 0: off
     compile: str | None = None  # verify --compile: the torch.compile backend of each block
+    qw: bool = False  # zero_quantized_weights (ZeRO++)
+    qg: bool = False  # zero_quantized_gradients (ZeRO++)
+
+    @property
+    def quantized(self) -> bool:
+        """Communication quantized: not exact, compared within compare.QUANTIZED."""
+        return self.qw or self.qg
 
     @property
     def world(self) -> int:
@@ -80,10 +90,10 @@ def _part(layout: str, part: str, sizes: dict) -> None:
             raise LayoutError(f"--layouts: {layout!r} gives two schedules; give one")
         sizes["schedule"] = part
         return
-    m = re.fullmatch(r"(dp|tp|pp|cp|zero|mics|hpz)?(\d+)|sp|ulysses", part)
+    m = re.fullmatch(r"(dp|tp|pp|cp|zero|mics|hpz)?(\d+)|sp|ulysses|qw|qg", part)
     if m is None:
         raise LayoutError(f"--layouts: unknown part {part!r} in {layout!r}: use {GRAMMAR}")
-    flag = part in ("sp", "ulysses")
+    flag = part in ("sp", "ulysses", "qw", "qg")
     key = part if flag else (m.group(1) or "dp")
     if key in sizes:
         raise LayoutError(f"--layouts: {layout!r} gives {key} twice; give each part once")
@@ -116,6 +126,11 @@ def parse_layout(text: str) -> Layout:
             f"--layouts: {text!r}: hpz{layout.hpz} keeps ZeRO-3's parameter shards again over "
             f"groups of {layout.hpz} data ranks: add zero3 (not mics) and a multiple of "
             f"{layout.hpz} data ranks"
+        )
+    if (layout.qw and layout.zero != 3) or (layout.qg and layout.zero not in (2, 3)):
+        raise LayoutError(
+            f"--layouts: {text!r}: qw quantizes the ZeRO-3 parameter gathers, qg the gradient "
+            "reduce-scatters of ZeRO-2 or 3; add zero3 (qw) or zero2 / zero3 (qg)"
         )
     if layout.zero == 3 and layout.pp > 1:
         raise LayoutError(f"--layouts: {text!r}: ZeRO-3 does not combine with pipelines; use zero1")
@@ -165,6 +180,12 @@ def layout_config(base: dict, layout: Layout, global_batch: int) -> dict:
             zero["mics_shard_size"] = layout.mics or -1
         if layout.hpz or "zero_hpz_partition_size" in zero:
             zero["zero_hpz_partition_size"] = layout.hpz or 1
+        for flag, key in (
+            (layout.qw, "zero_quantized_weights"),
+            (layout.qg, "zero_quantized_gradients"),
+        ):
+            if flag or key in zero:
+                zero[key] = flag
         cfg["zero_optimization"] = zero
     if layout.tp > 1 or "tensor_parallel" in cfg:
         tp = {"size": layout.tp, "sequence_parallel": layout.sp}

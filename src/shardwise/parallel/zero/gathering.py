@@ -75,6 +75,10 @@ class Unit:
     # (full, shard) -> handle: MiCS's two-hop gather (zero/mics.py); None: one over ``group``.
     gather: Any = None
     data: Any = None  # MiCS: all data ranks (``group`` is one replica's); None: ``group``
+    # ZeRO++ (zero/quantized_comm.py): (full, shard) -> handle, the int8 gather used unless
+    # ``exact``; (out, send) -> handle, the quantized reduce-scatter. None: unquantized.
+    quantized: Any = None
+    scatter: Any = None
 
     @property
     def data_group(self) -> Any:
@@ -93,8 +97,9 @@ class Unit:
     def trainable(self) -> int:
         return sum(p.requires_grad for p in self.params)
 
-    def start_gather(self) -> None:
-        """Launch the all-gather of the flat parameters (no-op if live or persistent)."""
+    def start_gather(self, exact: bool = False) -> None:
+        """Launch the all-gather of the flat parameters (no-op if live or persistent);
+        ``exact``: never quantized (GatheredParameters, saving)."""
         if self.persistent or self.full is not None:
             return
         self.full = torch.empty(
@@ -102,15 +107,17 @@ class Unit:
         )
         # Offloaded: copy the shard up first (the collective runs on the compute device).
         shard = self.shard.to(self.compute_device, non_blocking=True)
-        gather = self.gather or partial(
-            comm.all_gather_into_tensor, group=self.group, async_op=True
+        gather = (
+            (None if exact else self.quantized)
+            or self.gather
+            or partial(comm.all_gather_into_tensor, group=self.group, async_op=True)
         )
         self.work = gather(self.full, shard)
         self.live.elements += self.layout.padded
 
-    def materialize(self) -> None:
+    def materialize(self, exact: bool = False) -> None:
         """Gather if needed, wait, and point every parameter at its view of the flat buffer."""
-        self.start_gather()
+        self.start_gather(exact)
         if self.work is not None:
             self.work.wait()
             self.work = None
@@ -138,7 +145,10 @@ class Unit:
                 p.grad = None
         self.send, self.reduced = send, True
         self.out = torch.empty(self.layout.shard_numel, dtype=send.dtype, device=send.device)
-        self.rs_work = comm.reduce_scatter_tensor(self.out, send, group=self.group, async_op=True)
+        scatter = self.scatter or partial(
+            comm.reduce_scatter_tensor, group=self.group, async_op=True
+        )
+        self.rs_work = scatter(self.out, send)
 
     def drain(self, world: int) -> None:
         """Wait for the reduce-scatter and fold (1/N) * sum into the gradient shard."""

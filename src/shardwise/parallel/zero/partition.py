@@ -332,7 +332,7 @@ class GatheredParameters:
         ]
         for u in self.units:
             u.users += 1
-            u.materialize()
+            u.materialize(exact=True)
         for p in self.loose:
             p.data = full_value(p).clone()
 

@@ -30,6 +30,7 @@ compute exactly what they compute unsharded.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
@@ -50,6 +51,7 @@ from shardwise.parallel.strategy_contract import (
 from shardwise.parallel.zero.buckets import Bucket, Where
 from shardwise.parallel.zero.masters import rebuild_optimizer, shares_storage
 from shardwise.parallel.zero.mics import ZeroGroups
+from shardwise.parallel.zero.quantized_comm import quantized_reduce_scatter
 from shardwise.precision import master_dtype
 
 if TYPE_CHECKING:  # annotations only
@@ -63,6 +65,8 @@ _IN_FLIGHT = 2  # stage 2: reduce-scatters in flight before the oldest is waited
 
 class ZeroStrategy:
     """The engine's gradient strategy for ZeRO stages 1-2 (and 16-bit stage 0)."""
+
+    quantized_gradients = False  # reduce-scatters by ZeRO++'s qgZ (zero/quantized_comm.py)
 
     def __init__(
         self,
@@ -192,7 +196,12 @@ class ZeroStrategy:
                     b.layout.shard_numel, dtype=b.grads_flat.dtype, device=b.grads_flat.device
                 )
             )
-            b.work = comm.reduce_scatter_tensor(b.out, b.grads_flat, group=w.group, async_op=True)
+            scatter = (
+                partial(quantized_reduce_scatter, group=w.group)
+                if self.quantized_gradients
+                else partial(comm.reduce_scatter_tensor, group=w.group, async_op=True)
+            )
+            b.work = scatter(b.out, b.grads_flat)
         if self.stage >= 2:
             self._in_flight.append(b)
             while len(self._in_flight) > _IN_FLIGHT:
@@ -345,7 +354,7 @@ class ZeroStrategy:
     @classmethod
     def from_context(cls, ctx: StrategyContext) -> ZeroStrategy:
         cfg, opt, groups = ctx.config, require_optimizer(ctx), ZeroGroups.from_mesh(ctx.mesh)
-        return cls(
+        made = cls(
             opt,
             cfg.zero_optimization.stage,
             group=groups.shard,
@@ -357,6 +366,8 @@ class ZeroStrategy:
             ranks=groups.shard_ranks,
             groups=groups,
         )
+        made.quantized_gradients = cfg.zero_optimization.zero_quantized_gradients  # stage 2
+        return made
 
     def checkpoint_layout(
         self, module: torch.nn.Module, optimizer: Optimizer, mesh: ProcessMesh

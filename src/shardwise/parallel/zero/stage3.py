@@ -9,10 +9,10 @@ gather/release schedule). Per rank, for Psi parameters with Adam (ZeRO, arXiv 19
     bf16 + fp32 master:  (2 + 2 + 12) Psi / N     (shard, gradient shard, master + 2 states)
     fp32:                (4 + 4 +  8) Psi / N     (the master *is* the parameter shard)
 
-up to padding (< N elements per unit). Parameters with fewer than
-``persistence_threshold`` elements (DeepSpeed's ``stage3_param_persistence_threshold``) stay
-whole on every rank, with whole gradients (all-reduced on the boundary) and whole optimizer
-states: ZeRO-0 for the small tensors whose gathers would cost more latency than memory.
+up to padding (< N elements per unit). Parameters with fewer than ``persistence_threshold``
+elements (DeepSpeed's ``stage3_param_persistence_threshold``) stay whole on every rank, with
+whole gradients (all-reduced on the boundary) and whole optimizer states: ZeRO-0 for the small
+tensors whose gathers would cost more latency than memory.
 
 One step at GAS = 1 sends, per unit of P elements (ring model, comm.py):
 
@@ -67,6 +67,7 @@ from shardwise.parallel.zero.partition import (
     sync_rng,
     unpartition,
 )
+from shardwise.parallel.zero.quantized_comm import quantize_units
 
 if TYPE_CHECKING:  # annotations only
     from torch.distributed import ProcessGroup
@@ -113,9 +114,7 @@ class Zero3Strategy:
         return flat_layout(module, mesh, shards)
 
     def close(self) -> None:
-        for h in self.gather_scheduler.handles:
-            h.remove()
-        self.gather_scheduler.handles.clear()
+        self.gather_scheduler.remove()
 
     def __init__(
         self,
@@ -177,7 +176,7 @@ class Zero3Strategy:
     ) -> Zero3Strategy:
         """From the ``zero_optimization`` block (config.zero.ZeroConfig)."""
         param = zero.offload_param
-        return cls(
+        made = cls(
             module,
             optimizer,
             group=group,
@@ -190,6 +189,7 @@ class Zero3Strategy:
             max_live=zero.stage3_max_live_parameters,
             groups=groups,
         )
+        return quantize_units(made, group, zero)  # ZeRO++ (zero/quantized_comm.py)
 
     # ------------------------------------------------------------------ construction
     def _plan(
@@ -344,7 +344,7 @@ class Zero3Strategy:
         with torch.no_grad():
             for u in self.units:
                 held = u.full is not None
-                u.materialize()
+                u.materialize(exact=True)
                 for p in u.params:
                     values[id(p)] = p.detach().cpu().clone()
                 if not held:
