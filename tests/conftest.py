@@ -57,4 +57,13 @@ def _fresh_default_group():
         dist.destroy_process_group()
 
 
+@pytest.fixture(scope="session")
+def shim_python(tmp_path_factory):
+    """The python of a venv holding the pip-installed deepspeed shim (shim_env.py), built once
+    for the Trainer's and Accelerate's tests."""
+    from shim_env import make_shim_env
+
+    return make_shim_env(tmp_path_factory.mktemp("shim"))
+
+
 from netns_hosts import two_hosts  # noqa: E402, F401 - a session fixture shared by the cluster tests

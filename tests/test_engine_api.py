@@ -81,6 +81,30 @@ def test_client_optimizer_and_scheduler_callables():
     assert engine.get_lr() == [0.25], "the scheduler steps with the optimizer"
 
 
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_a_scheduler_built_on_the_users_optimizer_sets_the_lr_zero_steps_with(stage):
+    # Accelerate's prepare passes the user's optimizer to initialize but keeps a torch
+    # scheduler built on it and steps it itself: as with DeepSpeed, whose ZeRO steps the
+    # user's optimizer object, the learning rate it sets must be the one the step uses.
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.0 if s else 1.0)
+    config = {"train_batch_size": 2, "zero_optimization": {"stage": stage}}
+    engine, *_ = shardwise.initialize(model=model, optimizer=opt, config=config)
+    x, y = make_data(2)
+    engine.backward(F.mse_loss(engine(x), y))
+    engine.step()
+    sched.step()  # lr 0 from here on
+    before = engine.consolidated_state_dict()
+    engine.backward(F.mse_loss(engine(x), y))
+    engine.step()
+    moved = [
+        k for k, v in engine.consolidated_state_dict().items() if not torch.equal(v, before[k])
+    ]
+    assert engine.get_lr() == [0.0], f"stage {stage}: the engine's lr {engine.get_lr()}"
+    assert not moved, f"stage {stage}: a step at lr 0 moved {moved}"
+
+
 def test_config_scheduler_is_built_and_stepped():
     engine, _, _, sched = _engine(
         scheduler={

@@ -35,7 +35,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from shim_env import make_shim_env
 from waits import scaled
 
 import shardwise
@@ -73,9 +72,9 @@ def _launcher(name: str, python: str, config: Path) -> list[str]:
 class Runs:
     """Launches of run_clm.py, each once per module, by name."""
 
-    def __init__(self, where: Path) -> None:
+    def __init__(self, where: Path, python: str) -> None:
         self.where = where
-        self.python = make_shim_env(where / "env")
+        self.python = python
         torch.manual_seed(0)
         config = transformers.GPT2Config()
         config.update_from_string(f"{TINY},{NO_DROPOUT}")
@@ -122,8 +121,8 @@ def weights(out: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    return Runs(tmp_path_factory.mktemp("hf_trainer"))
+def runs(tmp_path_factory, shim_python):
+    return Runs(tmp_path_factory.mktemp("hf_trainer"), shim_python)
 
 
 # (name, launcher, DeepSpeed config, extra flags, loss tolerance, weight tolerance): the

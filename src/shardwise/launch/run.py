@@ -18,6 +18,9 @@ Decisions (see docs/launch.md):
   that stopped the workers before they saved exits 128 + the signal's number, as a shell does.
 - ``--timeout S`` and ``--run-dir D`` reach the workers as ``SHARDWISE_TIMEOUT_S`` (every
   group's collective timeout) and ``SHARDWISE_RUN_DIR`` (where a hang's records go).
+- DeepSpeed's ``.deepspeed_env`` (``~/`` then ``./``; launch/deepspeed_env.py) is exported to
+  the workers; a flag of this command wins over the file, the file over the inherited
+  environment.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from shardwise.diagnose import report
 from shardwise.diagnose.dump import RUN_DIR_VAR, diagnose_dir
-from shardwise.launch import hostfile, kubernetes, slurm
+from shardwise.launch import deepspeed_env, hostfile, kubernetes, slurm
 from shardwise.launch.bound import BINDING_VAR, parse_core_list, split_cores
 from shardwise.launch.env import DEFAULT_MASTER_PORT, TIMEOUT_VAR, _get_int
 from shardwise.launch.guard import LAUNCHER_VAR
@@ -300,7 +303,8 @@ def launch(args: argparse.Namespace) -> int:
     args = resolve_slurm(resolve_hosts(args), os.environ)
     kubernetes.drop_taken_over(os.environ)  # torchrun's agent runs what the argv says, no PET_*
     argv = build_torchrun_argv(args)
-    updates = launch_env(args, os.environ)
+    exported, files = deepspeed_env.exports(os.environ)
+    updates = {**exported, **launch_env(args, {**os.environ, **exported})}
     if args.dry_run:
         print(shlex.join([*(f"{k}={v}" for k, v in updates.items()), "torchrun", *argv]))
         return 0
@@ -308,6 +312,9 @@ def launch(args: argparse.Namespace) -> int:
         raise ValueError(f"script {args.script!r} not found (give a path, or -m for a module)")
     if getattr(args, "pod_source", None):
         print(f"shardwise run: a Kubernetes pod ({args.pod_source})", file=sys.stderr)
+    if files:
+        names = ", ".join(sorted(exported)) or "nothing"
+        print(f"shardwise run: exporting {names} ({', '.join(map(str, files))})", file=sys.stderr)
     print(opening_line(args, argv), file=sys.stderr, flush=True)
     os.environ.update(updates)
     os.environ[LAUNCHER_VAR] = str(os.getpid())  # workers die with this process (launch/guard.py)

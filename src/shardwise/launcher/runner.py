@@ -1,7 +1,9 @@
 """``deepspeed.launcher.runner``: the one name Accelerate imports from it (``accelerate launch``
-with DeepSpeed). It names the file of extra environment variables DeepSpeed's multi-node
-launcher exports to every node; ``shardwise run`` does not read it (docs/hf-trainer.md)."""
+with DeepSpeed): the file of extra environment variables DeepSpeed's launcher exports to every
+rank, which ``shardwise run`` exports too (launch/deepspeed_env.py, docs/launch.md)."""
 
 import os
 
-DEEPSPEED_ENVIRONMENT_NAME = os.getenv("DS_ENV_FILE", ".deepspeed_env")
+from shardwise.launch.deepspeed_env import file_name
+
+DEEPSPEED_ENVIRONMENT_NAME = file_name(os.environ)

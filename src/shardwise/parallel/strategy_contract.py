@@ -64,8 +64,8 @@ class GradientStrategy(Protocol):
     norm_group: Any  # the group owned_grads' squares are summed over; clip.LOCAL: none
     norm_skip: frozenset[int]  # ids of parameters another rank counts in the norm
     supports_no_sync: bool  # False: every micro-step must reduce (gradients are partitioned)
-    # The optimizer the engine exposes and steps when the strategy rebuilt the user's over its
-    # master shards (ZeRO); None: the user's optimizer steps the parameters.
+    # The optimizer the engine exposes and steps when the strategy pointed the user's at its
+    # master shards (ZeRO; the same object); None: the user's optimizer steps the parameters.
     optimizer: torch.optim.Optimizer | None
 
     @classmethod
@@ -135,7 +135,7 @@ def plain_precision(ctx: StrategyContext) -> bool:
 
 
 def require_optimizer(ctx: StrategyContext) -> torch.optim.Optimizer:
-    """The optimizer a strategy with master weights rebuilds, or the error naming the key."""
+    """The optimizer a strategy with master weights steps them with, or the error naming the key."""
     if ctx.optimizer is None:
         stage = ctx.config.zero_optimization.stage
         raise ConfigError(

@@ -118,7 +118,7 @@ def _assemble(
     isolate, skip = _isolated_and_skipped(model, mesh, runner)
     strategy = build_strategy(StrategyContext(cfg, model, opt, mesh, isolate, skip))
     if opt is not None and strategy.optimizer is not None:
-        opt = strategy.optimizer  # rebuilt over the master shards
+        opt = strategy.optimizer  # the user's, now over the master shards
     sched = _build_scheduler(cfg, opt, lr_scheduler)
     scaler = LossScaler.from_config(cfg)
     return Engine(model, opt, sched, strategy, mesh, cfg, batch, loader, loss_fn, scaler, runner)
@@ -253,9 +253,6 @@ def _build_scheduler(cfg: Config, opt: Optimizer, lr_scheduler: Any) -> Any:
     if lr_scheduler is not None:
         if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
             return lr_scheduler(opt)
-        if getattr(lr_scheduler, "optimizer", opt) is not opt:
-            # A scheduler built on the user's optimizer must drive the rebuilt (sharded) one.
-            lr_scheduler.optimizer = opt
         return lr_scheduler
     if cfg.scheduler is None or opt is None:
         return None

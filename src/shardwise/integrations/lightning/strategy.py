@@ -189,8 +189,6 @@ class ShardwiseStrategy(DDPStrategy):
         engine, opt, _, _ = shardwise.initialize(
             model=self.lightning_module, optimizer=optimizer, config=cfg
         )
-        for scheduler in schedulers:  # the rebuilt optimizer (ZeRO's masters) is the one to drive
-            scheduler.scheduler.optimizer = opt
         self._engine = engine
         self.model = engine
         self.optimizers = [opt] if fitting and opt is not None else []

@@ -22,9 +22,9 @@ micro-step sends its bucket and the rank accumulates only its shard, so no rank 
 gradient after backward. Stage 0 with 16-bit training is the same machinery with one part
 (all-reduce, replicated fp32 masters).
 
-The user's optimizer is rebuilt over the master shards with the same class and hyper-parameters
-for each of its parameter groups; elementwise optimizers (SGD, Adam, AdamW, Adagrad...) then
-compute exactly what they compute unsharded.
+The user's optimizer steps the master shards instead of the parameters, each of its parameter
+groups keeping its hyper-parameters (masters.py); elementwise optimizers (SGD, Adam, AdamW,
+Adagrad...) then compute exactly what they compute unsharded.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ from shardwise.parallel.strategy_contract import (
     require_optimizer,
 )
 from shardwise.parallel.zero.buckets import Bucket, Where
-from shardwise.parallel.zero.masters import rebuild_optimizer, shares_storage
+from shardwise.parallel.zero.masters import rebind_optimizer, shares_storage
 from shardwise.parallel.zero.mics import ZeroGroups
 from shardwise.parallel.zero.quantized_comm import quantized_reduce_scatter
 from shardwise.precision import master_dtype
@@ -121,7 +121,7 @@ class ZeroStrategy:
         counted = {id(b.where) for b in self.buckets}
         self.norm_group = group if self.parts > 1 or len(counted) > 1 else clip.LOCAL
         self._slot = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.layout.params)}
-        self.optimizer = rebuild_optimizer(optimizer, self.buckets, group_of)
+        self.optimizer = rebind_optimizer(optimizer, self.buckets, group_of)
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._on_grad)
             for b in self.buckets

@@ -58,7 +58,7 @@ from shardwise.parallel.compile import region_of
 from shardwise.parallel.flat import FlatLayout
 from shardwise.parallel.strategy_contract import StrategyContext, offload_device, require_optimizer
 from shardwise.parallel.zero.gathering import GatherScheduler, LiveCount, Unit
-from shardwise.parallel.zero.masters import rebuild_optimizer, shares_storage
+from shardwise.parallel.zero.masters import rebind_optimizer, shares_storage
 from shardwise.parallel.zero.mics import ZeroGroups
 from shardwise.parallel.zero.partition import (
     full_value,
@@ -150,7 +150,7 @@ class Zero3Strategy:
             torch.set_rng_state(own_rng)
         for u in self.units:
             u.master = self._master(u.shard)
-        self.optimizer = rebuild_optimizer(optimizer, self.units, group_of)
+        self.optimizer = rebind_optimizer(optimizer, self.units, group_of)
         self.units_of, self.budgets = units_of, (prefetch_elements, max_live)
         self.gather_scheduler = self._scheduler()
         self.zero_grad()
