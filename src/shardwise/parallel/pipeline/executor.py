@@ -2,8 +2,9 @@
 
 It is a dispatcher and nothing more: each instruction maps to one handler. Per micro-batch i
 the stage keeps, between its forward and its backward, the input it received (to send its
-gradient back) and the output it produced (the root of the autograd graph that stores the
-activations); both are dropped by the backward, so the live micro-batches are exactly the
+gradient back), the output it produced (the root of the autograd graph that stores the
+activations) and its layers' auxiliary loss terms (aux_loss.py, a second root of the backward,
+with the gradient S / m the loss gets); all are dropped by the backward, so the live micro-batches are exactly the
 schedule's "in flight" ones. With the interleaved schedule a rank runs several chunks (virtual
 stages); everything is then keyed by (micro-batch, chunk) and each chunk has its own link.
 
@@ -35,6 +36,7 @@ import torch
 from torch import nn
 
 from shardwise.monitor.timers import PHASES
+from shardwise.parallel.pipeline.aux_loss import chunk_aux_loss
 from shardwise.parallel.pipeline.instructions import GRADIENT_OPS, Instruction, Op
 from shardwise.parallel.pipeline.meter import ActivationMeter
 from shardwise.parallel.pipeline.p2p import StageLink, as_tuple
@@ -69,6 +71,8 @@ class _Batch:
     held: dict[tuple[int, int], list[Any]] = field(default_factory=dict)  # the meter's books
     deferred_any: bool = False  # some B left W work
     losses: list[torch.Tensor] = field(default_factory=list)
+    aux: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # forward -> backward
+    aux_total: torch.Tensor | None = None  # this stage's auxiliary terms over the batch
     logits: list[Any] = field(default_factory=list)
     keep_logits: bool = False
 
@@ -209,6 +213,15 @@ class StageExecutor:
                 st.logits.append(out.detach() if isinstance(out, torch.Tensor) else out)
             out = self._loss(out, st.labels.pop(ins.mb))
             st.losses.append(out.detach().float())
+        # The layers' own loss terms (aux_loss.py), taken after the loss as one process adds
+        # them to it: on the last chunk they join the loss, elsewhere they are a second root.
+        aux = chunk_aux_loss(self.module, chunk)
+        if aux is not None:
+            st.aux_total = aux.detach().float() + (0.0 if st.aux_total is None else st.aux_total)
+            if st.train and last:
+                out = out + aux
+            elif st.train:
+                st.aux[key] = aux
         if st.train:
             st.outputs[key] = out
             self.live += 1
@@ -243,7 +256,7 @@ class StageExecutor:
         key = (ins.mb, ins.chunk)
         sync = ins == st.last_backward
         self.strategy.before_backward(sync)
-        out = st.outputs.pop(key)
+        out, aux = st.outputs.pop(key), st.aux.pop(key, None)
         with deferring(sink) if sink is not None else _UNTIMED:
             if self._is_last(ins.chunk):
                 scaled = out / st.micro_batches
@@ -251,9 +264,11 @@ class StageExecutor:
             else:
                 grads = st.grads.pop(key)
                 outs = [t for t in as_tuple(out, "a stage's output") if t.requires_grad]
+                if aux is not None and aux.requires_grad:  # d(loss)/d(aux) = 1, times S / m
+                    outs, grads = [*outs, aux], [*grads, _aux_grad(aux, st)]
                 if outs:
                     torch.autograd.backward(outs, grads)
-        del out
+        del out, aux
         if not sync:
             self.strategy.after_backward(False)
         received = st.inputs.pop(key, None)  # the first stage dropped its input at forward
@@ -287,6 +302,11 @@ class StageExecutor:
 
     def _send_grad(self, st: _Batch, ins: Instruction) -> None:
         self.links[ins.chunk].send_grads(st.to_send.pop((ins.mb, ins.chunk)))
+
+
+def _aux_grad(aux: torch.Tensor, st: _Batch) -> torch.Tensor:
+    """The gradient the last stage gives its loss, S / m, for an auxiliary term elsewhere."""
+    return torch.ones_like(aux) * st.scale / st.micro_batches
 
 
 def _cast(x: Any, dtype: torch.dtype) -> Any:

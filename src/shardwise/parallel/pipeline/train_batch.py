@@ -9,7 +9,8 @@ One ``train_batch`` on stage s of p, with m = gradient_accumulation_steps micro-
             REDUCE_TIED    tied weights summed over their stages (tied.py)
             OPTIMIZER_STEP the engine's step: global norm over every stage, clip, update
     loss = mean over micro-batches on the last stage, averaged over data ranks, broadcast to
-           every stage
+           every stage (plus each stage's auxiliary terms / m, added over the stages, when
+           the module has an ``aux_loss_fn``: aux_loss.py)
 
 The first and last stages pull m batches each from their ``data_iter`` (inputs and labels);
 the middle stages need none. The gradient norm sums over every stage because the engine
@@ -168,7 +169,7 @@ class PipelineRunner:
             },
         )
         parts.counters.micro_steps += m  # the schedule ran m micro-batches
-        return self._mean_loss(record.losses)
+        return self._mean_loss(record.losses, record.aux_total, m)
 
     def eval_batch(
         self,
@@ -189,19 +190,29 @@ class PipelineRunner:
                 keep_logits=return_logits,
             )
         self.executor.wait_sends()
-        loss = self._mean_loss(record.losses)
+        loss = self._mean_loss(record.losses, record.aux_total, m)
         if not return_logits:
             return loss
         logits = torch.cat(record.logits) if record.logits else None
         return loss, logits
 
-    def _mean_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
-        """Mean over micro-batches, averaged over the last stage's data ranks, sent to all."""
+    def _mean_loss(
+        self, losses: list[torch.Tensor], aux: torch.Tensor | None, m: int
+    ) -> torch.Tensor:
+        """Mean over micro-batches, averaged over the last stage's data ranks, sent to all.
+        With the layers' auxiliary terms (aux_loss.py, ``aux``: this stage's sum over the
+        batch) every stage adds its sum / m, and the stages' values are added up."""
         total = torch.stack(losses).mean() if self.is_last_stage() else torch.zeros(())
-        if self.is_last_stage():
+        with_aux = getattr(self.module, "aux_loss_fn", None) is not None  # alike on every stage
+        if with_aux and aux is not None:
+            total = total + aux / m
+        if self.is_last_stage() or with_aux:
             comm.all_reduce(total, group=self.mesh.dp_group)
             total /= self.mesh.topology.dp
-        comm.broadcast(total, src=self.peers[self.last_stage], group=self.mesh.pp_group)
+        if with_aux:
+            comm.all_reduce(total, group=self.mesh.pp_group)
+        else:
+            comm.broadcast(total, src=self.peers[self.last_stage], group=self.mesh.pp_group)
         return total
 
     def consolidated_state_dict(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
