@@ -23,6 +23,10 @@ W does it. Each B and each W is wrapped by the strategy's before/after_backward 
 backward, ``sync`` on the stage's last instruction that writes gradients (the last W, or the
 last B when a chunk has nothing to defer). A stage whose first split batch left nothing for W
 (no linear) has ``splits`` False, and the runner gives it fused programs from then on.
+
+A FORWARD_BACKWARD (DualPipeV's F&B) runs a forward and another unit's full backward with
+their messages: both receives posted first, each waited for when its unit needs it, so that
+the communication of one overlaps the compute of the other.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ from torch import nn
 
 from shardwise.monitor.timers import PHASES
 from shardwise.parallel.pipeline.aux_loss import chunk_aux_loss
-from shardwise.parallel.pipeline.instructions import GRADIENT_OPS, Instruction, Op
+from shardwise.parallel.pipeline.instructions import GRADIENT_OPS, Instruction, Op, units
 from shardwise.parallel.pipeline.meter import ActivationMeter
 from shardwise.parallel.pipeline.p2p import StageLink, as_tuple
 from shardwise.parallel.pipeline.split_linear import (
@@ -118,6 +122,7 @@ class StageExecutor:
             Op.BACKWARD_INPUT: self._backward_input,
             Op.BACKWARD_WEIGHT: self._backward_weight,
             Op.SEND_GRAD: self._send_grad,
+            Op.FORWARD_BACKWARD: self._forward_backward,
         }
 
     def run(
@@ -133,7 +138,7 @@ class StageExecutor:
         keep_logits: bool = False,
     ) -> _Batch:
         """Execute ``program``; returns the run's record (losses on the last stage)."""
-        backwards = [ins for ins in program if ins.op in GRADIENT_OPS]
+        backwards = [u for ins in program for u in units(ins) if u.op in GRADIENT_OPS]
         state = _Batch(data_iter, train, scale, micro_batches, backwards[-1] if backwards else None)
         state.keep_logits = keep_logits
         self.strategy = strategy
@@ -302,6 +307,40 @@ class StageExecutor:
 
     def _send_grad(self, st: _Batch, ins: Instruction) -> None:
         self.links[ins.chunk].send_grads(st.to_send.pop((ins.mb, ins.chunk)))
+
+    def _forward_backward(self, st: _Batch, ins: Instruction) -> None:
+        """F&B: the forward of (ins.mb, ins.chunk) and the full backward of ``ins.pair``, each
+        with its messages (instructions.overlap_messages). Both receives are posted first, so
+        the backward's gradient arrives while the forward computes, and the forward's output
+        is sent (non-blocking) before the backward computes: on one CPU stream the two
+        computations run in turn, each overlapping the other's communication. The same
+        computations in the same order as the pair run one after the other: equal results."""
+        f, b = units(ins)
+        link_f, link_b = self.links[f.chunk], self.links[b.chunk]
+        grad = None
+        if not self._is_last(b.chunk):
+            grad = link_b.post_grads(st.outputs[(b.mb, b.chunk)])
+        if not self._is_first(f.chunk):
+            with self._timed(st, "RECV_ACT"):
+                st.inputs[(f.mb, f.chunk)] = link_f.post_activation(st.train).wait()
+        with self._timed(st, "FORWARD"):
+            self._forward(st, f)
+        if not self._is_last(f.chunk):
+            with self._timed(st, "SEND_ACT"):
+                self._send_act(st, f)
+        if grad is not None:
+            with self._timed(st, "RECV_GRAD"):
+                st.grads[(b.mb, b.chunk)] = grad.wait()
+        with self._timed(st, "BACKWARD"):
+            self._backward(st, b)
+        if not self._is_first(b.chunk):
+            with self._timed(st, "SEND_GRAD"):
+                self._send_grad(st, b)
+
+    def _timed(self, st: _Batch, op: str) -> Any:
+        """The monitor's section of instruction ``op`` (``_dispatch`` times whole ones)."""
+        name = PHASES.get(op) if st.train and self.section is not None else None
+        return self.section(name) if name else _UNTIMED
 
 
 def _aux_grad(aux: torch.Tensor, st: _Batch) -> torch.Tensor:

@@ -30,7 +30,7 @@ from torch import nn
 from shardwise import comm
 from shardwise.parallel.pipeline.executor import StageExecutor
 from shardwise.parallel.pipeline.gather import gather_stages
-from shardwise.parallel.pipeline.instructions import stage_and_chunk
+from shardwise.parallel.pipeline.instructions import stage_and_chunk, unpair
 from shardwise.parallel.pipeline.meter import ActivationMeter
 from shardwise.parallel.pipeline.p2p import Loopback, StageLink
 from shardwise.parallel.pipeline.schedule import Op, inference, make_schedule
@@ -61,6 +61,9 @@ class PipelineRunner:
         self.module = module
         self.mesh = mesh
         self.schedule = schedule
+        # F&B steps (dualpipev) overlap one unit's messages with the other's compute; False
+        # runs each pair's units one after the other (instructions.unpair): equal results.
+        self.overlap = True
         self.stages = mesh.topology.pp
         self.stage_id = mesh.pp_rank
         self.peers = mesh.axis_ranks("pp")
@@ -151,6 +154,8 @@ class PipelineRunner:
         program = make_schedule(self.schedule, self.stages, self.stage_id, m, self.chunks)
         if self.executor.splits is False:  # no layer of this stage splits: B does it all
             program = fuse_backward(program)
+        if not self.overlap:
+            program = unpair(program, self.stages, self.stage_id, self.chunks, self.placement)
 
         def step() -> None:
             self.executor.wait_sends()  # nothing this stage sent may change under the update
