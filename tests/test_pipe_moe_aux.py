@@ -1,6 +1,6 @@
 """MoE load-balancing losses inside a pipeline: ``PipelineModule(aux_loss_fn=moe_aux_loss(w))``
 trains like one process whose loss is task loss + w * sum of every MoE layer's l_aux, under
-every schedule, and the loss train_batch reports includes the auxiliary terms.
+every schedule, and the losses train_batch and eval_batch report include the auxiliary terms.
 
 The model: Linear, four residual MoE blocks (4 experts, top-1, deterministic gating: no noise,
 no random token selection, so one process and the stages route alike), Linear; cut uniformly
@@ -110,7 +110,23 @@ def _train(schedule: str) -> dict:
         norms.append(engine.get_global_grad_norm())
     params = {k: v.float() for k, v in engine.consolidated_state_dict().items()}
     blocks = [n for n, _ in module.stage_modules() if isinstance(module.get_submodule(n), MoEBlock)]
-    return {"losses": losses, "norms": norms, "params": params, "blocks": blocks}
+    evaluated = engine.eval_batch(iter(_eval_batches()) if reads else None).item()
+    return {"losses": losses, "norms": norms, "params": params, "blocks": blocks, "eval": evaluated}
+
+
+def _eval_batches() -> list:
+    x, y = make_data(MB * GAS * (STEPS + 1))
+    return [(x[i : i + MB], y[i : i + MB]) for i in range(MB * GAS * STEPS, len(x), MB)]
+
+
+def _one_process_eval(params: dict) -> float:
+    """eval_batch's loss in one process: the trained weights in eval mode, the mean over the
+    micro-batches of task loss + AUX * sum of l_aux (the gates' eval capacity on each)."""
+    model = Reference()
+    model.load_state_dict(params)
+    model.eval()
+    with torch.no_grad():
+        return sum(model(x, y).item() for x, y in _eval_batches()) / GAS
 
 
 @pytest.fixture(scope="module")
@@ -137,6 +153,8 @@ def test_moe_aux_losses_train_like_one_process_under_a_pipeline(one_process, sch
         for k, w in want["params"].items():
             diff = (got["params"][k] - w).abs().max().item()
             assert diff <= 1e-6, f"{tag}: {k} differs by {diff:.2e}"
+        evaluated = _one_process_eval(want["params"])
+        assert got["eval"] == pytest.approx(evaluated, rel=1e-5), f"{tag}: eval_batch"
 
 
 # ---------------------------------------------------------------- shardwise verify --fuzz
