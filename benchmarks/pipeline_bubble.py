@@ -43,8 +43,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script: fin
 from common import format_table, single_thread  # noqa: E402
 
 import shardwise  # noqa: E402
-from shardwise.parallel.pipeline.schedule import make_schedule, placement_of, simulate  # noqa: E402
+from shardwise.parallel.pipeline.schedule import placement_of, simulate  # noqa: E402
 from shardwise.pipe import LayerSpec, PipelineModule  # noqa: E402
+from shardwise.plan.bubble import run_order  # noqa: E402
 
 SCHEDULES = ("gpipe", "1f1b")
 ZB_SCHEDULES = ("1f1b", "zb-h1", "zbv", "dualpipev")
@@ -271,7 +272,7 @@ def zb_report(args: argparse.Namespace, runs: dict) -> None:
 
 def _simulated_idle(schedule: str, p: int, m: int, f: float, b: float, w: float) -> float:
     chunks = 2 if schedule in V_SCHEDULES else 1
-    progs = [make_schedule(schedule, p, s, m, chunks) for s in range(p)]
+    progs = [run_order(schedule, p, s, m, chunks) for s in range(p)]  # F&B pairs in turn
     took = simulate(progs, chunks, f, b, w, placement_of(schedule))
     return 1 - m * (f + b) / took
 

@@ -11,7 +11,7 @@ idle time of each stage, and is compared with
 for p in {2, 4, 8} and m in {p, 2p, 3p+1, 4p}, with fixed costs and with F, B, W measured on
 a small transformer-like stage on this machine (measured_costs), whatever the load. The V
 schedules (two chunks per stage, stage 0 holding the first and the last) are checked for
-order, memory, and bubbles against ZB-H1's and DualPipe's (see their test).
+order, memory, and bubbles against ZB-H1's and DualPipe's (see their tests).
 """
 
 import itertools
@@ -22,8 +22,15 @@ import pytest
 import torch
 from torch import nn
 
-from shardwise.parallel.pipeline.instructions import Op, ScheduleError, virtual_stage
+from shardwise.parallel.pipeline.instructions import (
+    Op,
+    ScheduleError,
+    units,
+    unpair,
+    virtual_stage,
+)
 from shardwise.parallel.pipeline.schedule import make_schedule, peak_in_flight, simulate
+from shardwise.parallel.pipeline.simulate import timeline
 from shardwise.parallel.pipeline.split_linear import LinearSplitter, deferring, weight_backward
 from shardwise.parallel.pipeline.zero_bubble import fuse_backward, zb_h1
 
@@ -163,8 +170,10 @@ def test_zbv_runs_every_unit_once_with_1f1b_memory(p, m):
 def test_dualpipev_runs_every_unit_once(p, m):
     progs = _v("dualpipev", p, m)
     for s, prog in enumerate(progs):
+        assert any(ins.op is Op.FORWARD_BACKWARD for ins in prog), f"stage {s}: no F&B step"
+        flat = [u for ins in prog for u in units(ins)]
         for c, i in itertools.product(range(2), range(m)):
-            at = {ins.op: k for k, ins in enumerate(prog) if (ins.mb, ins.chunk) == (i, c)}
+            at = {ins.op: k for k, ins in enumerate(flat) if (ins.mb, ins.chunk) == (i, c)}
             tag = f"stage {s} micro-batch {i} chunk {c}: {prog}"
             if Op.BACKWARD in at:  # a full backward (the paired steady state)
                 assert at[Op.FORWARD] < at[Op.BACKWARD] and Op.BACKWARD_WEIGHT not in at, tag
@@ -172,6 +181,9 @@ def test_dualpipev_runs_every_unit_once(p, m):
                 assert at[Op.FORWARD] < at[Op.BACKWARD_INPUT] < at[Op.BACKWARD_WEIGHT], tag
     assert simulate(progs, chunks=2, placement="v") > 0
     assert max(peak_in_flight(prog) for prog in progs) <= 2 * p + 1  # DeepSeek's PP + 1
+    flat = [unpair(prog, p, s, 2, "v") for s, prog in enumerate(progs)]  # the same, in turn
+    assert simulate(flat, chunks=2, placement="v") > 0
+    assert [peak_in_flight(x) for x in flat] == [peak_in_flight(x) for x in progs]
 
 
 def test_dualpipev_needs_2p_micro_batches():
@@ -182,20 +194,47 @@ def test_dualpipev_needs_2p_micro_batches():
 
 
 @pytest.mark.parametrize("f,b,w", COSTS, ids=[f"F{f}-B{b}-W{w}" for f, b, w in COSTS])
-def test_v_schedules_bubbles_against_zb_h1_and_dualpipe(f, b, w):
+def test_zbv_bubble_is_at_most_zb_h1_s(f, b, w):
     """ZBV has no closed form in the issue's table: its simulated bubble is checked to be at
-    most ZB-H1's. DualPipeV against DeepSeek's (PP/2-1)(F&B+B-3W) with PP = 2p chunks of
-    half a stage (f, b, w = F/2, B/2, W/2), a pair F&B costing f + b here (one CPU stream
-    runs them one after the other): the simulated bubble must not exceed it."""
+    most ZB-H1's."""
     for p in PS:
         for m in [2 * p, 3 * p + 1, 4 * p]:
             costs = {"t_forward": f, "t_backward": b, "t_weight": w}
-            ideal = m * (f + b)
-            zbv_bubble = simulate(_v("zbv", p, m), chunks=2, placement="v", **costs) - ideal
-            dpv_bubble = simulate(_v("dualpipev", p, m), chunks=2, placement="v", **costs) - ideal
+            zbv_bubble = simulate(_v("zbv", p, m), chunks=2, placement="v", **costs) - m * (f + b)
             assert zbv_bubble <= zb_h1_bubble(p, f, b, w) + 1e-9, f"zbv p={p} m={m}"
-            fc, bc, wc = f / 2, b / 2, w / 2
-            assert dpv_bubble <= (p - 1) * ((fc + bc) + bc - 3 * wc) + 1e-9, f"p={p} m={m}"
+
+
+def dualpipe_bubble(p, f, b, w, fb):
+    """DeepSeek's (PP/2 - 1)(F&B + B - 3W) for DualPipeV on p stages: PP = 2p chunks of half a
+    stage, each costing half of a stage's F, B, W and F&B."""
+    return (2 * p / 2 - 1) * (fb / 2 + b / 2 - 3 * w / 2)
+
+
+# (F, B, W) with W <= F: the input backward B - W equal to F (DeepSeek's table then holds
+# exactly), or longer (it bounds the bubble). F&B: perfect overlap max(F, B), halfway, and
+# none (F + B, one CPU stream running the pair in turn).
+DUALPIPE_COSTS = [(1, 2, 1), (2, 3, 1), (1.5, 2.5, 1), (1, 2, 0.5), (1, 3, 1), (2, 4.5, 1.5)]
+
+
+@pytest.mark.parametrize(
+    "f,b,w", DUALPIPE_COSTS, ids=[f"F{f}-B{b}-W{w}" for f, b, w in DUALPIPE_COSTS]
+)
+def test_dualpipev_bubble_is_deepseek_s(f, b, w):
+    """The idle time of DualPipeV's busiest-waiting stage (makespan - its compute; the F&B
+    steps are blocks of their own cost, starting when both messages are in and sending both
+    results at their end) is (PP/2-1)(F&B+B-3W) when B - W = F, at most that when B - W > F,
+    for every F&B between perfect overlap and none."""
+    for p, r in itertools.product(PS, (0.0, 0.5, 1.0)):
+        fb = max(f, b) + r * min(f, b)
+        for m in [2 * p, 3 * p + 1, 4 * p]:
+            progs = _v("dualpipev", p, m)
+            finish, busy = timeline(progs, 2, f, b, w, "v", t_overlap=fb)
+            idle = max(max(finish) - x for x in busy)
+            want, tag = dualpipe_bubble(p, f, b, w, fb), f"p={p} m={m} F&B={fb}"
+            if b - w == f:
+                assert idle == pytest.approx(want, rel=1e-9), tag
+            else:
+                assert idle <= want + 1e-9, tag
 
 
 def test_v_orders_are_torch_s():
@@ -216,15 +255,17 @@ def test_v_orders_are_torch_s():
                     actions = cls._calculate_single_rank_operations(plan, s)
                 except AttributeError as e:  # torch's private plan changed shape
                     pytest.skip(f"torch's {cls.__name__} plan is not readable here: {e}")
-                theirs = [
-                    (a.stage_index, kinds[a.computation_type.name], a.microbatch_index)
+                theirs = [  # an OVERLAP_F_B is the tuple of its forward and backward
+                    tuple(
+                        (a.stage_index, kinds[a.computation_type.name], a.microbatch_index)
+                        for a in (getattr(x, "sub_actions", None) or (x,))
+                    )
                     for x in actions
                     if x is not None
-                    for a in (getattr(x, "sub_actions", None) or (x,))
                 ]
                 ours = [
-                    (virtual_stage(p, s, ins.chunk, "v"), ins.op, ins.mb)
+                    tuple((virtual_stage(p, s, u.chunk, "v"), u.op, u.mb) for u in units(ins))
                     for ins in make_schedule(name, p, s, m, chunks=2)
-                    if ins.op in kinds.values()
+                    if ins.op in (*kinds.values(), Op.FORWARD_BACKWARD)
                 ]
                 assert ours == theirs, f"{name} p={p} m={m} stage {s}"

@@ -17,6 +17,7 @@ the single-process model, or a plan whose head is "colwise_rep".
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -25,6 +26,7 @@ import torch.nn.functional as F
 
 import shardwise
 from shardwise.moe.layer import MoE
+from shardwise.pipe import moe_aux_loss
 
 
 @dataclass
@@ -322,15 +324,14 @@ def pipeline_layers(gpt: GPT) -> list[nn.Module]:
             "pipeline_layers: tie_weights=True shares the embedding with the head, which sit on "
             "different pipeline stages; train the pipeline untied (tie_weights=False)"
         )
-    if gpt.cfg.moe_experts:
-        # Found by shardwise verify --fuzz: the pipeline's loss (LMLoss on the last stage) left
-        # out the blocks' load-balancing terms, so a pipeline trained another objective.
-        raise ValueError(
-            f"pipeline_layers: MoE blocks (moe_experts={gpt.cfg.moe_experts}) add a "
-            "load-balancing loss on every stage, which the last stage's loss cannot see; train "
-            "MoE without pipeline.stages (data and expert parallelism)"
-        )
     return [Embed(gpt), *gpt.blocks, Final(gpt)]
+
+
+def pipeline_aux_loss(gpt: GPT) -> Callable[[nn.Module], torch.Tensor | None] | None:
+    """PipelineModule's ``aux_loss_fn`` for ``gpt``: each MoE block adds moe_aux * l_aux on its
+    own stage, the terms GPT.forward adds to its loss (the last stage's LMLoss cannot see
+    them; shardwise verify --fuzz found a pipeline that trained without them). None: no MoE."""
+    return moe_aux_loss(gpt.cfg.moe_aux) if gpt.cfg.moe_experts else None
 
 
 def pipeline_name(name: str, n_layer: int) -> str:

@@ -28,7 +28,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 from data import CharTokenizer, CharWindows, build_datasets  # noqa: E402
-from model import GPT, GPTConfig, LMLoss, gpt_name, pipeline_layers, pipeline_tp_plan  # noqa: E402
+from model import (  # noqa: E402
+    GPT,
+    GPTConfig,
+    LMLoss,
+    gpt_name,
+    pipeline_aux_loss,
+    pipeline_layers,
+    pipeline_tp_plan,
+)
 from tqdm import tqdm  # noqa: E402
 
 import shardwise  # noqa: E402
@@ -226,7 +234,10 @@ def setup(args: argparse.Namespace) -> tuple:
     net: torch.nn.Module = model
     if args.pp > 1:  # stages: the embeddings and the first blocks, ..., the last blocks and head
         net = PipelineModule(
-            pipeline_layers(model), loss_fn=LMLoss(), partition_method="type:Block"
+            pipeline_layers(model),
+            loss_fn=LMLoss(),
+            partition_method="type:Block",
+            aux_loss_fn=pipeline_aux_loss(model),  # MoE: each stage's load-balancing terms
         )
     engine, _, loader, _ = shardwise.initialize(model=net, config=cfg, training_data=train_set)
     if args.dp and args.dp != engine.dp_world_size:
@@ -400,7 +411,10 @@ def shardwise_verify(**model: Any) -> dict:
 
     def pipeline(model: GPT) -> PipelineModule:
         pipe = PipelineModule(
-            pipeline_layers(model), loss_fn=LMLoss(), partition_method="type:Block"
+            pipeline_layers(model),
+            loss_fn=LMLoss(),
+            partition_method="type:Block",
+            aux_loss_fn=pipeline_aux_loss(model),
         )
         pipe.tp_plan = pipeline_tp_plan(args.n_layer)  # GPT.tp_plan in the pipeline's names
         return pipe

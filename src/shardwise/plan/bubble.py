@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 
+from shardwise.parallel.pipeline.instructions import unpair
 from shardwise.parallel.pipeline.schedule import (
     V_SCHEDULES,
     make_schedule,
@@ -39,9 +40,17 @@ def bubble_units(name: str, stages: int, micro_batches: int, f: float, w: float)
     if stages == 1:
         return 0.0
     chunks = chunks_of(name)
-    progs = [make_schedule(name, stages, s, micro_batches, chunks) for s in range(stages)]
+    progs = [run_order(name, stages, s, micro_batches, chunks) for s in range(stages)]
     took = simulate(progs, chunks, f, 1.0 - f, w, placement_of(name))
     return took - micro_batches
+
+
+def run_order(name: str, stages: int, stage: int, micro_batches: int, chunks: int) -> list:
+    """The program as the runtime times it: an F&B step (dualpipev) computes its forward then
+    its backward on one stream and sends the forward's output in between, which is the timing
+    of the pair run in turn (instructions.unpair); messages cost nothing here either way."""
+    program = make_schedule(name, stages, stage, micro_batches, chunks)
+    return unpair(program, stages, stage, chunks, placement_of(name))
 
 
 def shares(flops: float, recompute_flops: float) -> tuple[float, float]:

@@ -24,9 +24,9 @@ from __future__ import annotations
 from typing import Any
 
 from shardwise.parallel.pipeline.instructions import Op
-from shardwise.parallel.pipeline.schedule import make_schedule, placement_of
+from shardwise.parallel.pipeline.schedule import placement_of
 from shardwise.parallel.pipeline.simulate import timeline
-from shardwise.plan.bubble import chunks_of, shares
+from shardwise.plan.bubble import chunks_of, run_order, shares
 from shardwise.plan.candidates import Layout
 from shardwise.plan.cluster import GIB
 from shardwise.plan.evaluate import Planner
@@ -91,7 +91,7 @@ def timeline_data(planner: Planner, layout: Layout) -> dict[str, Any]:
     t_mb = per_mb[slow]
     f, w = shares(views[slow].work.flops, views[slow].work.recompute_flops)
     chunks, gas = chunks_of(layout.schedule), layout.grad_accum
-    progs = [make_schedule(layout.schedule, layout.pp, s, gas, chunks) for s in range(layout.pp)]
+    progs = [run_order(layout.schedule, layout.pp, s, gas, chunks) for s in range(layout.pp)]
     done: list = []
     finish, _ = timeline(progs, chunks, f, 1.0 - f, w, placement_of(layout.schedule), done)
     end = max(finish) * t_mb

@@ -2,8 +2,9 @@
 
 It is a dispatcher and nothing more: each instruction maps to one handler. Per micro-batch i
 the stage keeps, between its forward and its backward, the input it received (to send its
-gradient back) and the output it produced (the root of the autograd graph that stores the
-activations); both are dropped by the backward, so the live micro-batches are exactly the
+gradient back), the output it produced (the root of the autograd graph that stores the
+activations) and its layers' auxiliary loss terms (aux_loss.py, a second root of the backward,
+with the gradient S / m the loss gets); all are dropped by the backward, so the live micro-batches are exactly the
 schedule's "in flight" ones. With the interleaved schedule a rank runs several chunks (virtual
 stages); everything is then keyed by (micro-batch, chunk) and each chunk has its own link.
 
@@ -22,6 +23,10 @@ W does it. Each B and each W is wrapped by the strategy's before/after_backward 
 backward, ``sync`` on the stage's last instruction that writes gradients (the last W, or the
 last B when a chunk has nothing to defer). A stage whose first split batch left nothing for W
 (no linear) has ``splits`` False, and the runner gives it fused programs from then on.
+
+A FORWARD_BACKWARD (DualPipeV's F&B) runs a forward and another unit's full backward with
+their messages: both receives posted first, each waited for when its unit needs it, so that
+the communication of one overlaps the compute of the other.
 """
 
 from __future__ import annotations
@@ -35,7 +40,8 @@ import torch
 from torch import nn
 
 from shardwise.monitor.timers import PHASES
-from shardwise.parallel.pipeline.instructions import GRADIENT_OPS, Instruction, Op
+from shardwise.parallel.pipeline.aux_loss import chunk_aux_loss
+from shardwise.parallel.pipeline.instructions import GRADIENT_OPS, Instruction, Op, units
 from shardwise.parallel.pipeline.meter import ActivationMeter
 from shardwise.parallel.pipeline.p2p import StageLink, as_tuple
 from shardwise.parallel.pipeline.split_linear import (
@@ -69,6 +75,8 @@ class _Batch:
     held: dict[tuple[int, int], list[Any]] = field(default_factory=dict)  # the meter's books
     deferred_any: bool = False  # some B left W work
     losses: list[torch.Tensor] = field(default_factory=list)
+    aux: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # forward -> backward
+    aux_total: torch.Tensor | None = None  # this stage's auxiliary terms over the batch
     logits: list[Any] = field(default_factory=list)
     keep_logits: bool = False
 
@@ -114,6 +122,7 @@ class StageExecutor:
             Op.BACKWARD_INPUT: self._backward_input,
             Op.BACKWARD_WEIGHT: self._backward_weight,
             Op.SEND_GRAD: self._send_grad,
+            Op.FORWARD_BACKWARD: self._forward_backward,
         }
 
     def run(
@@ -129,7 +138,7 @@ class StageExecutor:
         keep_logits: bool = False,
     ) -> _Batch:
         """Execute ``program``; returns the run's record (losses on the last stage)."""
-        backwards = [ins for ins in program if ins.op in GRADIENT_OPS]
+        backwards = [u for ins in program for u in units(ins) if u.op in GRADIENT_OPS]
         state = _Batch(data_iter, train, scale, micro_batches, backwards[-1] if backwards else None)
         state.keep_logits = keep_logits
         self.strategy = strategy
@@ -209,6 +218,15 @@ class StageExecutor:
                 st.logits.append(out.detach() if isinstance(out, torch.Tensor) else out)
             out = self._loss(out, st.labels.pop(ins.mb))
             st.losses.append(out.detach().float())
+        # The layers' own loss terms (aux_loss.py), taken after the loss as one process adds
+        # them to it: on the last chunk they join the loss, elsewhere they are a second root.
+        aux = chunk_aux_loss(self.module, chunk)
+        if aux is not None:
+            st.aux_total = aux.detach().float() + (0.0 if st.aux_total is None else st.aux_total)
+            if st.train and last:
+                out = out + aux
+            elif st.train:
+                st.aux[key] = aux
         if st.train:
             st.outputs[key] = out
             self.live += 1
@@ -243,7 +261,7 @@ class StageExecutor:
         key = (ins.mb, ins.chunk)
         sync = ins == st.last_backward
         self.strategy.before_backward(sync)
-        out = st.outputs.pop(key)
+        out, aux = st.outputs.pop(key), st.aux.pop(key, None)
         with deferring(sink) if sink is not None else _UNTIMED:
             if self._is_last(ins.chunk):
                 scaled = out / st.micro_batches
@@ -251,9 +269,11 @@ class StageExecutor:
             else:
                 grads = st.grads.pop(key)
                 outs = [t for t in as_tuple(out, "a stage's output") if t.requires_grad]
+                if aux is not None and aux.requires_grad:  # d(loss)/d(aux) = 1, times S / m
+                    outs, grads = [*outs, aux], [*grads, _aux_grad(aux, st)]
                 if outs:
                     torch.autograd.backward(outs, grads)
-        del out
+        del out, aux
         if not sync:
             self.strategy.after_backward(False)
         received = st.inputs.pop(key, None)  # the first stage dropped its input at forward
@@ -287,6 +307,45 @@ class StageExecutor:
 
     def _send_grad(self, st: _Batch, ins: Instruction) -> None:
         self.links[ins.chunk].send_grads(st.to_send.pop((ins.mb, ins.chunk)))
+
+    def _forward_backward(self, st: _Batch, ins: Instruction) -> None:
+        """F&B: the forward of (ins.mb, ins.chunk) and the full backward of ``ins.pair``, each
+        with its messages (instructions.overlap_messages). Both receives are posted first, so
+        the backward's gradient arrives while the forward computes, and the forward's output
+        is sent (non-blocking) before the backward computes: on one CPU stream the two
+        computations run in turn, each overlapping the other's communication. The same
+        computations in the same order as the pair run one after the other: equal results."""
+        f, b = units(ins)
+        link_f, link_b = self.links[f.chunk], self.links[b.chunk]
+        grad = None
+        if not self._is_last(b.chunk):
+            grad = link_b.post_grads(st.outputs[(b.mb, b.chunk)])
+        if not self._is_first(f.chunk):
+            with self._timed(st, "RECV_ACT"):
+                st.inputs[(f.mb, f.chunk)] = link_f.post_activation(st.train).wait()
+        with self._timed(st, "FORWARD"):
+            self._forward(st, f)
+        if not self._is_last(f.chunk):
+            with self._timed(st, "SEND_ACT"):
+                self._send_act(st, f)
+        if grad is not None:
+            with self._timed(st, "RECV_GRAD"):
+                st.grads[(b.mb, b.chunk)] = grad.wait()
+        with self._timed(st, "BACKWARD"):
+            self._backward(st, b)
+        if not self._is_first(b.chunk):
+            with self._timed(st, "SEND_GRAD"):
+                self._send_grad(st, b)
+
+    def _timed(self, st: _Batch, op: str) -> Any:
+        """The monitor's section of instruction ``op`` (``_dispatch`` times whole ones)."""
+        name = PHASES.get(op) if st.train and self.section is not None else None
+        return self.section(name) if name else _UNTIMED
+
+
+def _aux_grad(aux: torch.Tensor, st: _Batch) -> torch.Tensor:
+    """The gradient the last stage gives its loss, S / m, for an auxiliary term elsewhere."""
+    return torch.ones_like(aux) * st.scale / st.micro_batches
 
 
 def _cast(x: Any, dtype: torch.dtype) -> Any:

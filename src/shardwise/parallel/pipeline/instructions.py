@@ -12,6 +12,13 @@ pv - 1 that a micro-batch visits in order. Two placements of the virtual stages 
 A backward is either one BACKWARD (the input gradient and the weight gradient together) or,
 for the zero-bubble schedules, BACKWARD_INPUT (B: dX, which the previous virtual stage waits
 for) and later BACKWARD_WEIGHT (W: dW, which nothing waits for until the step).
+
+FORWARD_BACKWARD (DualPipe's F&B, torch's OVERLAP_F_B) is one step made of the forward of
+(mb, chunk) and the full backward of another unit, ``pair`` = (mb, chunk): its messages are its
+own (``overlap_messages``: the activation the forward needs, the gradient the backward needs,
+and what each sends on), so that each one's communication runs during the other's compute.
+``units`` splits it into its FORWARD and BACKWARD; ``unpair`` writes a program without it, the
+same work one unit after the other with the messages of each around it.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ class Op(enum.Enum):
     BACKWARD_INPUT = "backward_input"  # B: the input gradient (weight gradients deferred)
     BACKWARD_WEIGHT = "backward_weight"  # W: the deferred weight gradients
     SEND_GRAD = "send_grad"
+    FORWARD_BACKWARD = "forward_backward"  # F&B: a forward and another unit's full backward
     REDUCE_GRADS = "reduce_grads"
     REDUCE_TIED = "reduce_tied"
     OPTIMIZER_STEP = "optimizer_step"
@@ -47,6 +55,7 @@ _SHORT = {
     Op.BACKWARD_INPUT: "I",
     Op.BACKWARD_WEIGHT: "W",
     Op.SEND_GRAD: "sG",
+    Op.FORWARD_BACKWARD: "FB",
     Op.REDUCE_GRADS: "RG",
     Op.REDUCE_TIED: "RT",
     Op.OPTIMIZER_STEP: "S",
@@ -60,11 +69,21 @@ class Instruction:
     op: Op
     mb: int | None = None
     chunk: int = 0
+    pair: tuple[int, int] | None = None  # FORWARD_BACKWARD: the (mb, chunk) it backpropagates
 
     def __repr__(self) -> str:
         if self.mb is None:
             return _SHORT[self.op]
+        if self.op is Op.FORWARD_BACKWARD:
+            return "&".join(repr(u) for u in units(self))
         return f"{_SHORT[self.op]}{self.mb}" + (f".{self.chunk}" if self.chunk else "")
+
+
+def units(ins: Instruction) -> list[Instruction]:
+    """The compute of ``ins``: a FORWARD_BACKWARD's FORWARD and BACKWARD, else ``ins`` itself."""
+    if ins.op is not Op.FORWARD_BACKWARD:
+        return [ins]
+    return [Instruction(Op.FORWARD, ins.mb, ins.chunk), Instruction(Op.BACKWARD, *ins.pair)]
 
 
 class ScheduleError(ValueError):
@@ -134,6 +153,38 @@ def backward(
     out.append(Instruction(op, i, chunk))
     if not first:
         out.append(Instruction(Op.SEND_GRAD, i, chunk))
+    return out
+
+
+def overlap_messages(
+    stages: int, s: int, ins: Instruction, chunks: int, placement: str
+) -> tuple[list[Instruction], list[Instruction]]:
+    """(receives, sends) of a FORWARD_BACKWARD on stage s: the forward's activation in and out,
+    the backward's gradient in and out, each where ``forward`` / ``backward`` would put it."""
+    f, b = units(ins)
+    first_f, last_f = _ends(stages, s, f.chunk, chunks, placement)
+    first_b, last_b = _ends(stages, s, b.chunk, chunks, placement)
+    recvs = [Instruction(Op.RECV_ACT, f.mb, f.chunk)] if not first_f else []
+    recvs += [Instruction(Op.RECV_GRAD, b.mb, b.chunk)] if not last_b else []
+    sends = [Instruction(Op.SEND_ACT, f.mb, f.chunk)] if not last_f else []
+    sends += [Instruction(Op.SEND_GRAD, b.mb, b.chunk)] if not first_b else []
+    return recvs, sends
+
+
+def unpair(
+    program: list[Instruction], stages: int, s: int, chunks: int, placement: str
+) -> list[Instruction]:
+    """``program`` with every FORWARD_BACKWARD run one unit after the other: receive, forward,
+    send; receive, backward, send (the non-overlapped order; the same computations)."""
+    out: list[Instruction] = []
+    for ins in program:
+        if ins.op is not Op.FORWARD_BACKWARD:
+            out.append(ins)
+            continue
+        (f, b), (recvs, sends) = units(ins), overlap_messages(stages, s, ins, chunks, placement)
+        for unit, kinds in ((f, (Op.RECV_ACT, Op.SEND_ACT)), (b, (Op.RECV_GRAD, Op.SEND_GRAD))):
+            out += [r for r in recvs if r.op is kinds[0]] + [unit]
+            out += [x for x in sends if x.op is kinds[1]]
     return out
 
 

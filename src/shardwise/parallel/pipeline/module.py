@@ -6,33 +6,32 @@ The list holds ``LayerSpec(cls, *args, **kwargs)`` (built only on the stage that
 ``tied_weight_attr`` parameters are kept identical across stages: their gradients are summed
 over the stages that hold them), ``nn.Module`` instances and plain callables.
 
-Which stage am I? Ranks are ordered pipeline-outermost (topology.py), so stage
-``rank // (world / num_stages)``: the module builds its stage in the constructor when
-torch.distributed is running (call ``shardwise.init_distributed()`` first, as DeepSpeed
-requires), so that ``model.parameters()`` can be handed to an optimizer before ``initialize``.
-Built before the processes exist, or with ``num_stages=None`` (then ``pipeline.stages`` of the
-config decides), it builds when ``initialize`` binds it to the mesh, from the random state it
-was constructed with.
+Which stage am I? Ranks are ordered pipeline-outermost (topology.py), so stage ``rank //
+(world / num_stages)``: the module builds its stage in the constructor when torch.distributed
+runs (``shardwise.init_distributed()`` first, as DeepSpeed requires), so that
+``model.parameters()`` can go to an optimizer before ``initialize``. Built before the processes
+exist, or with ``num_stages=None`` (``pipeline.stages`` decides), it builds when ``initialize``
+binds it to the mesh, from the random state it was constructed with.
 
 Weights: without ``seed_layers`` every rank replays the whole list in order, building and
-dropping the layers of other stages, so each stage's weights are exactly those of building the
-model in one process (the layers of other stages cost time, one at a time, not memory). With
-``seed_layers=True`` layer i is built after seeding ``base_seed + i`` (DeepSpeed's rule) and
-other stages' layers are skipped.
+dropping other stages' layers (time, one at a time, not memory), so each stage's weights are
+those of building the model in one process. With ``seed_layers=True`` layer i is built after
+seeding ``base_seed + i`` (DeepSpeed's rule) and other stages' layers are skipped.
 
 State-dict names are the layer index (``"3.weight"``) and ``"tied_modules.<key>.<name>"``, the
 names of a ``num_stages=1`` PipelineModule (and of an ``nn.Sequential`` of the same layers).
 With ``layer_names`` (one dotted name per layer, e.g. ``"model.layers.2"``) each layer sits
-under its name instead, so that a pipeline cut from an existing model keeps that model's
-state-dict keys (``shardwise.integrations.huggingface.causal_lm_pipeline``); a tied module then
-sits under the name of each of its layers on the stage (``model.embed_tokens`` on the first,
-``lm_head`` on the last; both in one stage, where ``state_dict()`` lists the shared weight
-under both names, as the original model does).
+under its name, so a pipeline cut from a model keeps its state-dict keys
+(``shardwise.integrations.huggingface.causal_lm_pipeline``); a tied module sits under the name
+of each of its layers on the stage (``model.embed_tokens`` on the first, ``lm_head`` on the
+last; in one stage ``state_dict()`` lists the shared weight under both, as the model does).
 
-Chunks: with ``chunks=v`` the layers are cut into p v virtual stages and this stage runs v of
-them, placed as ``placement`` says (instructions.py): ``"loop"`` (interleaved 1F1B: chunk c is
-virtual stage c p + s) or ``"v"`` (zbv, dualpipev, v = 2: chunk 1 is virtual stage 2p-1-s, so
-stage 0 runs the first and the last layers).
+Chunks: with ``chunks=v`` the layers are cut into p v virtual stages, this stage running v of
+them as ``placement`` says (instructions.py): ``"loop"`` (interleaved: chunk c is virtual stage
+c p + s) or ``"v"`` (zbv, dualpipev, v = 2: chunk 1 is 2p-1-s; stage 0 runs both ends).
+
+``aux_loss_fn(layer)``: a layer's auxiliary loss (an MoE load-balancing loss), added to the
+training loss on the layer's stage (aux_loss.py).
 """
 
 from __future__ import annotations
@@ -87,6 +86,7 @@ class PipelineModule(nn.Module):
         chunks: int | None = None,
         layer_names: Sequence[str] | None = None,
         placement: str | None = None,
+        aux_loss_fn: Callable[[nn.Module], Any] | None = None,
     ) -> None:
         super().__init__()
         specs = list(layers.children()) if isinstance(layers, nn.Sequential) else list(layers)
@@ -111,7 +111,7 @@ class PipelineModule(nn.Module):
         self.num_stages = num_stages
         self.chunks = chunks
         self.placement = placement  # of the chunks on the stages (instructions.py); None: loop
-        self.loss_fn = loss_fn
+        self.loss_fn, self.aux_loss_fn = loss_fn, aux_loss_fn
         self.seed_layers, self.seed_fn, self.base_seed = seed_layers, seed_fn, base_seed
         self.partition_method = partition_method
         self.activation_checkpoint_interval = activation_checkpoint_interval
@@ -335,9 +335,11 @@ class PipelineModule(nn.Module):
             x = self._checkpointed(run, x) if self._checkpointable(run) else _run(run, x)
         return x
 
-    def stage_modules(self) -> list[tuple[str, nn.Module]]:
-        """This stage's layer modules as (name, module), in order (what compile regions are)."""
-        found = [(self._name_of(i), self._current(i, fn)) for i, fn, _ in self._funcs]
+    def stage_modules(self, chunk: int | None = None) -> list[tuple[str, nn.Module]]:
+        """This stage's layer modules (of ``chunk`` only, when given) as (name, module), in
+        order (what compile regions are)."""
+        funcs = [(i, fn) for i, fn, c in self._funcs if chunk is None or c == chunk]
+        found = [(self._name_of(i), self._current(i, fn)) for i, fn in funcs]
         return [(n, m) for n, m in found if isinstance(m, nn.Module)]
 
     def compute_loss(self, outputs: Any, labels: Any) -> Any:

@@ -14,6 +14,8 @@ ends agree on what is sent without asking.
 
 Sends are non-blocking (``isend``; the tensors are kept until ``wait_sends``), receives block:
 with that, the schedules of schedule.py cannot deadlock (``schedule.simulate`` checks it).
+A receive is a post (``irecv``) and a wait; ``post_activation`` / ``post_grads`` hand out the
+posted receive (``Incoming``) so that an F&B step waits for it only when it needs it.
 Ranks are global; messages use the default process group. Each message is tagged with the
 virtual stage it goes to (activations 2w, gradients 2w + 1), so that with the interleaved
 schedule, where two ranks exchange messages for several chunks, each lands where it belongs.
@@ -37,6 +39,7 @@ the receiver gets a detached alias that is a leaf of its own graph, as a receive
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -150,10 +153,16 @@ class StageLink:
 
     def recv_activation(self, requires_grad: bool) -> Any:
         """The previous stage's output; floating tensors require grad when training."""
+        return self.post_activation(requires_grad, now=True).wait()
+
+    def post_activation(self, requires_grad: bool, now: bool = False) -> Incoming:
+        """``recv_activation`` posted now, waited for by ``wait()`` (the description, when one
+        comes first, is received at once: the buffers need it); ``now``: a blocking receive
+        (what the flight recorder then shows in flight while a stage waits)."""
         if self.loop_prev is not None:
             x = self.loop_prev.acts.pop(0)
             items = [_leaf(t, requires_grad) for t in as_tuple(x, "a stage's output")]
-            return tuple(items) if isinstance(x, (tuple, list)) else items[0]
+            return Incoming.ready(tuple(items) if isinstance(x, (tuple, list)) else items[0])
         if self.dynamic_shape or self._recv_meta is None:
             length = torch.zeros(1, dtype=torch.int64)
             comm.recv(length, self.prev, tag=self.act_in)
@@ -162,16 +171,23 @@ class StageLink:
             self._recv_meta = meta.tolist()
         split, is_tuple, count, *rest = self._recv_meta
         group = self.act_group if split else None
-        tensors, at = [], 0
+        parts, at = [], 0
         for _ in range(count):
             code, grad, ndim = rest[at : at + 3]
             shape = rest[at + 3 : at + 3 + ndim]
             at += 3 + ndim
-            t = self._recv(shape, _DTYPES[code], self.prev, self.act_in, group)
-            if requires_grad and t.is_floating_point() and grad:
-                t.requires_grad_()
-            tensors.append(t)
-        return tuple(tensors) if is_tuple else tensors[0]
+            take = self._post(shape, _DTYPES[code], self.prev, self.act_in, group, now)
+            parts.append((take, grad))
+
+        def finish() -> Any:
+            tensors = []
+            for t, grad in ((take(), grad) for take, grad in parts):
+                if requires_grad and t.is_floating_point() and grad:
+                    t.requires_grad_()
+                tensors.append(t)
+            return tuple(tensors) if is_tuple else tensors[0]
+
+        return Incoming(finish)
 
     def send_grads(self, inputs: Any) -> None:
         """The gradients of the received tensors that require grad (zeros where none)."""
@@ -193,35 +209,69 @@ class StageLink:
 
     def recv_grads(self, outputs: Any) -> list[torch.Tensor]:
         """Gradients for the tensors of ``outputs`` that require grad (as sent), in order."""
+        return self.post_grads(outputs, now=True).wait()
+
+    def post_grads(self, outputs: Any, now: bool = False) -> Incoming:
+        """``recv_grads`` posted now, waited for by ``wait()`` (the link's first gradients are
+        preceded by a flag, received at once); ``now`` as for ``post_activation``."""
         if self.loop_next is not None:
-            return self.loop_next.grads.pop(0)
+            return Incoming.ready(self.loop_next.grads.pop(0))
         if self._grad_split_in is None and self.grad_group is not None:
             flag = torch.zeros(1, dtype=torch.int64)
             comm.recv(flag, self.next, tag=self.grad_in)
             self._grad_split_in = bool(flag.item())
         group = self.grad_group if self._grad_split_in else None
-        grads = []
-        for t in as_tuple(outputs, "a stage's output"):
-            if t.requires_grad:
-                grads.append(self._recv(t.shape, t.dtype, self.next, self.grad_in, group))
-        return grads
+        takes = [
+            self._post(t.shape, t.dtype, self.next, self.grad_in, group, now)
+            for t in as_tuple(outputs, "a stage's output")
+            if t.requires_grad
+        ]
+        return Incoming(lambda: [take() for take in takes])
 
-    def _recv(
-        self, shape: Any, dtype: torch.dtype, src: int, tag: int, group: ProcessGroup | None
-    ) -> torch.Tensor:
-        """A tensor of ``shape`` from ``src``: whole, or this rank's chunk then all-gathered."""
-        if not _split(torch.Size(shape).numel(), group):
-            t = torch.empty(shape, dtype=dtype)
-            comm.recv(t, src, tag=tag)
-            return t
-        chunk = torch.empty(chunk_numel(torch.Size(shape).numel(), group), dtype=dtype)
-        comm.recv(chunk, src, tag=tag)
-        return unflat_gather(chunk, shape, group)
+    def _post(
+        self,
+        shape: Any,
+        dtype: torch.dtype,
+        src: int,
+        tag: int,
+        group: ProcessGroup | None,
+        now: bool,
+    ) -> Callable[[], torch.Tensor]:
+        """Post the receive of a tensor of ``shape`` from ``src`` (whole, or this rank's chunk
+        then all-gathered; ``now``: received at once); the returned call waits for it and
+        gives the tensor."""
+        numel = torch.Size(shape).numel()
+        split = _split(numel, group)
+        buf = torch.empty(chunk_numel(numel, group) if split else shape, dtype=dtype)
+        work = None if now else comm.irecv(buf, src, tag=tag)
+        if now:
+            comm.recv(buf, src, tag=tag)
+
+        def take() -> torch.Tensor:
+            if work is not None:
+                work.wait()
+            return unflat_gather(buf, shape, group) if split else buf
+
+        return take
 
     def wait_sends(self) -> None:
         for work, _ in self._pending:
             work.wait()
         self._pending.clear()
+
+
+class Incoming:
+    """Receives already posted; ``wait()`` waits for them and returns what they carry."""
+
+    def __init__(self, finish: Callable[[], Any]) -> None:
+        self._finish = finish
+
+    @classmethod
+    def ready(cls, value: Any) -> Incoming:
+        return cls(lambda: value)
+
+    def wait(self) -> Any:
+        return self._finish()
 
 
 def _leaf(t: torch.Tensor, requires_grad: bool) -> torch.Tensor:

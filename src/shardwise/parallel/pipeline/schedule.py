@@ -36,6 +36,8 @@ from shardwise.parallel.pipeline.instructions import (
     backward,
     check_args,
     forward,
+    units,
+    unpair,
 )
 from shardwise.parallel.pipeline.simulate import simulate
 from shardwise.parallel.pipeline.zero_bubble import dualpipev, zb_h1, zbv
@@ -139,6 +141,7 @@ def inference(
         else:
             name = "interleaved"
         full = make_schedule(name, stages, stage_id, count, chunks)
+        full = unpair(full, stages, stage_id, chunks, placement_of(name))  # F&B: forwards only
         return [ins for ins in full if ins.op in keep and ins.mb < micro_batches]
     return [x for i in range(micro_batches) for x in forward(stages, stage_id, i)]
 
@@ -181,7 +184,7 @@ def peak_held(program: list[Instruction]) -> int:
 def _peak_live(program: list[Instruction], ends: tuple[Op, ...]) -> int:
     """The most (micro-batch, chunk) units alive at once: from FORWARD to an op of ``ends``."""
     live, peak = set(), 0
-    for ins in program:
+    for ins in (u for x in program for u in units(x)):
         if ins.op is Op.FORWARD:
             live.add((ins.mb, ins.chunk))
             peak = max(peak, len(live))

@@ -11,10 +11,13 @@ Costs, per model chunk (a stage's work divided by the v chunks it holds):
     BACKWARD         B = t_backward / v        (input and weight gradient together)
     BACKWARD_INPUT   B - W
     BACKWARD_WEIGHT  W = t_weight / v          (t_weight defaults to t_backward / 2)
+    FORWARD_BACKWARD F&B = t_overlap / v       (t_overlap defaults to t_forward + t_backward)
 
 so a micro-batch costs F + B per chunk whether its backward is split or not, and the bubble of
 a schedule is ``simulate(...) - m (t_forward + t_backward)``, the notation of DeepSeek's table
-(B the full backward, W its weight part).
+(B the full backward, W its weight part). A FORWARD_BACKWARD (DualPipe's F&B) is one block:
+it starts when both its messages are there and sends both results when it ends, what DeepSeek's
+table assumes of an overlapped pair (its time F&B is below F + B where the two overlap).
 """
 
 from __future__ import annotations
@@ -23,19 +26,39 @@ from shardwise.parallel.pipeline.instructions import (
     Instruction,
     Op,
     ScheduleError,
+    overlap_messages,
     stage_and_chunk,
     virtual_stage,
 )
 
+RECEIVES, SENDS = (Op.RECV_ACT, Op.RECV_GRAD), (Op.SEND_ACT, Op.SEND_GRAD)
 
-def _costs(chunks: int, t_forward: float, t_backward: float, t_weight: float | None) -> dict:
+
+def _costs(
+    chunks: int,
+    t_forward: float,
+    t_backward: float,
+    t_weight: float | None,
+    t_overlap: float | None,
+) -> dict:
     w = t_backward / 2 if t_weight is None else t_weight
+    fb = t_forward + t_backward if t_overlap is None else t_overlap
     return {
         Op.FORWARD: t_forward / chunks,
         Op.BACKWARD: t_backward / chunks,
         Op.BACKWARD_INPUT: (t_backward - w) / chunks,
         Op.BACKWARD_WEIGHT: w / chunks,
+        Op.FORWARD_BACKWARD: fb / chunks,
     }
+
+
+def _messages(
+    stages: int, chunks: int, s: int, ins: Instruction, placement: str
+) -> tuple[list[Instruction], list[Instruction]]:
+    """(receives before, sends after) the compute of ``ins``."""
+    if ins.op is Op.FORWARD_BACKWARD:
+        return overlap_messages(stages, s, ins, chunks, placement)
+    return ([ins] if ins.op in RECEIVES else []), ([ins] if ins.op in SENDS else [])
 
 
 def simulate(
@@ -45,13 +68,17 @@ def simulate(
     t_backward: float = 2.0,
     t_weight: float | None = None,
     placement: str = "loop",
+    t_overlap: float | None = None,
 ) -> float:
     """The makespan of ``programs`` (one per stage) under the module docstring's semantics and
     costs; ``placement``: where the chunks run (instructions.py).
 
     Raises ScheduleError on a deadlock (naming the stuck instructions) or on a receive that
     gets another micro-batch than it expects (sends and receives out of order)."""
-    return max(timeline(programs, chunks, t_forward, t_backward, t_weight, placement)[0])
+    finish, _ = timeline(
+        programs, chunks, t_forward, t_backward, t_weight, placement, t_overlap=t_overlap
+    )
+    return max(finish)
 
 
 def timeline(
@@ -62,31 +89,34 @@ def timeline(
     t_weight: float | None = None,
     placement: str = "loop",
     record: list | None = None,
+    t_overlap: float | None = None,
 ) -> tuple[list[float], list[float]]:
     """(finish time, busy time) of every stage: its idle time is finish - busy, within the
     makespan max(finish) - busy. ``record``, when given, receives one
     ``(stage, start, end, instruction)`` per compute instruction (a picture of the run)."""
     stages = len(programs)
     links: dict[tuple, list[tuple[int, int, float]]] = {}  # (kind, src, dst, dst chunk) -> queue
-    cost = _costs(chunks, t_forward, t_backward, t_weight)
+    cost = _costs(chunks, t_forward, t_backward, t_weight, t_overlap)
     pc, clock, busy = [0] * stages, [0.0] * stages, [0.0] * stages
     while any(pc[s] < len(programs[s]) for s in range(stages)):
         moved = False
         for s in range(stages):
             while pc[s] < len(programs[s]):
                 ins = programs[s][pc[s]]
-                if ins.op in (Op.SEND_ACT, Op.SEND_GRAD):
-                    dst, dst_chunk = _peer(stages, chunks, s, ins, placement)
-                    queue = links.setdefault((ins.op, s, dst, dst_chunk), [])
-                    queue.append((ins.mb, ins.chunk, clock[s]))
-                elif ins.op in (Op.RECV_ACT, Op.RECV_GRAD):
-                    if not _receive(links, stages, chunks, s, ins, clock, placement):
-                        break
+                recvs, sends = _messages(stages, chunks, s, ins, placement)
+                if not all(_arrived(links, stages, chunks, s, r, placement) for r in recvs):
+                    break
+                for r in recvs:
+                    _receive(links, stages, chunks, s, r, clock, placement)
                 took = cost.get(ins.op, 0.0)
                 if record is not None and took:
                     record.append((s, clock[s], clock[s] + took, ins))
                 clock[s] += took
                 busy[s] += took
+                for x in sends:
+                    dst, dst_chunk = _peer(stages, chunks, s, x, placement)
+                    queue = links.setdefault((x.op, s, dst, dst_chunk), [])
+                    queue.append((x.mb, x.chunk, clock[s]))
                 pc[s] += 1
                 moved = True
         if not moved:
@@ -108,6 +138,19 @@ def _peer(stages: int, chunks: int, s: int, ins: Instruction, placement: str) ->
     return stage_and_chunk(stages, other, placement)
 
 
+def _queue(links: dict, stages: int, chunks: int, s: int, ins: Instruction, placement: str) -> list:
+    """The messages sent to the receive ``ins`` and not yet taken, oldest first."""
+    src, _ = _peer(stages, chunks, s, ins, placement)
+    kind = Op.SEND_ACT if ins.op is Op.RECV_ACT else Op.SEND_GRAD
+    return links.get((kind, src, s, ins.chunk), [])
+
+
+def _arrived(
+    links: dict, stages: int, chunks: int, s: int, ins: Instruction, placement: str
+) -> bool:
+    return bool(_queue(links, stages, chunks, s, ins, placement))
+
+
 def _receive(
     links: dict,
     stages: int,
@@ -116,18 +159,13 @@ def _receive(
     ins: Instruction,
     clock: list[float],
     placement: str,
-) -> bool:
-    """Take the message ``ins`` waits for, if it was sent; False when the stage must wait."""
+) -> None:
+    """Take the message ``ins`` waits for (it was sent: ``_arrived``)."""
     src, src_chunk = _peer(stages, chunks, s, ins, placement)
-    kind = Op.SEND_ACT if ins.op is Op.RECV_ACT else Op.SEND_GRAD
-    queue = links.get((kind, src, s, ins.chunk), [])
-    if not queue:
-        return False
-    mb, chunk, sent_at = queue.pop(0)
+    mb, chunk, sent_at = _queue(links, stages, chunks, s, ins, placement).pop(0)
     if (mb, chunk) != (ins.mb, src_chunk):
         raise ScheduleError(
             f"stage {s} {ins!r} received micro-batch {mb} (chunk {chunk}) from stage {src}: "
             "sends and receives are not in the same order"
         )
     clock[s] = max(clock[s], sent_at)
-    return True

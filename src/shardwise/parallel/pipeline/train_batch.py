@@ -9,7 +9,8 @@ One ``train_batch`` on stage s of p, with m = gradient_accumulation_steps micro-
             REDUCE_TIED    tied weights summed over their stages (tied.py)
             OPTIMIZER_STEP the engine's step: global norm over every stage, clip, update
     loss = mean over micro-batches on the last stage, averaged over data ranks, broadcast to
-           every stage
+           every stage (plus each stage's auxiliary terms / m, added over the stages, when
+           the module has an ``aux_loss_fn``: aux_loss.py)
 
 The first and last stages pull m batches each from their ``data_iter`` (inputs and labels);
 the middle stages need none. The gradient norm sums over every stage because the engine
@@ -29,7 +30,7 @@ from torch import nn
 from shardwise import comm
 from shardwise.parallel.pipeline.executor import StageExecutor
 from shardwise.parallel.pipeline.gather import gather_stages
-from shardwise.parallel.pipeline.instructions import stage_and_chunk
+from shardwise.parallel.pipeline.instructions import stage_and_chunk, unpair
 from shardwise.parallel.pipeline.meter import ActivationMeter
 from shardwise.parallel.pipeline.p2p import Loopback, StageLink
 from shardwise.parallel.pipeline.schedule import Op, inference, make_schedule
@@ -60,6 +61,9 @@ class PipelineRunner:
         self.module = module
         self.mesh = mesh
         self.schedule = schedule
+        # F&B steps (dualpipev) overlap one unit's messages with the other's compute; False
+        # runs each pair's units one after the other (instructions.unpair): equal results.
+        self.overlap = True
         self.stages = mesh.topology.pp
         self.stage_id = mesh.pp_rank
         self.peers = mesh.axis_ranks("pp")
@@ -150,6 +154,8 @@ class PipelineRunner:
         program = make_schedule(self.schedule, self.stages, self.stage_id, m, self.chunks)
         if self.executor.splits is False:  # no layer of this stage splits: B does it all
             program = fuse_backward(program)
+        if not self.overlap:
+            program = unpair(program, self.stages, self.stage_id, self.chunks, self.placement)
 
         def step() -> None:
             self.executor.wait_sends()  # nothing this stage sent may change under the update
@@ -168,7 +174,7 @@ class PipelineRunner:
             },
         )
         parts.counters.micro_steps += m  # the schedule ran m micro-batches
-        return self._mean_loss(record.losses)
+        return self._mean_loss(record.losses, record.aux_total, m)
 
     def eval_batch(
         self,
@@ -189,19 +195,29 @@ class PipelineRunner:
                 keep_logits=return_logits,
             )
         self.executor.wait_sends()
-        loss = self._mean_loss(record.losses)
+        loss = self._mean_loss(record.losses, record.aux_total, m)
         if not return_logits:
             return loss
         logits = torch.cat(record.logits) if record.logits else None
         return loss, logits
 
-    def _mean_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
-        """Mean over micro-batches, averaged over the last stage's data ranks, sent to all."""
+    def _mean_loss(
+        self, losses: list[torch.Tensor], aux: torch.Tensor | None, m: int
+    ) -> torch.Tensor:
+        """Mean over micro-batches, averaged over the last stage's data ranks, sent to all.
+        With the layers' auxiliary terms (aux_loss.py, ``aux``: this stage's sum over the
+        batch) every stage adds its sum / m, and the stages' values are added up."""
         total = torch.stack(losses).mean() if self.is_last_stage() else torch.zeros(())
-        if self.is_last_stage():
+        with_aux = getattr(self.module, "aux_loss_fn", None) is not None  # alike on every stage
+        if with_aux and aux is not None:
+            total = total + aux / m
+        if self.is_last_stage() or with_aux:
             comm.all_reduce(total, group=self.mesh.dp_group)
             total /= self.mesh.topology.dp
-        comm.broadcast(total, src=self.peers[self.last_stage], group=self.mesh.pp_group)
+        if with_aux:
+            comm.all_reduce(total, group=self.mesh.pp_group)
+        else:
+            comm.broadcast(total, src=self.peers[self.last_stage], group=self.mesh.pp_group)
         return total
 
     def consolidated_state_dict(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -17,8 +17,9 @@ schedules move W into the time a stage would otherwise wait.
     ZB-V      two chunks per stage in a V (instructions.py; Qi et al., section 6): at most 2p
               half-stage units in flight (1F1B's peak); simulated bubble at most ZB-H1's.
     DualPipeV DeepSeek-V3's DualPipe cut in half, V placed: (PP/2-1)(F&B+B-3W) with PP = 2p
-              half-stage chunks and F&B an overlapped forward + backward pair (run one after
-              the other here, so F&B = F+B bounds the simulated bubble); m >= 2p.
+              half-stage chunks and F&B an overlapped forward + backward pair (one
+              FORWARD_BACKWARD step: each one's messages travel during the other's compute;
+              on one CPU stream the compute itself runs one after the other); m >= 2p.
 
 ``split_backward`` turns a fused program into one that runs B then W at once (the same order
 as 1F1B, for testing the split alone); ``fuse_backward`` does the reverse, for a stage whose
@@ -116,6 +117,22 @@ class _VProgram:
             if split:
                 self.waiting.append((i, chunk))
 
+    def fb(self, f_chunk: int, b_chunk: int) -> None:
+        """The next forward of ``f_chunk`` and full backward of ``b_chunk`` as one F&B step
+        (FORWARD_BACKWARD), or the one of them left when the other is past m."""
+        i, j = (
+            self.count.get((Op.FORWARD, f_chunk), 0),
+            self.count.get((Op.BACKWARD_INPUT, b_chunk), 0),
+        )
+        if i >= self.m or j >= self.m:
+            self.f(f_chunk)
+            self.b(b_chunk, split=False)
+            return
+        self._next(Op.FORWARD, f_chunk), self._next(Op.BACKWARD_INPUT, b_chunk)
+        loads = forward(self.p, self.s, i, f_chunk, 2, "v")
+        self.prog += [x for x in loads if x.op is Op.LOAD]
+        self.prog.append(Instruction(Op.FORWARD_BACKWARD, i, f_chunk, pair=(j, b_chunk)))
+
     def w(self, chunk: int | None = None) -> None:
         """The oldest W due (of ``chunk`` when given), if any."""
         due = [k for k, (_, c) in enumerate(self.waiting) if chunk in (None, c)]
@@ -158,9 +175,9 @@ def zbv(stages: int, stage_id: int, micro_batches: int) -> list[Instruction]:
 
 def dualpipev(stages: int, stage_id: int, micro_batches: int) -> list[Instruction]:
     """DualPipeV (DeepSeek-V3's DualPipe cut in half, in the V placement): the steady state
-    pairs the forward of one chunk with the full backward of the other (F0&B1, F1&B0, run one
-    after the other here); warm-up and cool-down use B/W splits to fill the bubbles. Needs
-    m >= 2p micro-batches."""
+    pairs the forward of one chunk with the full backward of the other in one F&B step
+    (F0&B1, F1&B0: FORWARD_BACKWARD, as torch's OVERLAP_F_B); warm-up and cool-down use B/W
+    splits to fill the bubbles. Needs m >= 2p micro-batches."""
     p, s, m = stages, stage_id, micro_batches
     if m < 2 * p:
         raise ScheduleError(
@@ -174,12 +191,15 @@ def dualpipev(stages: int, stage_id: int, micro_batches: int) -> list[Instructio
         v.f(0), v.f(1)
     for _ in range(p - s - 1):
         v.b(1), v.w(), v.f(1)
-    for _ in range(m - 2 * p + s + 1):
-        v.f(0), v.b(1, split=False)  # F0 & B1 (the last stage's first pair: not overlapped)
-        v.f(1), v.b(0, split=False)  # F1 & B0
+    for k in range(m - 2 * p + s + 1):
+        if k == 0 and s == p - 1:  # the last stage's first pair is not overlapped (torch's)
+            v.f(0), v.b(1, split=False)
+        else:
+            v.fb(0, 1)  # F0 & B1
+        v.fb(1, 0)  # F1 & B0
     for _ in range(p - s - 1):
         v.b(1, split=False)
-        v.f(1), v.b(0, split=False)
+        v.fb(1, 0)
     split = False
     for k in range(s + 1):  # the second half of these backwards splits, for W to fill in
         split = split or (k == (s + 1) // 2 and s % 2 == 1)
