@@ -18,11 +18,11 @@ file holds what. The objects (groups, scheduler, train state) come from rank 0.
 
 from __future__ import annotations
 
+import importlib
 import math
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 
 from shardwise.checkpoint.pieces import Piece
 
@@ -77,5 +77,8 @@ def state_dict(tensors: dict[str, torch.Tensor], objects: dict[str, Any] | None)
 
 
 def write(state: dict[str, Any], path: str) -> None:
-    """torch's own writer: every rank of the default group calls it with its part."""
-    dcp.save(state, checkpoint_id=path)
+    """torch's own writer: every rank of the default group calls it with its part.
+
+    Imported here, not with the module: torch.distributed.checkpoint pulls in DTensor, about a
+    second of every process's ``import shardwise`` (-X importtime) for a format few runs write."""
+    importlib.import_module("torch.distributed.checkpoint").save(state, checkpoint_id=path)
