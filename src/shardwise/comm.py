@@ -17,11 +17,8 @@ N ranks:
     gather             S/N on every rank but the root, 0 on the root
     send               S;  recv 0
 
-That is the algorithm's traffic, not a backend's: gloo carries a reduce-scatter as an all-reduce,
-2 (N-1)/N * S on the wire (measured on the veth link between two namespace hosts by
-``benchmarks/hierarchical.py --probe``: a 48 MiB reduce-scatter moved 48.09 MiB where the ring
-moves 24), so on gloo the interface counters read up to twice ``sent_bytes`` for ZeRO's
-reduce-scatters; NCCL runs the ring.
+The algorithm's traffic, not a backend's: gloo carries a reduce-scatter as an all-reduce (48 MiB
+moved 48.09 MiB on a veth link, ``benchmarks/hierarchical.py --probe``; NCCL runs the ring).
 
 The flight recorder (``recorder()``, shardwise/diagnose/) keeps every call, so that a hang names
 the call each rank is stuck in (docs/reliability.md, "Hangs"); errors name the call and group.
