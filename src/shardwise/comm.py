@@ -15,10 +15,7 @@ N ranks:
     broadcast, reduce  (N-1)/N * S     (pipelined chain, amortized per rank)
     scatter            (N-1)/N * S on the root, 0 elsewhere (S = all chunks)
     gather             S/N on every rank but the root, 0 on the root
-    send               S;  recv 0
-
-The algorithm's traffic, not a backend's: gloo carries a reduce-scatter as an all-reduce (48 MiB
-moved 48.09 MiB on a veth link, ``benchmarks/hierarchical.py --probe``; NCCL runs the ring).
+    send               S;  recv 0    (the ring's; gloo's reduce-scatter moves an all-reduce's bytes)
 
 The flight recorder (``recorder()``, shardwise/diagnose/) keeps every call, so that a hang names
 the call each rank is stuck in (docs/reliability.md, "Hangs"); errors name the call and group.
