@@ -19,7 +19,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from shardwise.verify.compare import TOLERANCES, Verdict, compare, failed, still, tolerance_for
+from shardwise.verify.compare import (
+    TOLERANCES,
+    Verdict,
+    compare,
+    failed,
+    for_run,
+    still,
+    tolerance_for,
+)
 from shardwise.verify.fuzz_run import fuzz_command
 from shardwise.verify.layout_names import (
     EXAMPLE,
@@ -162,7 +170,9 @@ def run(args: argparse.Namespace) -> int:
         check_fuzz(args)
         return fuzz_command(args)
     layouts, setup = check(args)
-    tol = TOLERANCES[args.tolerance] if args.tolerance else tolerance_for(setup.config)
+    tol = tolerance_for(setup.config, args.steps)
+    if args.tolerance:
+        tol = for_run(TOLERANCES[args.tolerance], setup.config, args.steps)
     work = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="shardwise-verify-"))
     work.mkdir(parents=True, exist_ok=True)
     try:
