@@ -25,6 +25,7 @@ from shardwise.verify.compare import (
     Verdict,
     compare,
     failed,
+    for_run,
     still,
     tolerance_for,
 )
@@ -170,7 +171,9 @@ def run(args: argparse.Namespace) -> int:
         check_fuzz(args)
         return fuzz_command(args)
     layouts, setup = check(args)
-    tol = TOLERANCES[args.tolerance] if args.tolerance else tolerance_for(setup.config)
+    tol = tolerance_for(setup.config, args.steps)
+    if args.tolerance:
+        tol = for_run(TOLERANCES[args.tolerance], setup.config, args.steps)
     work = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="shardwise-verify-"))
     work.mkdir(parents=True, exist_ok=True)
     try:

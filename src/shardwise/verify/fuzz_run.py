@@ -209,7 +209,7 @@ class Fuzzer:
             return got
         if isinstance(got, Failure):
             return classify(got, config, case)
-        verdict = compare(got, want, tolerance_for(config), case.world)
+        verdict = compare(got, want, tolerance_for(config, self.steps), case.world)
         if verdict.diverged:
             return Outcome(case, "finding", "mismatch: " + "; ".join(verdict.findings[:3]))
         return Outcome(case, "ok", f"max |dloss| {max(verdict.loss_diffs):.1e}")

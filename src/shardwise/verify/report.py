@@ -17,11 +17,19 @@ def _max(values: Sequence[float | None]) -> float | None:
     return max(known) if known else None
 
 
+def _series_bounds(tol: Tolerance) -> str:
+    if tol.loss_rel is None:
+        return f"loss and grad norm: |diff| <= {tol.abs:.0e} + {tol.rel:.0e} |reference|"
+    return (
+        f"loss: |diff| <= {tol.abs:.0e} + {tol.loss_rel:.0e} |reference|, grad norm: "
+        f"{tol.abs:.0e} + {tol.rel:.0e} |reference|"
+    )
+
+
 def header(script: str, steps: int, tol: Tolerance) -> str:
     return (
         f"shardwise verify {script}: {steps} steps, each layout against one process, "
-        f"{tol.name} tolerance\n(loss and grad norm: |diff| <= {tol.abs:.0e} + {tol.rel:.0e} "
-        f"|reference|; parameters: |diff| <= {tol.param:.0e} per element, at most "
+        f"{tol.name} tolerance\n({_series_bounds(tol)}; parameters: |diff| <= {tol.param:.0e} per element, at most "
         f"{tol.share:.1%} of a tensor's elements (+ 2 sigma) beyond it, none beyond "
         f"{tol.param_max:.0e})"
     )
