@@ -69,19 +69,19 @@ CASES = {
 
 @contextmanager
 def zero3_drops_first_master():
-    """A library bug: ZeRO-3 rebuilds the optimizer without its first parameter shard."""
-    real = stage3.rebuild_optimizer
+    """A library bug: ZeRO-3 rebinds the optimizer without its first parameter shard."""
+    real = stage3.rebind_optimizer
 
     def rebuild(optimizer, holders, group_of):
         built = real(optimizer, holders, group_of)
         built.param_groups[0]["params"].pop(0)
         return built
 
-    stage3.rebuild_optimizer = rebuild
+    stage3.rebind_optimizer = rebuild
     try:
         yield
     finally:
-        stage3.rebuild_optimizer = real
+        stage3.rebind_optimizer = real
 
 
 def run_case(case: str, layout: str, steps: int, init: str, out: str, bug: str = "") -> None:
