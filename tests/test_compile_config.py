@@ -101,9 +101,15 @@ def test_engine_compile_refuses_what_it_cannot_do(kwargs, says):
     assert not engine.is_compiled, f"engine.compile({kwargs}) compiled something"
 
 
-def test_verify_compile_sets_the_block_for_layouts_and_the_reference_stays_eager():
-    layout = parse_layout("dp2")
+@pytest.mark.parametrize(
+    "name,method",  # the context-parallel rows: test_compile_cp_ep.py trains them compiled
+    [("dp2", None), ("cp2", "ring"), ("cp2xulysses", "ulysses"), ("dp2xcp2", "ring")],
+)
+def test_verify_compile_sets_the_block_for_layouts_and_the_reference_stays_eager(name, method):
+    layout = parse_layout(name)
     compiled = layout_config({}, layout.__class__(**{**vars(layout), "compile": "aot_eager"}), 8)
-    assert compiled["compile"] == {"enabled": True, "backend": "aot_eager"}
-    assert "compile" not in layout_config({}, layout, 8), "no --compile: the script's config"
+    assert compiled["compile"] == {"enabled": True, "backend": "aot_eager"}, name
+    got = compiled.get("context_parallel", {}).get("method")
+    assert got == method, f"{name}: context_parallel.method {got!r} under --compile"
+    assert "compile" not in layout_config({}, layout, 8), f"{name}: no --compile: the script's"
     torch._dynamo.reset()

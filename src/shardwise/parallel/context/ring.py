@@ -26,19 +26,23 @@ pairs plus cp dK/dV pairs.
 O is kept as (B, s, H, D) in memory, viewed (B, H, s, D): a model that puts the heads side by side
 again (``transpose(1, 2).flatten(2)``, as after ``scaled_dot_product_attention``) gets a view, so
 the tensor the next projection saves for backward is the one this function saves, not a copy.
+
+Under torch.compile the same forward and backward run as two custom ops (``ring_forward_op``,
+``ring_backward_op``, the second the first's autograd formula; docs/compile.md).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch.autograd.function import FunctionCtx
 
 from shardwise import comm
 from shardwise.parallel.context.token_order import check_shards, chunk_ids, context_rank
+from shardwise.parallel.tensor.comm_ops import group_name, resolve_group
 
 _Block = tuple[slice, slice, bool]  # (query rows, key rows, causal diagonal)
 _ALL = slice(None)
@@ -190,10 +194,12 @@ def _block_grads(
     return torch.matmul(ds, k) * scale, torch.matmul(ds.transpose(-2, -1), q) * scale, dv
 
 
-def _backward(ctx: FunctionCtx, dout: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """dq of the local queries; dk, dv of the local block, gathered from every rank."""
-    q, k, v, out, lse = ctx.saved_tensors
-    ring, causal, scale = ctx.ring, ctx.causal, ctx.scale
+def _backward(
+    saved: Sequence[torch.Tensor], dout: torch.Tensor, causal: bool, ring: _Ring, scale: float
+) -> tuple[torch.Tensor, ...]:
+    """dq of the local queries; dk, dv of the local block, gathered from every rank.
+    ``saved``: forward's (q, k, v, O, lse)."""
+    q, k, v, out, lse = saved
     me, cp = ring.me, ring.cp
     qf, do = q.float(), dout.float()
     dq = torch.zeros_like(qf)
@@ -237,7 +243,86 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: FunctionCtx, dout: torch.Tensor) -> tuple:
-        return (*_backward(ctx, dout), None, None, None)
+        grads = _backward(ctx.saved_tensors, dout, ctx.causal, ctx.ring, ctx.scale)
+        return (*grads, None, None, None)
+
+
+# Under torch.compile the ring is two custom ops (forward, backward), one opaque node each in
+# the forward and backward graphs (tensor/comm_ops.py's pattern): dynamo cannot trace
+# isend/irecv nor comm.py's accounting, which broke every block's graph at each hop. The
+# ring travels as plain values: the group by name, neighbours as global ranks.
+
+
+def _ring_of(group: str, prev: int, nxt: int, me: int, cp: int) -> _Ring:
+    return _Ring(resolve_group(group), prev, nxt, me, cp)
+
+
+@torch.library.custom_op("shardwise::ring_attention", mutates_args=())
+def ring_forward_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    group: str,
+    prev: int,
+    nxt: int,
+    me: int,
+    cp: int,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(O fp32, lse fp32) of ``_forward``: O (B, H, s, D) laid out (B, s, H, D) in memory."""
+    return _forward(q, k, v, causal, _ring_of(group, prev, nxt, me, cp), scale)
+
+
+@ring_forward_op.register_fake
+def _(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    b, h, s, d = q.shape[:-1] + v.shape[-1:]
+    out = q.new_empty(b, s, h, d, dtype=torch.float32).transpose(1, 2)
+    return out, q.new_empty(q.shape[:-1], dtype=torch.float32)
+
+
+@torch.library.custom_op("shardwise::ring_attention_backward", mutates_args=())
+def ring_backward_op(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    group: str,
+    prev: int,
+    nxt: int,
+    me: int,
+    cp: int,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of ``_backward``, contiguous."""
+    ring = _ring_of(group, prev, nxt, me, cp)
+    grads = _backward((q, k, v, out, lse), dout, causal, ring, scale)
+    return tuple(g.contiguous() for g in grads)
+
+
+@ring_backward_op.register_fake
+def _(
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: Any
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+
+
+def _setup(ctx: Any, inputs: tuple, output: tuple) -> None:
+    q, k, v, *ctx.args = inputs
+    ctx.save_for_backward(q, k, v, *output)
+
+
+def _op_backward(ctx: Any, dout: torch.Tensor, dlse: torch.Tensor) -> tuple:
+    grads = ring_backward_op(dout, *ctx.saved_tensors, *ctx.args)  # lse's gradient: none
+    return (*grads, *(None for _ in ctx.args))
+
+
+ring_forward_op.register_autograd(_op_backward, setup_context=_setup)
 
 
 def ring_attention(
@@ -262,4 +347,7 @@ def ring_attention(
     me = context_rank(ranks)
     ring = _Ring(group, ranks[(me - 1) % cp], ranks[(me + 1) % cp], me, cp)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    if torch.compiler.is_compiling():  # one opaque node in the graph (above)
+        args = (causal, group_name(ring.group), ring.prev, ring.next, me, cp, scale)
+        return ring_forward_op(q, k, v, *args)[0].to(q.dtype)
     return _RingAttention.apply(q, k, v, causal, ring, scale)

@@ -32,7 +32,8 @@ def group_name(group: ProcessGroup | None) -> str:
     return (group if group is not None else dist.group.WORLD).group_name
 
 
-def _group(name: str) -> ProcessGroup:
+def resolve_group(name: str) -> ProcessGroup:
+    """The process group named ``name`` (``group_name``'s inverse)."""
     return _resolve_process_group(name)
 
 
@@ -40,7 +41,7 @@ def _group(name: str) -> ProcessGroup:
 def all_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
     """The sum over the group of every rank's ``x``."""
     out = torch.clone(x, memory_format=torch.contiguous_format)
-    comm.all_reduce(out, group=_group(group))
+    comm.all_reduce(out, group=resolve_group(group))
     return out
 
 
@@ -52,7 +53,7 @@ def _(x: torch.Tensor, group: str) -> torch.Tensor:
 @torch.library.custom_op("shardwise::tp_all_gather", mutates_args=())
 def all_gather(x: torch.Tensor, group: str) -> torch.Tensor:
     """Every rank's ``x`` flattened, concatenated in rank order: (n * x.numel(),)."""
-    g = _group(group)
+    g = resolve_group(group)
     out = torch.empty(g.size() * x.numel(), dtype=x.dtype, device=x.device)
     comm.all_gather_into_tensor(out, x.contiguous().view(-1), group=g)
     return out
@@ -60,13 +61,13 @@ def all_gather(x: torch.Tensor, group: str) -> torch.Tensor:
 
 @all_gather.register_fake
 def _(x: torch.Tensor, group: str) -> torch.Tensor:
-    return x.new_empty(_group(group).size() * x.numel())
+    return x.new_empty(resolve_group(group).size() * x.numel())
 
 
 @torch.library.custom_op("shardwise::tp_reduce_scatter", mutates_args=())
 def reduce_scatter(x: torch.Tensor, group: str) -> torch.Tensor:
     """Chunk r of the flat sum over the group of every rank's ``x``: (x.numel() / n,)."""
-    g = _group(group)
+    g = resolve_group(group)
     out = torch.empty(x.numel() // g.size(), dtype=x.dtype, device=x.device)
     comm.reduce_scatter_tensor(out, x.contiguous().view(-1), group=g)
     return out
@@ -74,4 +75,4 @@ def reduce_scatter(x: torch.Tensor, group: str) -> torch.Tensor:
 
 @reduce_scatter.register_fake
 def _(x: torch.Tensor, group: str) -> torch.Tensor:
-    return x.new_empty(x.numel() // _group(group).size())
+    return x.new_empty(x.numel() // resolve_group(group).size())
