@@ -17,6 +17,8 @@ the pieces it fills. What maps to what (docs/checkpoint-deepspeed.md):
     lr_scheduler                             rank state "lr_scheduler"
     every key the user passed as client_state  rank state "client_state"
     shared_params (tied weights)             meta["aliases"]
+    mp_rank_MM files of tensor ranks MM      each rank's slices placed in whole tensors by the
+                                               loading model's shapes (deepspeed_tp.py)
 
 Everything is mapped when the reader is built: a file that cannot be mapped fully raises
 ``CheckpointError`` then, before an engine changes (``dropped`` lists what is ignored, and why).
