@@ -17,6 +17,8 @@ the pieces it fills. What maps to what (docs/checkpoint-deepspeed.md):
     lr_scheduler                             rank state "lr_scheduler"
     every key the user passed as client_state  rank state "client_state"
     shared_params (tied weights)             meta["aliases"]
+    mp_rank_MM files of tensor ranks MM      each rank's slices placed in whole tensors by the
+                                               loading model's shapes (deepspeed_tp.py)
 
 Everything is mapped when the reader is built: a file that cannot be mapped fully raises
 ``CheckpointError`` then, before an engine changes (``dropped`` lists what is ignored, and why).
@@ -30,6 +32,7 @@ from typing import Any
 import torch
 
 from shardwise.checkpoint.foreign import deepspeed_optim as optim
+from shardwise.checkpoint.foreign import deepspeed_tp as tp
 from shardwise.checkpoint.foreign import deepspeed_universal as universal
 from shardwise.checkpoint.foreign.deepspeed_files import DeepSpeedFiles, find
 from shardwise.checkpoint.foreign.safe_load import load_pt
@@ -77,11 +80,18 @@ def _mapped_shapes(optims: list[dict], module: dict) -> list[dict[str, tuple[int
 class DeepSpeedReader:
     """The checkpoint DeepSpeed saved in tag directory ``path`` (module docstring).
     ``param_order``: the parameter names of each optimizer group of the loading run, which
-    names ZeRO-0's optimizer states (saved by index); default: the model's order."""
+    names ZeRO-0's optimizer states (saved by index); default: the model's order.
+    ``shapes``: the loading model's whole parameter shapes, which say how the slices of a
+    tensor-parallel tag (mp_rank_00, mp_rank_01, ...) make whole tensors (deepspeed_tp.py)."""
 
     format = "deepspeed"
 
-    def __init__(self, path: str, param_order: list[list[str]] | None = None) -> None:
+    def __init__(
+        self,
+        path: str,
+        param_order: list[list[str]] | None = None,
+        shapes: dict[str, tuple[int, ...]] | None = None,
+    ) -> None:
         self.path = path
         self.tag = os.path.basename(os.path.normpath(path))
         files = find(path)
@@ -95,11 +105,13 @@ class DeepSpeedReader:
         self.config = main.get("ds_config") if isinstance(main.get("ds_config"), dict) else {}
         self.stage, self.dropped = self._stage(), {}
         self.pipeline = self._stages(len(self._models), bool(files.layers))
-        module = self._module({i: load_pt(f) for i, f in files.layers.items()})
-        mapped = self._optimizer(module, param_order, files)
-        pieces = self._model_pieces(module) + mapped.pieces
-        if self.stage < 3:
-            optim.check_counts(mapped, {k: tuple(v.shape) for k, v in module.items()})
+        layers = {i: load_pt(f) for i, f in files.layers.items()}
+        if self.tp == 1:
+            pieces, mapped = self._mapped(sorted(self._models), layers, param_order, files)
+        else:  # each tensor-parallel rank's slices alone, then placed in whole tensors
+            per_rank = {m: self._mapped([m], layers, param_order, files) for m in self._models}
+            pieces, notes = tp.merge({m: v[0] for m, v in per_rank.items()}, shapes, path)
+            mapped, self.dropped = per_rank[0][1], {**self.dropped, **notes}
         self.kind = mapped.kind
         self._reader = PieceReader(pieces)
         self.meta = self._meta(mapped)
@@ -155,29 +167,42 @@ class DeepSpeedReader:
         return int((self.config.get("zero_optimization") or {}).get("stage", 0))
 
     def _stages(self, files: int, layers: bool) -> int:
-        """The saving run's pipeline stages (one model file each); tensor parallelism refused."""
+        """The saving run's pipeline stages and tensor-parallel ranks (``self.tp``): one model
+        file per stage or per tensor rank; both at once (pipeline + tensor) refused."""
         main = self._main
         dims = main.get("checkpoint_parallel_dimensions") or {}
         tp = int(dims.get("tp_degree") or (1 if layers else main.get("mp_world_size") or 1))
         pp = int(dims.get("pp_degree") or max(1, files // tp))
-        if tp > 1:
+        self.tp = tp
+        if tp > 1 and (pp > 1 or layers):
             raise CheckpointError(
-                f"{self.path}: a tensor-parallel checkpoint (tp_degree {tp}): not mapped by "
-                "shardwise yet (which dimension each weight was split along is not in the "
-                "files); nothing was loaded"
+                f"{self.path}: a pipeline of {pp} stages with tensor parallelism (tp_degree "
+                f"{tp}): not mapped by shardwise yet; nothing was loaded"
             )
-        if pp != files:
+        if pp * tp != files:
             raise CheckpointError(
                 f"{self.path}: {files} model-state files (mp_rank_XX) but the saving run had "
                 f"{pp} pipeline stages x {tp} tensor ranks: files of two runs?"
             )
         return pp
 
-    def _module(self, layers: dict[int, dict]) -> dict[str, torch.Tensor]:
+    def _mapped(
+        self, ranks: list[int], layers: dict, order: list[list[str]] | None, files: DeepSpeedFiles
+    ) -> tuple[list[Piece], optim.Mapped]:
+        """The pieces of model-parallel ranks ``ranks`` (pipeline stages merged, or one
+        tensor-parallel rank's slices) and what their optimizer files gave."""
+        module = self._module(layers, ranks)
+        mapped = self._optimizer(module, order, files, ranks)
+        pieces = self._model_pieces(module, ranks[0]) + mapped.pieces
+        if self.stage < 3:
+            optim.check_counts(mapped, {k: tuple(v.shape) for k, v in module.items()})
+        return pieces, mapped
+
+    def _module(self, layers: dict[int, dict], ranks: list[int]) -> dict[str, torch.Tensor]:
         """The model's tensors by name: the model files' ``module``, and a pipeline's layer
         files as "<layer index>.<key>" (its stages' parameter names)."""
         module, buffers = {}, set()
-        for mp in sorted(self._models):
+        for mp in ranks:
             main = self._models[mp][0]
             module.update(main.get("module") or {})
             buffers.update(main.get("buffer_names") or [])
@@ -190,21 +215,21 @@ class DeepSpeedReader:
             raise CheckpointError(f"{self.path}: the model files hold no weights")
         return module
 
-    def _model_pieces(self, module: dict[str, torch.Tensor]) -> list[Piece]:
+    def _model_pieces(self, module: dict[str, torch.Tensor], mp: int) -> list[Piece]:
         out = []
         for name, t in module.items():
             if torch.is_tensor(t):
                 shape = tuple(t.shape)
                 out.append(Piece(f"model/{name}", shape, tuple((0, n) for n in shape), None, t))
         if self.stage == 3:
-            out += self._frozen_zero3()
+            out += self._frozen_zero3(mp)
         return out
 
-    def _frozen_zero3(self) -> list[Piece]:
+    def _frozen_zero3(self, mp: int) -> list[Piece]:
         """ZeRO-3's frozen parameters: each rank's part, in the model file of that rank."""
         out = []
-        world = len(self._models[0])
-        for rank, sd in enumerate(self._models[0]):
+        world = len(self._models[mp])
+        for rank, sd in enumerate(self._models[mp]):
             shapes = _shapes([sd.get("frozen_param_shapes") or {}])[0]
             for name, part in (sd.get("frozen_param_fragments") or {}).items():
                 n = 1
@@ -219,18 +244,21 @@ class DeepSpeedReader:
         return out
 
     def _optimizer(
-        self, module: dict, order: list[list[str]] | None, files: DeepSpeedFiles
+        self, module: dict, order: list[list[str]] | None, files: DeepSpeedFiles, ranks: list[int]
     ) -> optim.Mapped:
         """Every stage's optimizer state (one stage without a pipeline), merged."""
         out, params = optim.Mapped(), [k for k in module if k not in self._buffers]
         if self._universal is not None:
-            if self.pipeline > 1:
-                raise CheckpointError(f"{self.path}: a universal folder of a pipeline: not mapped")
+            if self.pipeline > 1 or self.tp > 1:
+                raise CheckpointError(
+                    f"{self.path}: a universal folder of a pipeline or of tensor-parallel "
+                    "ranks: not mapped"
+                )
             shapes = _shapes(self._main.get("param_shapes"))
             return universal.mapped(self.path, self._universal, shapes, self.stage)
         if order is not None and self.pipeline > 1:
             order = None  # this run's groups name all stages: cut per stage below
-        for mp in sorted(self._models):
+        for mp in ranks:
             main, optims = self._models[mp][0], self._optims.get(mp, [])
             paths = files.optim.get(mp) or files.model[mp]
             if optims:
@@ -309,6 +337,7 @@ class DeepSpeedReader:
         )
         kind = "universal checkpoint" if self._universal is not None else "checkpoint"
         return {
+            "notes": tp.describe(self.tp) if self.tp > 1 else {},
             "format": f"DeepSpeed {main.get('ds_version', '?')} {kind}",
             "layout": {
                 "zero_stage": self.stage,

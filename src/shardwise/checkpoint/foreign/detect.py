@@ -65,13 +65,15 @@ def open_checkpoint(
     verify: bool = True,
     param_order: list[list[str]] | None = None,
     samples_per_step: int = 0,
+    shapes: dict[str, tuple[int, ...]] | None = None,
 ) -> Any:
     """A reader for the checkpoint in tag directory ``path``, whatever wrote it; raises
     ``CheckpointError`` for a directory of no known format. ``verify`` applies to shardwise's
-    own (checksums); ``param_order`` to DeepSpeed's ZeRO-0 states (deepspeed.py)."""
+    own (checksums); ``param_order`` to DeepSpeed's ZeRO-0 states, ``shapes`` (the loading
+    model's whole parameter shapes) to its tensor-parallel slices (deepspeed.py)."""
     found = detect(path)
     if found == DEEPSPEED:
-        return DeepSpeedReader(path, param_order)
+        return DeepSpeedReader(path, param_order, shapes)
     if found == DCP:
         return DcpReader(path, samples_per_step)
     if found == HUGGINGFACE:

@@ -51,6 +51,7 @@ def _lines(reader: Any, where: str) -> list[str]:
     lines = [
         f"format: {info['format']} at {where}",
         f"source layout: {layout}",
+        *(f"{k}: {v}" for k, v in info.get("notes", {}).items()),
         "loads (into any layout; all of it or nothing):",
         f"  weights: {len(kinds['model'])} tensors ({_numel(reader, kinds['model'])} elements)",
         f"  fp32 masters: {len(kinds['master'])} tensors"

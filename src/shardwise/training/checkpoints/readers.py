@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from shardwise.checkpoint.foreign.detect import open_checkpoint
+from shardwise.training.checkpoints.held import layout
 
 if TYPE_CHECKING:  # annotations only
     from shardwise.training.parts import TrainParts
@@ -31,7 +32,14 @@ def param_order(parts: TrainParts) -> list[list[str]] | None:
     return [[names[id(p)] for p in g["params"]] for g in groups]
 
 
+def full_shapes(parts: TrainParts) -> dict[str, tuple[int, ...]]:
+    """Every weight's whole shape, whatever this layout splits (DeepSpeed's tensor-parallel
+    slices are placed by comparing their shapes with these)."""
+    return {p.name.partition("/")[2]: tuple(p.global_shape) for p in layout(parts).model}
+
+
 def open_for(parts: TrainParts, path: str) -> Any:
     """The reader of tag directory ``path`` for this engine's load."""
     samples = parts.batch.train_batch_size  # DCP saves steps only
-    return open_checkpoint(path, parts.config.checkpoint.verify, param_order(parts), samples)
+    verify, order = parts.config.checkpoint.verify, param_order(parts)
+    return open_checkpoint(path, verify, order, samples, full_shapes(parts))
