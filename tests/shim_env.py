@@ -12,6 +12,7 @@ check does, and the real DeepSpeed further down the path is never reached.
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -45,3 +46,16 @@ def make_shim_env(where: Path) -> str:
         f"import site; site.addsitedir({ours!r})\n"
     )
     return python
+
+
+def run_script(name: str, cmd: list[str], cwd: Path) -> None:
+    """One launch of a Hugging Face script in the shim's venv (``cmd`` starts with its python),
+    importing the shardwise under test, offline, one thread per rank; fails naming ``name``."""
+    import shardwise
+
+    src = str(Path(shardwise.__file__).parents[1])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": src, "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=scaled(300), env=env, cwd=cwd
+    )
+    assert proc.returncode == 0, f"{name}: " + proc.stdout[-3000:] + proc.stderr[-5000:]

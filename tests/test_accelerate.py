@@ -31,16 +31,12 @@ Adam's moments (the engine's), the schedule and each rank's RNG (Accelerate's).
 from __future__ import annotations
 
 import json
-import os
 import socket
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
-from waits import scaled
-
-import shardwise
+from shim_env import run_script
 
 pytest.importorskip("accelerate")
 
@@ -82,12 +78,7 @@ class Runs:
         out = self.where / name
         cmd = _command(launcher, self.python, config)
         cmd += ["--use_cpu", "--max_steps", str(STEPS), "--output_dir", str(out), *flags]
-        src = str(Path(shardwise.__file__).parents[1])  # the shardwise under test
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": src, "HF_HUB_OFFLINE": "1"}
-        proc = subprocess.run(
-            cmd, capture_output=True, text=True, timeout=scaled(300), env=env, cwd=self.where
-        )
-        assert proc.returncode == 0, f"{name}: " + proc.stdout[-3000:] + proc.stderr[-5000:]
+        run_script(name, cmd, self.where)
         self.done[name] = out
         return out
 

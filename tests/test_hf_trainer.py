@@ -35,6 +35,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from shim_env import run_script
 from waits import scaled
 
 import shardwise
@@ -100,12 +101,7 @@ class Runs:
         cmd += ["--per_device_train_batch_size", "4" if launcher is None else "2", *flags]
         if config is not None:
             cmd += ["--deepspeed", str(EXAMPLE / config)]
-        src = str(Path(shardwise.__file__).parents[1])  # the shardwise under test
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": src, "HF_HUB_OFFLINE": "1"}
-        proc = subprocess.run(
-            cmd, capture_output=True, text=True, timeout=scaled(300), env=env, cwd=self.where
-        )
-        assert proc.returncode == 0, f"{name}: " + proc.stdout[-3000:] + proc.stderr[-5000:]
+        run_script(name, cmd, self.where)
         self.done[name] = out
         return out
 
