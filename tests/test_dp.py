@@ -5,7 +5,7 @@ batch of each step. Every layout below must give the same loss at every step and
 final parameters.
 
 Tolerances. fp32 data parallelism changes only the order of additions: each rank's gradient
-is a sum over its rows, then the ranks are summed and divided by N (the reference sums all
+is a sum over its rows, divided by N, then the ranks are summed (the reference sums all
 rows at once). That reassociation costs a few ulps (~1e-7 relative) per step.
 - SGD with momentum is linear in the gradient, so the error stays at that level: parameters
   within 2e-6 absolute after 6 steps.

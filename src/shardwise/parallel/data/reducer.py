@@ -6,16 +6,20 @@ batch of N*b samples is
 
     g = (1/N) * sum_r g_r
 
-so each bucket is summed over the data-parallel group and divided by N.
+so each gradient is divided by N as it enters its bucket and the bucket is summed over the
+data-parallel group.
 
 Buckets: parameters are taken in reverse registration order (roughly the order backward
 produces their gradients) and packed into flat buffers of about ``bucket_elements``. Each
 parameter's ``.grad`` is a view into its bucket buffer, so autograd accumulates straight into
 the buffer and nothing is copied before sending. A per-parameter hook fires once the gradient
-is fully accumulated; when a bucket's last gradient arrives, its all-reduce is launched
-asynchronously and the next layers' backward runs while it travels. ``after_backward`` waits for
-all buckets, divides by N and launches any bucket whose parameters got no gradient (unused in
-this step), so every rank issues the same collectives in the same order.
+is fully accumulated; when a bucket's last gradient arrives, it is copied into the bucket
+already multiplied by 1/N (one pass, as torch DDP's reducer does: a separate division of the
+summed bucket was a second pass over the gradient, 0.9% of a step in benchmarks/dp.py), and its
+all-reduce is launched asynchronously while the next layers' backward runs. With N a power of
+two, sum_r (g_r / N) equals (sum_r g_r) / N bit for bit. ``after_backward`` waits for all
+buckets and launches any bucket whose parameters got no gradient (unused in this step), so
+every rank issues the same collectives in the same order.
 
 On accumulation micro-steps that are not the boundary the hooks do nothing: gradients keep
 accumulating locally and only the last micro-step communicates.
@@ -168,13 +172,21 @@ class DataParallelReducer:
             self._launch(b)
 
     def _launch(self, b: _Bucket) -> None:
-        for p in b.layout.params:
-            self._bind(p)
+        scale = 1.0 / self.world
+        for i, p in enumerate(b.layout.params):
+            view = b.layout.view(b.buffer, i)
+            if p.grad is None:
+                view.zero_()
+            elif p.grad.data_ptr() != view.data_ptr():
+                torch.mul(p.grad, scale, out=view)  # the copy and the average in one pass
+            else:  # accumulated in place (no zero_grad since the last step)
+                view.mul_(scale)
+            p.grad = view
         b.work = Finished() if b.solo else comm.all_reduce(b.buffer, group=b.group, async_op=True)
 
     def after_backward(self, sync: bool) -> None:
-        """At the boundary: wait for every bucket (launching those with unused parameters)
-        and average. Elsewhere gradients just accumulate."""
+        """At the boundary: wait for every bucket (launching those with unused parameters;
+        each was averaged as it was filled). Elsewhere gradients just accumulate."""
         self.sync = False  # until the next before_backward
         if not sync:
             return
@@ -186,7 +198,6 @@ class DataParallelReducer:
                 self._launch(b)
         for b in self.buckets:
             b.work.wait()
-            b.buffer.div_(self.world)
             b.work = None
             b.ready.clear()
 
