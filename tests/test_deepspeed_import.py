@@ -117,13 +117,13 @@ def four_rank_runs(tmp_path_factory) -> dict:
     path = {_id(c): str(root / _id(c)) for c in FOUR_RANK_CELLS}
     runs = {_id(c): ([], []) for c in FOUR_RANK_CELLS}  # id -> (DeepSpeed's, shardwise's)
     calls = [((c[0][0], c[0][1], path[_id(c)]), {}) for c in FOUR_RANK_CELLS]  # stage, dtype
-    for rank_results in run_distributed(in_turn, 4, deepspeed_save_and_resume, calls, timeout=600):
+    for rank_results in run_distributed(in_turn, 4, deepspeed_save_and_resume, calls, timeout=360):
         for cell, got in zip(FOUR_RANK_CELLS, rank_results, strict=True):
             runs[_id(cell)][0].append(got)
     for world in (1, 2, 4):  # the target sizes
         cells = [c for c in FOUR_RANK_CELLS if c[1][1] == world]
         calls = [((c[1][0], c[0][1], path[_id(c)], path[_id(c)] + "/sw"), {}) for c in cells]
-        for rank_results in run_distributed(in_turn, world, shardwise_resume, calls, timeout=600):
+        for rank_results in run_distributed(in_turn, world, shardwise_resume, calls):
             for cell, got in zip(cells, rank_results, strict=True):
                 runs[_id(cell)][1].append(got)
     return runs
