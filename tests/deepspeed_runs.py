@@ -19,6 +19,7 @@ the config, no gradient clipping, no dropout.
 
 import logging
 import os
+import traceback
 
 import torch
 import torch.distributed as dist
@@ -101,6 +102,21 @@ def train(engine, first: int, steps: int, dtype: str) -> list[float]:
         dist.all_reduce(mean)
         losses.append(mean.item() / dist.get_world_size())
     return losses
+
+
+def in_turn(fn, calls: list[tuple[tuple, dict]]) -> list:
+    """``fn(*args, **kwargs)`` for each call in turn on this rank, in one task of a world (one
+    world start and DeepSpeed import serve them all): each call's result, or the traceback of
+    what it raised as a string, so one call's failure is reported by its own test while the
+    others still run (a rank that fails where the others wait in a collective hangs the task;
+    the harness's timeout then ends it)."""
+    out = []
+    for args, kwargs in calls:
+        try:
+            out.append(fn(*args, **kwargs))
+        except Exception:  # noqa: BLE001 - the test of that call shows it
+            out.append(traceback.format_exc())
+    return out
 
 
 def _deepspeed():
