@@ -41,6 +41,7 @@ ZERO1, ZERO2 = ({"zero_optimization": {"stage": s}} for s in (1, 2))
 OFFLOAD = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"},
                                  "offload_param": {"device": "cpu"}}}  # fmt: skip
 TP2 = {"tensor_parallel": {"size": 2, "plan": {"net.0": "colwise", "net.2": "rowwise"}}}
+TP2_ROW = "tp2, tensor_parallel.plan colwise/rowwise MLP"
 TOL = 1e-5  # module docstring
 ROWS = {  # name: a 2-process run (lightning_fit.py's keys), against plain Lightning alike
     "dp, strategy='shardwise'": {"strategy": "shardwise"},
@@ -50,7 +51,7 @@ ROWS = {  # name: a 2-process run (lightning_fit.py's keys), against plain Light
     "zero1, accumulate_grad_batches=2": {"strategy": "shardwise", "config": ZERO1, "accumulate": 2},
     "zero2, accumulate_grad_batches=2": {"strategy": "shardwise", "config": ZERO2, "accumulate": 2},
     "zero3, offload_optimizer + offload_param to cpu": {"strategy": "shardwise", "config": OFFLOAD},
-    "tp2, tensor_parallel.plan colwise/rowwise MLP": {"strategy": "shardwise", "config": TP2},
+    TP2_ROW: {"strategy": "shardwise", "config": TP2},
 }
 RUN = {name: f"row{i}" for i, name in enumerate(ROWS)}  # output folder of each row
 
@@ -107,6 +108,17 @@ def one(tmp_path_factory, two) -> Path:
 def test_two_processes_train_like_plain_lightning_in_one(two, one, name):
     accumulate = ROWS[name].get("accumulate", 1)
     _assert_same(_run(two / RUN[name]), _run(one / f"plain-acc{accumulate}"), name)
+
+
+def test_tensor_parallelism_split_the_mlp(two):
+    """The tp2 row ran split, not replicated: rank 0's module holds half of the first layer's
+    output features and half of the second's input features (the biases of a row split stay
+    whole), while the saved weights are whole."""
+    local = json.loads((two / RUN[TP2_ROW] / "local-shapes.json").read_text())
+    whole = {k: list(v.shape) for k, v in _run(two / RUN[TP2_ROW])[1].items()}
+    split = {"net.0.weight": [8, 8], "net.0.bias": [8], "net.2.weight": [4, 8], "net.2.bias": [4]}
+    assert local == split, f"{TP2_ROW}: rank 0 holds {local}, whole {whole}"
+    assert whole["net.0.weight"] == [16, 8], f"{TP2_ROW}: params.pt holds {whole}"
 
 
 def test_resume_at_another_world_size_and_layout_is_exact(two, one):

@@ -12,7 +12,7 @@ checkpoint path). Lightning starts the other processes itself, once (it runs thi
 with LOCAL_RANK set; the later Trainers find LOCAL_RANK and start none). For run NAME each rank
 writes ``OUT/NAME/losses-rank<R>.json`` (the loss of its own batch at every step: with equal
 per-rank batches their mean is the global batch's loss); rank 0 writes the final weights, whole,
-to ``OUT/NAME/params.pt``. The data are the same 32 samples in order, split over the data ranks,
+to ``OUT/NAME/params.pt``, and the shapes its module holds to ``local-shapes.json``. The data are the same 32 samples in order, split over the data ranks,
 so every world size and layout sees the same global batches.
 """
 
@@ -108,6 +108,8 @@ def fit(out: Path, devices: int, run: dict) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / f"losses-rank{rank}.json").write_text(json.dumps(model.losses))
     if rank == 0:
+        local = {k: list(v.shape) for k, v in model.state_dict().items()}  # split under TP
+        (out / "local-shapes.json").write_text(json.dumps(local))
         state = whole.state if whole.state is not None else model.state_dict()
         torch.save({k: v.detach().float().cpu() for k, v in state.items()}, out / "params.pt")
 
