@@ -15,6 +15,7 @@ pytest.importorskip(
 
 from shardwise.integrations.lightning.config import engine_config, storable  # noqa: E402
 from shardwise.integrations.lightning.precision import ShardwisePrecision  # noqa: E402
+from shardwise.integrations.lightning.strategy import ShardwiseStrategy  # noqa: E402
 
 
 def _cfg(config=None, accumulate=1, clip=None, algorithm=None, precision="32-true", batch=None):
@@ -50,6 +51,34 @@ def test_a_config_that_disagrees_with_the_trainer_is_refused(tmp_path):
         _cfg(42)
     with pytest.raises(ValueError, match="not supported by ShardwiseStrategy"):
         ShardwisePrecision("64-true")
+
+
+PIPELINES = {  # name: (the config's pipeline block, refused)
+    "2 stages": ({"stages": 2}, True),
+    "4 stages, 1f1b schedule": ({"stages": 4, "schedule": "1f1b"}, True),
+    "1 stage: no pipeline": ({"stages": 1}, False),
+    "auto: a PipelineModule's own count, none here": ({"stages": "auto"}, False),
+}
+
+
+@pytest.mark.parametrize("name", list(PIPELINES))
+def test_a_pipeline_config_is_refused_when_the_strategy_is_made(tmp_path, name):
+    """A LightningModule is not a PipelineModule: refused by ShardwiseStrategy(config=...),
+    before the Trainer starts any process, naming the key and the fix (a dict or a JSON path),
+    and by the config the strategy hands to initialize."""
+    block, refused = PIPELINES[name]
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"pipeline": block}))
+    for config in ({"pipeline": block}, str(path)):
+        if not refused:
+            ShardwiseStrategy(config=config)
+            assert _cfg(config)["pipeline"] == block, name
+            continue
+        fix = "pipeline.stages=.* LightningModule cannot be cut into pipeline stages. Drop"
+        with pytest.raises(ValueError, match=fix):
+            ShardwiseStrategy(config=config)
+        with pytest.raises(ValueError, match=fix):
+            _cfg(config)
 
 
 def test_the_checkpoint_keeps_lightnings_state_but_not_the_model_or_pickles(caplog):

@@ -50,6 +50,21 @@ def load_config(config: dict | str | Path | None) -> dict:
     return copy.deepcopy(config)
 
 
+def refuse_pipeline(cfg: dict) -> None:
+    """A pipeline config is refused: a LightningModule is not a list of layers to cut into
+    stages (its ``training_step`` runs the whole model), and the engine's forward, which
+    Lightning calls, runs no pipeline schedule."""
+    block = cfg.get("pipeline")
+    stages = block.get("stages", 1) if isinstance(block, dict) else 1
+    if stages not in (1, "auto"):
+        raise ValueError(
+            f"pipeline.stages={stages!r} under ShardwiseStrategy: a LightningModule cannot be "
+            "cut into pipeline stages. Drop pipeline.stages (or set it to 1) and split the model "
+            "with tensor_parallel or ZeRO instead, or train a shardwise.pipe.PipelineModule "
+            "with engine.train_batch outside Lightning"
+        )
+
+
 def _set(cfg: dict, key: str, value: Any, flag: str) -> None:
     """``cfg[key] = value``, unless the config already names another value."""
     if key in cfg and cfg[key] not in (value, "auto"):
@@ -85,6 +100,7 @@ def engine_config(
 ) -> dict:
     """The config ``shardwise.initialize`` gets (module docstring)."""
     cfg = load_config(config)
+    refuse_pipeline(cfg)
     _set(cfg, "gradient_accumulation_steps", int(accumulate), "accumulate_grad_batches")
     if clip_val:
         if clip_algorithm not in (None, "norm"):

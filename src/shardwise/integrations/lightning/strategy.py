@@ -7,11 +7,14 @@ callbacks), with the model, the optimizer, backward, the step and checkpoints ha
 
     setup_environment  torch.distributed through shardwise.init_distributed (its timeouts,
                        its hang diagnosis), with Lightning's ranks and master address
+    __init__           a pipeline config refused (a LightningModule is not a list of stages)
     setup              the engine: initialize(model=the LightningModule, optimizer=what
                        configure_optimizers returns (or the config's "optimizer"), config=the
                        strategy's, with the Trainer's accumulation, clipping and precision);
-                       Lightning's schedulers are pointed at the engine's optimizer (rebuilt
-                       over master shards under ZeRO) and Lightning keeps stepping them
+                       configure_optimizers is called by initialize once the model is
+                       rewritten, so it sees the layers tensor parallelism split; Lightning's
+                       schedulers are pointed at the engine's optimizer (rebuilt over master
+                       shards under ZeRO) and Lightning keeps stepping them
     training_step      through the engine's forward (ZeRO-3 gathers, casts, context scope)
     optimizer_step     the closure, then engine.step() (precision.py), the accumulation
                        boundary told by Lightning's loop (a short last window steps too)
@@ -20,11 +23,13 @@ callbacks), with the model, the optimizer, backward, the step and checkpoints ha
     load_checkpoint    engine.load_checkpoint(path), after setup: any layout, any number of
                        devices; Lightning restores loops, callbacks and schedulers from it
     teardown           the engine's hooks removed; under ZeRO-3 the module gets its whole
-                       weights back, so it can be used (or trained again) as any module
+                       weights back, so it can be used (or trained again) as any module;
+                       under tensor parallelism it keeps its split layers
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Mapping
 from datetime import timedelta
@@ -46,7 +51,12 @@ if TYPE_CHECKING:  # annotations only
     from lightning.pytorch.utilities.enums import GradClipAlgorithmType
 
 import shardwise
-from shardwise.integrations.lightning.config import engine_config, storable
+from shardwise.integrations.lightning.config import (
+    engine_config,
+    load_config,
+    refuse_pipeline,
+    storable,
+)
 from shardwise.integrations.lightning.precision import ShardwisePrecision
 
 
@@ -109,6 +119,7 @@ class ShardwiseStrategy(DDPStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
+        refuse_pipeline(load_config(config))  # before the Trainer starts any process
         self.config = config
         self._engine: TrainingEngine | None = None
         self._failed = False
@@ -177,15 +188,10 @@ class ShardwiseStrategy(DDPStrategy):
             str(self.precision_plugin.precision),
             _loader_batch_size(trainer),
         )
-        optimizer, schedulers = None, []
+        schedulers: list = []
+        optimizer = None
         if fitting and "optimizer" not in cfg:
-            optimizers, schedulers = _init_optimizers_and_lr_schedulers(self.lightning_module)
-            if len(optimizers) != 1:
-                raise ValueError(
-                    f"configure_optimizers returned {len(optimizers)} optimizers: "
-                    "ShardwiseStrategy trains with one (or the config's 'optimizer' block)"
-                )
-            optimizer = optimizers[0]
+            optimizer = functools.partial(_configured_optimizer, self.lightning_module, schedulers)
         engine, opt, _, _ = shardwise.initialize(
             model=self.lightning_module, optimizer=optimizer, config=cfg
         )
@@ -296,6 +302,22 @@ class ShardwiseStrategy(DDPStrategy):
             config = {"zero_optimization": {"stage": stage}} if stage else None
             what = f"ZeRO stage {stage}" if stage else "the layout its config names"
             strategy_registry.register(name, cls, description=f"shardwise: {what}", config=config)
+
+
+def _configured_optimizer(
+    module: pl.LightningModule, schedulers: list, params: list
+) -> torch.optim.Optimizer:
+    """The one optimizer of ``configure_optimizers``, its schedulers appended to ``schedulers``.
+    ``initialize`` calls it after rewriting the model, so that the optimizer holds the layers
+    tensor parallelism split (built before, it would hold the replaced whole weights)."""
+    optimizers, configs = _init_optimizers_and_lr_schedulers(module)
+    if len(optimizers) != 1:
+        raise ValueError(
+            f"configure_optimizers returned {len(optimizers)} optimizers: "
+            "ShardwiseStrategy trains with one (or the config's 'optimizer' block)"
+        )
+    schedulers.extend(configs)
+    return optimizers[0]
 
 
 def _algorithm(value: str | GradClipAlgorithmType | None) -> str | None:
