@@ -9,7 +9,8 @@ the forward and for the gradient only before the backward, and sends the forward
 before the backward computes: checked here on a stage with recording links, without
 processes. Then PP2, PP4 and TP2 x PP2 (whose messages travel in 1/TP chunks gathered at the
 wait) train bit for bit as the same schedule with each pair run one unit after the other
-(``engine.pipeline.overlap = False``): the same products in the same order.
+(``"pipeline": {"overlap_forward_backward": false}``, which reaches the schedule: no F&B step
+runs then): the same products in the same order.
 """
 
 import pytest
@@ -127,11 +128,10 @@ def _train(model, pp, tp, gas, overlap):
         "gradient_accumulation_steps": gas,
         "gradient_clipping": 0.05,
         "optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}},
-        "pipeline": {"schedule": "dualpipev", "chunks": 2},
+        "pipeline": {"schedule": "dualpipev", "chunks": 2, "overlap_forward_backward": overlap},
         "tensor_parallel": {"size": tp, "plan": BLOCKS_PLAN if tp > 1 else None},
     }
     engine, *_ = shardwise.initialize(model=_module(model, pp), config=config)
-    engine.pipeline.overlap = overlap
     handlers, steps = engine.pipeline.executor._handlers, []
     run_pair = handlers[Op.FORWARD_BACKWARD]
     handlers[Op.FORWARD_BACKWARD] = lambda st, ins: (steps.append(ins), run_pair(st, ins))
