@@ -145,8 +145,11 @@ SCHEDULES = ["1f1b", "gpipe", "interleaved", "zb-h1", "zbv", "dualpipev"]
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_moe_aux_losses_train_like_one_process_under_a_pipeline(one_process, schedule):
-    want = one_process
-    for rank, got in enumerate(run_distributed(_train, 2, schedule)):
+    want, runs = one_process, run_distributed(_train, 2, schedule)
+    # DeepSpeed's train_batch: the last stage's mean loss (task + every stage's terms, as
+    # Megatron-DeepSpeed carries them), the same number on every stage.
+    assert runs[0]["losses"] == runs[1]["losses"], f"pp2 {schedule}: the stages report apart"
+    for rank, got in enumerate(runs):
         tag = f"pp2 {schedule} rank {rank}"
         assert got["blocks"], f"{tag}: this stage holds no MoE block; the cut tests nothing"
         assert got["losses"] == pytest.approx(want["losses"], rel=1e-5), tag
