@@ -11,10 +11,12 @@ with the same torch AdamW, on the same micro-batches:
     ours   shardwise.pipe.PipelineModule, engine.train_batch (schedule "1f1b")
     torch  PipelineStage + Schedule1F1B(n_microbatches=m), then opt.step() / zero_grad()
 
-With --zero-bubble four more (issue 29): ours "zb-h1" and "zbv" (two chunks per stage in a V,
+With --zero-bubble six more (issue 29): ours "zb-h1" and "zbv" (two chunks per stage in a V,
 cut by the same ``type:Block`` partition into 4 virtual stages), torch's
 ScheduleInterleavedZeroBubble (one stage per rank: ZB1P, the same algorithm as ZB-H1) and
-ScheduleZBVZeroBubble (the same 4 virtual stages, rank 0 holding stages 0 and 3). After the
+ScheduleZBVZeroBubble (the same 4 virtual stages, rank 0 holding stages 0 and 3), and ours
+"dualpipev" against torch's ScheduleDualPipeV on those same 4 virtual stages (DeepSeek's
+DualPipeV: F&B steps pairing one chunk's forward with the other's backward). After the
 timed rounds one more step of each runs with a saved-tensor meter on (outside the timing: it
 costs a Python call per saved tensor): the peak activation bytes the slowest-memory rank held
 (parallel/pipeline/meter.py; ours also books what B keeps for W, each linear's input and output
@@ -112,8 +114,11 @@ class Contender:
     peak: int = 0
 
 
+V_SHAPED = ("zbv", "dualpipev")  # two chunks per stage, stage 0 holding the first and the last
+
+
 def build_ours(args: argparse.Namespace, schedule: str = "1f1b") -> tuple[Contender, list[int]]:
-    v_shape = schedule == "zbv"
+    v_shape = schedule in V_SHAPED
     net = PipelineModule(
         gpt_layers(args),
         num_stages=2,
@@ -144,8 +149,10 @@ def build_ours(args: argparse.Namespace, schedule: str = "1f1b") -> tuple[Conten
         engine.pipeline.track_activations(False)
         return peak
 
-    name = {"1f1b": "shardwise 1F1B", "zb-h1": "shardwise ZB-H1", "zbv": "shardwise ZBV"}[schedule]
-    c = Contender(name, step, loss_rank=0 if v_shape else 1, measure=measure, schedule=schedule)
+    name = {"1f1b": "1F1B", "zb-h1": "ZB-H1", "zbv": "ZBV", "dualpipev": "DualPipeV"}[schedule]
+    loss_rank = 0 if v_shape else 1
+    c = Contender(f"shardwise {name}", step, loss_rank=loss_rank, measure=measure)
+    c.schedule = schedule
     return c, list(net.parts)
 
 
@@ -153,15 +160,16 @@ TORCH_SCHEDULES = {
     "1f1b": "Schedule1F1B",
     "zb-h1": "ScheduleInterleavedZeroBubble",
     "zbv": "ScheduleZBVZeroBubble",
+    "dualpipev": "ScheduleDualPipeV",
 }
 
 
 def build_torch(args: argparse.Namespace, parts: list[int], schedule: str = "1f1b") -> Contender:
-    """torch's stages over our cut ``parts`` (4 virtual stages for zbv, rank r holding r and
-    3 - r), and torch's schedule of the same name."""
+    """torch's stages over our cut ``parts`` (4 virtual stages for zbv and dualpipev, rank r
+    holding r and 3 - r), and torch's schedule of the same name."""
     import torch.distributed.pipelining as pipelining
 
-    rank, v_shape = dist.get_rank(), schedule == "zbv"
+    rank, v_shape = dist.get_rank(), schedule in V_SHAPED
     layers = gpt_layers(args)
     indices = [rank, 3 - rank] if v_shape else [rank]
     modules = [nn.Sequential(*layers[parts[w] : parts[w + 1]]) for w in indices]
@@ -255,7 +263,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--zero-bubble",
         action="store_true",
-        help="also ZB-H1 and ZBV, ours and torch's (ScheduleInterleavedZeroBubble, ZBV)",
+        help="also ZB-H1, ZBV and DualPipeV, ours and torch's (ScheduleInterleavedZeroBubble, "
+        "ScheduleZBVZeroBubble, ScheduleDualPipeV)",
     )
     p.set_defaults(micro_batch=2)
     return p.parse_args(argv)
@@ -268,6 +277,8 @@ def contenders_for(args: argparse.Namespace) -> tuple[list[Contender], list[int]
         zb, _ = build_ours(args, "zb-h1")
         zbv, v_parts = build_ours(args, "zbv")
         out += [zb, build_torch(args, parts, "zb-h1"), zbv, build_torch(args, v_parts, "zbv")]
+        dual, _ = build_ours(args, "dualpipev")  # the same V cut as zbv's
+        out += [dual, build_torch(args, v_parts, "dualpipev")]
     return out, parts
 
 

@@ -43,7 +43,8 @@ DEFAULTS = [  # the DeepSpeed blocks' defaults are pinned, row by row, in test_c
     ("steps_per_print", None),  # DeepSpeed's since 0.15: no step line (docs/config.md)
     ("communication_data_type", None), ("tensor_parallel.size", 1),
     ("pipeline.stages", 1), ("pipeline.schedule", "1f1b"), ("pipeline.activation_checkpoint_interval", 0),
-    ("pipeline.pipe_partitioned", True), ("activation_checkpointing.checkpoint_layers", None),
+    ("pipeline.pipe_partitioned", True), ("pipeline.overlap_forward_backward", True),
+    ("activation_checkpointing.checkpoint_layers", None),
     ("checkpoint.keep_last", None), ("checkpoint.tag_validation", "Warn"),
     ("checkpoint.load_universal", False), ("checkpoint.parallel_write.pipeline_stage", False),
     ("checkpoint.save_dir", None), ("checkpoint.save_interval_steps", None), ("checkpoint.auto_resume", False),
@@ -121,6 +122,7 @@ TYPE_ERRORS = [
     ({"pipeline": {"schedule": "zigzag"}}, "pipeline.schedule", 'expected one of "1f1b", "gpipe", "interleaved"'),
     ({"pipeline": {"stages": "two"}}, "pipeline.stages", 'expected an integer or "auto", got the string "two"'),
     ({"pipeline": {"stages": 0}}, "pipeline.stages", 'must be >= 1 or "auto", got 0'),
+    ({"pipeline": {"schedule": "dualpipev", "overlap_forward_backward": "no"}}, "pipeline.overlap_forward_backward", 'expected true or false, got the string "no"'),
     ({"activation_checkpointing": {"checkpoint_layers": "some"}}, "activation_checkpointing.checkpoint_layers", 'or "all", got the string "some"'),
 ]
 # fmt: on
@@ -381,6 +383,30 @@ PARTITIONS = [
 @pytest.mark.parametrize("pipeline, key, message", PARTITIONS, ids=[m for *_, m in PARTITIONS])
 def test_pipeline_partition_methods(pipeline, key, message):
     refused({"pipeline": pipeline}, key, message)
+
+
+# (schedule, value given, value parsed or None when refused naming the key)
+OVERLAP = [
+    ("dualpipev", True, True),
+    ("dualpipev", False, False),
+    ("dualpipev", "auto", True),  # "auto" is the default, as for any key
+    ("1f1b", True, None),
+    ("zbv", False, None),  # the other V schedule has no F&B steps either
+    ("zb-h1", True, None),
+    ("interleaved", "auto", True),
+]
+
+
+@pytest.mark.parametrize(
+    "schedule, value, parsed", OVERLAP, ids=[f"{s}-{v}" for s, v, _ in OVERLAP]
+)
+def test_overlap_forward_backward_is_dualpipevs_alone(schedule, value, parsed):
+    source = {"pipeline": {"schedule": schedule, "overlap_forward_backward": value}}
+    if parsed is None:
+        refused(source, "pipeline.overlap_forward_backward", 'set "schedule": "dualpipev"')
+    else:
+        got = parse_quietly(source).pipeline.overlap_forward_backward
+        assert got is parsed, f"{schedule} with {value!r}: parsed {got!r}"
 
 
 # --- checkpoint -------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ micro-batch) with plain PyTorch. Tolerance (fp32, SGD with momentum, clipping en
 steps): losses 1e-5 relative, parameters 1e-6 absolute, the bounds of test_pipe_zb_compose.py;
 a stage that leaves its auxiliary terms out of the backward or of the reported loss is off by
 about AUX * l_aux ~ 0.1 (checked: the reference without them differs by more than 1e-2).
+Expert parallelism (ep_size > 1) inside a pipeline stays refused, naming what to change.
 """
 
 from pathlib import Path
@@ -36,10 +37,10 @@ STEPS, MB, GAS, LR, CLIP = 10, 2, 4, 0.1, 0.5
 class MoEBlock(nn.Module):
     """x + MoE(x): four experts, each with its own weights (MoE builds equal copies)."""
 
-    def __init__(self, width: int) -> None:
+    def __init__(self, width: int, ep_size: int = 1) -> None:
         super().__init__()
         expert = nn.Sequential(nn.Linear(width, 2 * width), nn.Tanh(), nn.Linear(2 * width, width))
-        self.moe = MoE(width, expert, EXPERTS, k=1, use_rts=False)
+        self.moe = MoE(width, expert, EXPERTS, ep_size=ep_size, k=1, use_rts=False)
         with torch.no_grad():  # drawn from the global stream: the pipeline replays it alike
             for p in self.moe.deepspeed_moe.experts.parameters():
                 p.normal_(0.0, 0.5)
@@ -48,10 +49,10 @@ class MoEBlock(nn.Module):
         return x + self.moe(x)[0]
 
 
-def layers() -> list:
+def layers(ep_size: int = 1) -> list:
     return [
         LayerSpec(nn.Linear, 6, H),
-        *[LayerSpec(MoEBlock, H) for _ in range(4)],
+        *[LayerSpec(MoEBlock, H, ep_size) for _ in range(4)],
         LayerSpec(nn.Linear, H, 1),
     ]
 
@@ -144,8 +145,11 @@ SCHEDULES = ["1f1b", "gpipe", "interleaved", "zb-h1", "zbv", "dualpipev"]
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_moe_aux_losses_train_like_one_process_under_a_pipeline(one_process, schedule):
-    want = one_process
-    for rank, got in enumerate(run_distributed(_train, 2, schedule)):
+    want, runs = one_process, run_distributed(_train, 2, schedule)
+    # DeepSpeed's train_batch: the last stage's mean loss (task + every stage's terms, as
+    # Megatron-DeepSpeed carries them), the same number on every stage.
+    assert runs[0]["losses"] == runs[1]["losses"], f"pp2 {schedule}: the stages report apart"
+    for rank, got in enumerate(runs):
         tag = f"pp2 {schedule} rank {rank}"
         assert got["blocks"], f"{tag}: this stage holds no MoE block; the cut tests nothing"
         assert got["losses"] == pytest.approx(want["losses"], rel=1e-5), tag
@@ -155,6 +159,27 @@ def test_moe_aux_losses_train_like_one_process_under_a_pipeline(one_process, sch
             assert diff <= 1e-6, f"{tag}: {k} differs by {diff:.2e}"
         evaluated = _one_process_eval(want["params"])
         assert got["eval"] == pytest.approx(evaluated, rel=1e-5), f"{tag}: eval_batch"
+
+
+def _refusal_with_experts_split() -> str:
+    module = PipelineModule(layers(ep_size=2), num_stages=2, loss_fn=F.mse_loss)
+    config = {
+        "train_micro_batch_size_per_gpu": MB,
+        "optimizer": {"type": "SGD", "params": {"lr": LR}},
+    }
+    try:
+        shardwise.initialize(model=module, config=config)
+    except NotImplementedError as refusal:
+        return str(refusal)
+    return "accepted"
+
+
+def test_expert_parallelism_inside_a_pipeline_is_refused_naming_the_keys_and_the_fix():
+    """MoE(ep_size=2) on two stages is not implemented: initialize says so on every stage, with
+    the MoE argument, the config keys and their values, and the fix (docs/support-matrix.md)."""
+    for rank, text in enumerate(run_distributed(_refusal_with_experts_split, 2)):
+        for part in ("MoE(ep_size=2)", "pipeline.stages=2", "tensor_parallel.size=1", "ep_size=1"):
+            assert part in text, f"pp2 ep2 rank {rank}: {part!r} not in {text!r}"
 
 
 # ---------------------------------------------------------------- shardwise verify --fuzz

@@ -2,8 +2,8 @@
 blocks.
 
 ``pipeline`` and ``activation_checkpointing`` keep DeepSpeed's keys; ``tensor_parallel``,
-``context_parallel``, the pipeline ``schedule`` and ``activation_checkpointing.checkpoint_layers``
-are shardwise's own.
+``context_parallel``, the pipeline ``schedule``, ``chunks`` and ``overlap_forward_backward``, and
+``activation_checkpointing.checkpoint_layers`` are shardwise's own.
 """
 
 from __future__ import annotations
@@ -53,12 +53,18 @@ class ContextParallelConfig:
 
 @dataclass(frozen=True)
 class PipelineConfig:
-    """``"pipeline": {...}``: DeepSpeed's keys plus ``schedule`` and ``chunks``.
+    """``"pipeline": {...}``: DeepSpeed's keys plus ``schedule``, ``chunks`` and
+    ``overlap_forward_backward``.
 
     ``stages`` defaults to 1 here (DeepSpeed: "auto"); "auto" means "as many as the PipelineModule
     was built with". ``partition`` is DeepSpeed's config name for the PipelineModule argument
     ``partition_method`` (either key is accepted): "parameters", "uniform", "type:<regex>", or
     "best" (DeepSpeed's config default, which its engine never reads; treated as "parameters").
+    ``overlap_forward_backward`` (DeepSpeed has no such key; DeepSeek's DualPipe hook is
+    ``overlaped_forward_backward``, torch's action ``OVERLAP_F_B``): in "dualpipev"'s F&B steps,
+    overlap one unit's messages with the other's compute (true), or run the pair's units one
+    after the other (false); the results are equal bit for bit. Given with another schedule it
+    is refused: no other schedule has F&B steps.
     """
 
     EXAMPLE: ClassVar[str] = '{"stages": 2, "schedule": "1f1b"}'
@@ -72,6 +78,7 @@ class PipelineConfig:
     grad_partitioned: bool = True
     schedule: Literal["1f1b", "gpipe", "interleaved", "zb-h1", "zbv", "dualpipev"] = "1f1b"
     chunks: int = spec(1, ge=1)  # model chunks per stage: interleaved v, zbv / dualpipev 2
+    overlap_forward_backward: bool = True  # dualpipev's F&B steps (executor.py)
 
 
 @dataclass(frozen=True)
@@ -127,6 +134,13 @@ def parse_pipeline(raw: object, notes: Notes) -> PipelineConfig:
     if isinstance(pipe.stages, int) and pipe.stages < 1:
         raise fail(join(path, "stages"), f'must be >= 1 or "auto", got {pipe.stages}')
     _check_partition(pipe.partition, join(path, "partition"))
+    overlap = raw.get("overlap_forward_backward", "auto")  # "auto": the default, as anywhere
+    if overlap != "auto" and pipe.schedule != "dualpipev":
+        raise fail(
+            join(path, "overlap_forward_backward"),
+            f'only the "dualpipev" schedule pairs a forward with a backward (F&B steps), not '
+            f'"{pipe.schedule}": remove the key or set "schedule": "dualpipev"',
+        )
     return pipe
 
 

@@ -103,9 +103,10 @@ Each feature is a config fragment:
 TAIL = """
 Every pair not listed is accepted by this validation. Refusals that need the model are made by
 `initialize` on the workers, before the first step, and named there: MoE layers with
-`context_parallel.size` > 1, MoE `ep_size` > 1 with pipeline or tensor parallelism, ZeRO-3 with
-MoE layers over several data ranks (`zero_optimization.stage`), Ulysses with a query-head count
-that `context_parallel.size` does not divide on each tensor-parallel rank
+`context_parallel.size` > 1, MoE `ep_size` > 1 with pipeline or tensor parallelism (the `MoE`
+argument `ep_size`, with `pipeline.stages` and `tensor_parallel.size`; the fix: `ep_size=1`),
+ZeRO-3 with MoE layers over several data ranks (`zero_optimization.stage`), Ulysses with a
+query-head count that `context_parallel.size` does not divide on each tensor-parallel rank
 (`context_parallel.size`), `context_parallel.size` > 1 with pipeline stages, a tensor-parallel
 plan that fits no module, a DeepSpeed `ProcessTopology` given to `PipelineModule` whose sizes
 differ from the layout, checkpointed layers that match nothing. `shardwise verify --fuzz`

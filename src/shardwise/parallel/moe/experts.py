@@ -41,15 +41,18 @@ def bind_experts(model: nn.Module, mesh: ProcessMesh) -> None:
     Every rank calls this together (it makes the groups); ep_size must divide the data size."""
     layers = moe_layers(model)
     topo = mesh.topology
-    expert_parallel = any(m.ep_size > 1 for _, m in layers)
+    ep = max((m.ep_size for _, m in layers), default=1)
     if topo.pp * topo.tp > 1:  # a pipeline stage without MoE layers must refuse too
-        flag = torch.tensor([int(expert_parallel)], dtype=torch.int32)
-        comm.all_reduce(flag, op=comm.ReduceOp.MAX)
-        expert_parallel = bool(flag.item())
-    if expert_parallel and topo.pp * topo.tp > 1:
+        largest = torch.tensor([ep], dtype=torch.int32)
+        comm.all_reduce(largest, op=comm.ReduceOp.MAX)
+        ep = int(largest.item())
+    if ep > 1 and topo.pp * topo.tp > 1:
         raise NotImplementedError(
-            f"MoE with ep_size > 1 runs on data parallelism only (pipeline {topo.pp} x tensor "
-            f"{topo.tp} here): set pipeline stages and tensor_parallel.size to 1, or ep_size=1"
+            f"MoE(ep_size={ep}) with pipeline.stages={topo.pp} and tensor_parallel.size="
+            f"{topo.tp}: expert parallelism runs over data ranks only (not implemented inside "
+            "a pipeline or with tensor parallelism); build the MoE layers with ep_size=1 (each "
+            "rank keeps all of its layers' experts), or set pipeline.stages and "
+            "tensor_parallel.size to 1"
         )
     if layers and topo.cp > 1:
         raise NotImplementedError(

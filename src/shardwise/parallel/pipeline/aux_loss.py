@@ -13,7 +13,9 @@ its own terms: its backward of micro-batch i starts from its output with the rec
 *and* from a_i = sum of its f(l), with gradient S / m (m micro-batches, S the fp16 loss scale),
 what the last stage gives its loss: dL/d(a_i) = 1, so every parameter gets the one-process
 gradient of L = mean_i L_i. The reported loss is mean_i L_i too: each stage adds sum_i a_i / m
-and the stages' sums are added over the pipeline group.
+and the stages' sums are added over the pipeline group. DeepSpeed reports the same number for
+its MoE pipelines (Megatron-DeepSpeed's GPTModelPipe carries sum_l l_aux with the activations
+into the last stage's loss_fn, whose mean train_batch returns); we add instead of carrying.
 
 ``moe_aux_loss(w)`` is f for DeepSpeed's MoE layers: w times the sum of the ``l_aux`` of every
 MoE layer (``MOELayer``) inside l.

@@ -199,7 +199,8 @@ def build_runner(
     # Sequence parallelism leaves boundary activations split along the sequence: sent whole.
     sp = cfg.tensor_parallel.sequence_parallel
     split = (cfg.pipeline.pipe_partitioned and not sp, cfg.pipeline.grad_partitioned and not sp)
-    return PipelineRunner(model, mesh, cfg.pipeline.schedule, dtype, loss_fn, split)
+    overlap = cfg.pipeline.overlap_forward_backward  # dualpipev's F&B steps
+    return PipelineRunner(model, mesh, cfg.pipeline.schedule, dtype, loss_fn, split, overlap)
 
 
 def stage_plan(model: nn.Module, plan: dict[str, str], mesh: ProcessMesh) -> dict[str, str]:

@@ -15,7 +15,8 @@ returns dX only and leaves (X, dY, weight, bias) in the sink. W (``weight_backwa
 dW and db from them and hands them to autograd (``torch.autograd.backward(weight, dW)``), so
 they accumulate into ``.grad`` through the parameters' own accumulators and fire the hooks the
 gradient strategies listen to. Without a sink the linear's backward does W at once (a nested
-autograd call): the fused backward.
+autograd call): the fused backward, ~6 % dearer than torch's own linear, so the executor
+turns the splitter off for the micro-batches whose backward its program does not split.
 
 Exactness: these are the products torch's own linear backward computes (addmm's and mm's
 derivatives: dX = dY.mm(W); dW = dY^T.mm(X), or X^T.mm(dY) transposed when the weight is

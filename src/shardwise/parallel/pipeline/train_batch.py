@@ -55,15 +55,17 @@ class PipelineRunner:
         compute_dtype: torch.dtype = torch.float32,
         loss_fn: Callable[..., Any] | None = None,
         partitioned: tuple[bool, bool] = (False, False),
+        overlap: bool = True,
     ) -> None:
-        """``partitioned``: (activations, gradients) sent in 1/TP chunks (p2p.py). The
-        schedule fits the module's chunks (setup.py refuses a mismatch, naming the key)."""
+        """``partitioned``: (activations, gradients) sent in 1/TP chunks (p2p.py); ``overlap``:
+        the config's ``pipeline.overlap_forward_backward``. The schedule fits the module's
+        chunks (setup.py refuses a mismatch, naming the key)."""
         self.module = module
         self.mesh = mesh
         self.schedule = schedule
         # F&B steps (dualpipev) overlap one unit's messages with the other's compute; False
         # runs each pair's units one after the other (instructions.unpair): equal results.
-        self.overlap = True
+        self.overlap = overlap
         self.stages = mesh.topology.pp
         self.stage_id = mesh.pp_rank
         self.peers = mesh.axis_ranks("pp")
