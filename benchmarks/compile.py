@@ -8,10 +8,13 @@ the same seeded weights for every contender, trained with the same torch AdamW:
     ours dp2          shardwise.initialize, plain data parallelism
     ours zero3x2      ZeRO-3 (zero_optimization.stage 3)
     ours tp2          tensor_parallel.size 2, the blocks-only plan (every rank: the whole batch)
+    ours cp2 ring     context_parallel.size 2, ring attention (every rank: half of each sequence)
+    ours ep2 (MoE)    each block's feed-forward a MoE of 4 MLPs, 2 per rank (its own model: a
+                      family of its own, beside the others, not comparable with them)
     fsdp2             torch's fully_shard on each block, then on the model (torchtitan's order)
 
-each eager and compiled: ours with ``"compile": {"enabled": true, "backend": B}`` (each block's
-forward compiled, docs/compile.md), FSDP2 with each block replaced by ``torch.compile(block)``
+each eager and compiled: ours with ``"compile": {"enabled": true, "backend": B}`` (the whole
+model one region for DP, each block's forward for ZeRO-3 and TP, docs/compile.md), FSDP2 with each block replaced by ``torch.compile(block)``
 before ``fully_shard`` (torchtitan's ``apply_compile``). A contender's first step compiles
 (its warmup, untimed); rounds interleave the contenders; a step (forward, backward, AdamW
 step, zeroing) costs what the slowest rank took; figures are medians. Printed per family: the
@@ -51,6 +54,10 @@ LR = 1e-3
 # Inductor fuses and reorders sums inside a block: eager and compiled losses of one family
 # differ by rounding, about 1e-6 relative per step; a broken contender is off by far more.
 LOSS_TOLERANCE = 1e-3
+# The MoE family: 4 experts, 2 per rank. Without DeepSpeed's random token selection (use_rts,
+# on by default): it draws from the global generator, which the interleaved contenders share,
+# so eager and compiled dropped different tokens (losses 5e-3 apart; without it, 2e-7).
+MOE = {"moe_experts": 4, "ep": 2, "moe_args": {"use_rts": False}}
 
 
 @dataclass
@@ -68,7 +75,7 @@ class Contender:
     graphs_total: int = 0
 
 
-def make_gpt(args: argparse.Namespace) -> torch.nn.Module:
+def make_gpt(args: argparse.Namespace, **moe: int) -> torch.nn.Module:
     torch.manual_seed(0)
     cfg = GPT_MODULE.GPTConfig(
         vocab_size=args.vocab,
@@ -76,11 +83,13 @@ def make_gpt(args: argparse.Namespace) -> torch.nn.Module:
         n_layer=args.layers,
         n_head=args.heads,
         n_embd=args.d_model,
+        **moe,  # moe_experts, ep: the MoE family's feed-forward
     )
     return GPT_MODULE.GPT(cfg)
 
 
 def ours(args: argparse.Namespace, layout: dict, backend: str | None, batches: list) -> Callable:
+    moe = layout.pop("moe", {})
     config = {
         "train_micro_batch_size_per_gpu": args.micro_batch,
         "optimizer": {"type": "AdamW", "params": {"lr": LR}},
@@ -88,8 +97,9 @@ def ours(args: argparse.Namespace, layout: dict, backend: str | None, batches: l
     }
     if backend:
         config["compile"] = {"enabled": True, "backend": backend}
-    engine, *_ = shardwise.initialize(model=make_gpt(args), config=config)
-    whole = "tensor_parallel" in layout  # TP: every rank trains the whole batch
+    engine, *_ = shardwise.initialize(model=make_gpt(args, **moe), config=config)
+    # TP and CP: every rank trains the whole batch (CP: the engine cuts the sequence)
+    whole = "tensor_parallel" in layout or "context_parallel" in layout
 
     def step(i: int) -> torch.Tensor:
         x, y = batches[i % len(batches)]
@@ -98,6 +108,8 @@ def ours(args: argparse.Namespace, layout: dict, backend: str | None, batches: l
                 dist.get_rank() * args.micro_batch, (dist.get_rank() + 1) * args.micro_batch
             )
             x, y = x[rows], y[rows]
+        if "context_parallel" in layout:  # this rank's tokens of each sequence
+            x, y = engine.shard_sequence(x), engine.shard_sequence(y)
         loss = engine(x, y)
         engine.backward(loss)
         engine.step()
@@ -135,8 +147,11 @@ def contenders(args: argparse.Namespace, batches: list) -> list[Contender]:
         "ours tp2": lambda b: ours(
             args, {"tensor_parallel": {"size": 2, "plan": BLOCKS_PLAN}}, b, batches
         ),
+        "ours cp2 ring": lambda b: ours(args, {"context_parallel": {"size": 2}}, b, batches),
+        "ours ep2 (MoE)": lambda b: ours(args, {"moe": MOE}, b, batches),
         "fsdp2": lambda b: fsdp2(args, b, batches),
     }
+    families = {k: v for k, v in families.items() if not args.only or k in args.only.split(",")}
     out = []
     for family, build in families.items():
         out.append(Contender(f"{family} eager", family, False, build(None)))
@@ -178,6 +193,7 @@ def main() -> None:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--vocab", type=int, default=512)
     p.add_argument("--backend", default="inductor")
+    p.add_argument("--only", default="", help='families to run, comma-separated ("fsdp2,ours dp2")')
     args = p.parse_args()
     single_thread()
     shardwise.init_distributed()

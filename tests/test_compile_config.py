@@ -14,6 +14,7 @@ from models import TinyMLP, make_gpt, make_tokens
 
 import shardwise
 from shardwise.config import ConfigError, parse_config
+from shardwise.parallel.activation.selective import apply_activation_checkpointing
 from shardwise.parallel.compile import compile_regions, is_compiled
 from shardwise.verify.layout_names import layout_config, parse_layout
 
@@ -51,10 +52,34 @@ def test_a_wrong_compile_block_is_refused_naming_the_key(block, key):
     assert key in str(e.value), f"compile block {block}: {e.value}"
 
 
-def test_regions_are_the_block_list_or_the_whole_model():
-    assert [n for n, _ in compile_regions(make_gpt())] == ["blocks.0", "blocks.1"]
-    mlp = TinyMLP()
-    assert compile_regions(mlp) == [("", mlp)], "no block list: the model is one region"
+def _hooked() -> torch.nn.Module:
+    gpt = make_gpt()
+    gpt.blocks[1].attn.register_forward_pre_hook(lambda m, a: None)  # as ZeRO-3's gathers
+    return gpt
+
+
+def _checkpointed() -> torch.nn.Module:
+    gpt = make_gpt()
+    apply_activation_checkpointing(gpt, "all")
+    return gpt
+
+
+REGIONS = [
+    # case, model, whole (the layout allows one region), the regions' names
+    ("blocks", make_gpt, False, ["blocks.0", "blocks.1"]),
+    ("whole", make_gpt, True, [""]),  # DP, ZeRO-1/2: nothing eager between blocks
+    ("whole, a module hook", _hooked, True, ["blocks.0", "blocks.1"]),
+    ("whole, checkpointed blocks", _checkpointed, True, ["blocks.0", "blocks.1"]),
+    ("no block list", TinyMLP, False, [""]),
+]
+
+
+@pytest.mark.parametrize("case,build,whole,want", REGIONS, ids=[c[0] for c in REGIONS])
+def test_regions_are_the_whole_model_unless_something_stays_eager_between_blocks(
+    case, build, whole, want
+):
+    got = [n for n, _ in compile_regions(build(), whole)]
+    assert got == want, f"{case}: regions {got}"
 
 
 def _train(engine, steps: int = 2) -> list[float]:
@@ -71,14 +96,14 @@ def _train(engine, steps: int = 2) -> list[float]:
 CONFIG = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
 
 
-def test_engine_compile_after_initialize_compiles_each_block_and_trains_the_same():
+def test_engine_compile_after_initialize_compiles_the_model_and_trains_the_same():
     eager, *_ = shardwise.initialize(model=make_gpt(), config=CONFIG)
     want = _train(eager)
     engine, *_ = shardwise.initialize(model=make_gpt(), config=CONFIG)
     assert not engine.is_compiled
     engine.compile(backend="eager")  # DeepSpeed's call; "eager": dynamo only, no codegen
     assert engine.is_compiled
-    assert all(is_compiled(b) for b in engine.module.blocks), "every block is a region"
+    assert is_compiled(engine.module), "plain data parallelism: the whole model is one region"
     engine.compile(backend="eager")  # a second call does nothing (DeepSpeed's rule)
     # dynamo's "eager" backend runs the captured graph as is: the same ops, the same sums
     assert _train(engine) == pytest.approx(want, rel=1e-6)

@@ -6,6 +6,15 @@ Hugging Face's ``model.layers``), or, for a ``PipelineModule``, each layer modul
 rank's stage; a model without a block list is one region. Each block compiles once and every
 block of the same code and shapes reuses its graph (dynamo's cache is per code object).
 
+Regions exist for what must run eagerly between blocks: ZeRO-3's gathers, checkpoints, a
+pipeline's sends. A layout with none of them (``whole=True``: DP, ZeRO-1/2, whose hooks are
+on parameters) and a model with no module hook, checkpoint or TP input cache compiles the
+whole model as one region, as DeepSpeed's ``engine.compile`` (``module.compile()``) does: the
+embedding, the final norm, the head and the loss fuse too, and the Python and guard cost
+paid at each block's entry and exit is paid once (benchmarks/README.md measured -6% CPU on
+the example GPT's DP step against -1% per block). The price: dynamo traces every block
+instead of reusing one block's graph, so compile time grows with the depth.
+
 What is compiled is the region's ``forward``, replaced on the instance, not its ``__call__``:
 hooks registered on the region module itself run eagerly around the compiled code. That is
 where shardwise's communication stays, layout by layout (docs/compile.md):
@@ -41,30 +50,42 @@ from shardwise.parallel.activation import selective
 _COMPILED = "_shardwise_compiled"  # on a region's instance: the forward it replaced
 
 
-def compile_regions(model: nn.Module) -> list[tuple[str, nn.Module]]:
+def compile_regions(model: nn.Module, whole: bool = False) -> list[tuple[str, nn.Module]]:
     """The regions of ``model`` as (name, module): a pipeline stage's layer modules, else the
-    entries of the block list, else the whole model ("")."""
+    whole model ("") when ``whole`` and nothing inside it must stay eager (``needs_blocks``),
+    else the entries of the block list, else the whole model."""
     stage = getattr(model, "stage_modules", None)
     if callable(stage):
         return [(n, m) for n, m in stage() if any(True for _ in m.parameters())]
     lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
-    if not lists:
+    if not lists or (whole and not needs_blocks(model)):
         return [("", model)]
     name, blocks = selective.block_list(model, key="compile")
     return [(f"{name}.{i}" if name else str(i), b) for i, b in enumerate(blocks)]
 
 
+def needs_blocks(model: nn.Module) -> bool:
+    """True when something inside ``model`` must run eagerly around a block: a forward hook
+    (ZeRO-3's gathers, a user's), an activation checkpoint, TP's per-forward input cache."""
+    return any(
+        m._forward_pre_hooks or m._forward_hooks or selective.is_checkpointed(m)
+        or hasattr(m, "shared_input")
+        for m in model.modules()
+        if m is not model
+    )  # fmt: skip
+
+
 def compile_blocks(
-    model: nn.Module, backend: str | Callable = "inductor", kwargs: Any = None
+    model: nn.Module, backend: str | Callable = "inductor", kwargs: Any = None, whole: bool = False
 ) -> list[str]:
-    """Compile each region of ``model`` (``compile_regions``) with
+    """Compile each region of ``model`` (``compile_regions(model, whole)``) with
     ``torch.compile(forward, backend=backend, **kwargs)``; regions already compiled are left
     as they are. Returns the names of the regions compiled now."""
     kwargs = dict(kwargs or {})
     check_compile_kwargs(kwargs, "compile_kwargs")
     fn = resolve_backend(backend)
     done = []
-    for name, module in compile_regions(model):
+    for name, module in compile_regions(model, whole):
         if is_compiled(module):
             continue
         # A checkpointed region: its inner forward is compiled, the checkpoint stays eager.

@@ -12,9 +12,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from shardwise.parallel.compile import compile_blocks, compile_regions, is_compiled
+
+if TYPE_CHECKING:  # annotations only
+    from shardwise.config import Config
+    from shardwise.topology import ProcessMesh
 
 logger = logging.getLogger("shardwise")
 
@@ -23,11 +27,20 @@ DEFAULT_BACKEND = (
 )
 
 
+def whole_model(cfg: Config, mesh: ProcessMesh) -> bool:
+    """True when the layout keeps nothing eager between blocks (neither ZeRO-3's gathers nor
+    tensor parallelism's caches; a pipeline stage is always per layer): the model may compile
+    as one region (parallel/compile.py)."""
+    return cfg.zero_optimization.stage < 3 and mesh.topology.tp == 1
+
+
 class CompileMethods:
     """``compile`` and ``is_compiled`` for an object with ``module`` and ``strategy``."""
 
     module: Any
     strategy: Any
+    config: Config
+    mesh: ProcessMesh
 
     def compile(
         self,
@@ -51,7 +64,9 @@ class CompileMethods:
             )
         if self.is_compiled:
             return
-        names = compile_blocks(self.module, backend, compile_kwargs)
+        names = compile_blocks(
+            self.module, backend, compile_kwargs, whole_model(self.config, self.mesh)
+        )
         regroup = getattr(self.strategy, "regroup_for_compile", None)
         if regroup is not None:  # ZeRO-3: gathers move from modules to the compiled regions
             regroup()
@@ -60,4 +75,5 @@ class CompileMethods:
     @property
     def is_compiled(self) -> bool:
         """True once every region of the model is compiled (``engine.compile`` or the config)."""
-        return all(is_compiled(m) for _, m in compile_regions(self.module))
+        regions = compile_regions(self.module, whole_model(self.config, self.mesh))
+        return all(is_compiled(m) for _, m in regions)

@@ -30,6 +30,7 @@ from shardwise.parallel.tensor.hf_styles import decoder_sequence_parallel
 from shardwise.parallel.tensor.parallelize import parallelize, resolve_plan
 from shardwise.parallel.zero.materialize import materialize_model
 from shardwise.precision import cast_module, compute_dtype
+from shardwise.training.compiling import whole_model
 
 if TYPE_CHECKING:  # annotations only
     from torch.optim import Optimizer
@@ -57,7 +58,7 @@ def rewrite_model(
     apply_activation_checkpointing_block(cfg, model, mesh)  # after TP and PP, before the cast
     cast_module(model, compute_dtype(cfg))
     if cfg.compile.enabled:  # last: a region compiles what TP, checkpointing and the cast made
-        compile_blocks(model, cfg.compile.backend, cfg.compile.kwargs)
+        compile_blocks(model, cfg.compile.backend, cfg.compile.kwargs, whole_model(cfg, mesh))
     return params
 
 

@@ -76,7 +76,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         nargs="?",
         const="inductor",
         metavar="BACKEND",
-        help="compile each block of every layout (default backend inductor; docs/compile.md); "
+        help="compile every layout as its config would (per block, or the whole model under "
+        "DP and ZeRO-1/2; default backend inductor; docs/compile.md); "
         "the reference stays eager",
     )
     p.add_argument("--out", help="keep every run's files here (default: a temporary directory)")

@@ -178,7 +178,8 @@ def attention(
 
 def context_positions(local_len: int, device: torch.device | None = None) -> torch.Tensor:
     """Global positions of this rank's ``local_len`` tokens (``arange`` without a split)."""
-    ctx = _ACTIVE.get()
+    # Read as shardwise.attention does: a model compiled whole traces this (ContextVar.get broke it)
+    ctx = _COMPILED_ACTIVE[0] if torch.compiler.is_compiling() else _ACTIVE.get()
     if ctx is None:
         return torch.arange(local_len, device=device)
     return ctx.positions(local_len * ctx.size, device=device)
