@@ -48,6 +48,8 @@ from shardwise.plan.calibrate_ops import (
     gemm_rate,
     optimizer_rate,
     time_op,
+    tp_block_times,
+    tp_blocks,
 )
 from shardwise.plan.cluster import Cluster, default_calibration_path
 from shardwise.spawn import spawn
@@ -91,6 +93,7 @@ def _rank_work(rank: int, sizes: Sequence[int], repeats: int, gemm: tuple[int, i
     out["optimizer"] = optimizer_rate()
     for op in OPS if n > 1 else ():
         out["collectives"][op] = [time_op(op, size, repeats) for size in sizes]
+    out["tp_blocks"] = [tp_block_times(g) for g in tp_blocks(gemm)] if n > 1 else []
     return out
 
 
@@ -113,6 +116,8 @@ def summarize(worlds: dict[int, list[dict]], sizes: Sequence[int]) -> dict[str, 
     optimizer's speed from the smallest world (unshared cores, if there are enough)."""
     compute: dict[str, dict[str, float]] = {p: {} for p in DTYPES}
     collectives: dict[str, dict[str, list[float]]] = {}
+    tp: dict[str, float] = {}
+    errors: dict[str, dict[str, float]] = {}
     eff, opt, overhead = [], [], []
     for n, ranks in sorted(worlds.items()):
         fits = [fit_line(*zip(*r["blocks"], strict=True)) for r in ranks]
@@ -128,8 +133,70 @@ def summarize(worlds: dict[int, list[dict]], sizes: Sequence[int]) -> dict[str, 
             slowest = [max(r["collectives"][op][i] for r in ranks) for i in range(len(sizes))]
             lat, bw = fit_line([ring * s for s in sizes], slowest)
             collectives.setdefault(op, {})[str(n)] = [lat, bw]
+            errors.setdefault(op, {})[str(n)] = fit_error(
+                [ring * s for s in sizes], slowest, lat, bw
+            )
+        if n > 1:
+            layer = statistics.median(a for a, _ in fits)
+            tp[str(n)], errors.setdefault("tp_block", {})[str(n)] = tp_call_fit(
+                ranks, n, layer, collectives["all_reduce"][str(n)]
+            )
     block = (statistics.median(eff), statistics.median(overhead))
-    return _preset(compute, collectives, block, statistics.median(opt))
+    preset = _preset(compute, collectives, block, statistics.median(opt))
+    return {**preset, "tp_call_us": tp, "fit_errors": errors}
+
+
+def describe_errors(data: dict[str, Any]) -> str:
+    """One line per fit: its largest relative error per group size, and the per-call cost
+    of tensor-parallel collectives the split block showed."""
+    errors = data.get("fit_errors", {})
+    lines = ["fit errors (largest relative miss at the measured points):"]
+    for name in sorted(errors):
+        per = ", ".join(
+            f"{n} procs {e:.0%}" for n, e in sorted(errors[name].items(), key=lambda x: int(x[0]))
+        )
+        lines.append(f"  {name:15s} {per}")
+    tp = data.get("tp_call_us", {})
+    if tp:
+        per = ", ".join(
+            f"{n} procs {us:.0f} us" for n, us in sorted(tp.items(), key=lambda x: int(x[0]))
+        )
+        lines.append(f"  tensor-parallel call beyond its fit: {per}")
+    return "\n".join(lines)
+
+
+def fit_error(xs: Sequence[float], ts: Sequence[float], lat: float, bw: float) -> float:
+    """The largest relative error of the fit ``lat + x / bw`` at the measured points."""
+    return max(abs(lat + x / bw - t) / t for x, t in zip(xs, ts, strict=True) if t > 0)
+
+
+def tp_call_fit(
+    ranks: list[dict], n: int, layer: float, all_reduce: list[float]
+) -> tuple[float, float]:
+    """(us per call, fit error) of what a tensor-parallel collective costs beyond the ring
+    fit of an isolated call. For each block size, the step-time model predicts the split
+    block as (full - layer) / n + layer + calls x all_reduce(payload); what the slowest
+    rank measured beyond that, per call, is the cost of issuing small collectives between
+    kernels (narrower matmuls, the norms every rank repeats, waiting on the peer): its mean
+    over the sizes is ``tp_call_us``; the error is the largest relative miss of the model
+    with it at each size."""
+    lat, bw = all_reduce
+    sizes = range(len(ranks[0]["tp_blocks"]))
+    got = [{k: max(r["tp_blocks"][i][k] for r in ranks) for k in ("full", "tp")} for i in sizes]
+    info = ranks[0]["tp_blocks"]
+    base = [
+        (g["full"] - layer) / n
+        + layer
+        + b["calls"] * (lat + RING["all_reduce"](n) * b["payload"] / bw)
+        for g, b in zip(got, info, strict=True)
+    ]
+    extra = [(g["tp"] - p) / b["calls"] for g, p, b in zip(got, base, info, strict=True)]
+    per_call = max(statistics.mean(extra), 0.0)
+    err = max(
+        abs(p + b["calls"] * per_call - g["tp"]) / g["tp"]
+        for g, p, b in zip(got, base, info, strict=True)
+    )
+    return per_call * 1e6, err
 
 
 def _preset(compute: dict, collectives: dict, block: tuple[float, float], opt_bps: float) -> dict:

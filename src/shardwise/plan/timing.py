@@ -88,6 +88,8 @@ def axis_time(calls: list[Call], layout: Layout, cluster: Cluster, axis: str) ->
         if c.axis == axis and c.op != "recv":
             inter = spans_nodes(axis, layout, cluster.procs_per_node)
             total += c.count * cluster.collective_time(c.op, c.payload, c.n, inter)
+            if axis == "tensor":  # issued between kernels: what the isolated fit misses
+                total += c.count * cluster.tp_call_time(c.n)
     return total
 
 
