@@ -141,7 +141,8 @@ def measure(layout: Layout, warmup: int, steps: int, quiet_s: float = 0.0) -> fl
 
 
 def name(lay: Layout) -> str:
-    extra = f" {lay.schedule}" if lay.pp > 1 else ""
+    """The layout's name, its schedule always said for a pipeline (Layout.name omits 1F1B)."""
+    extra = " 1f1b" if lay.pp > 1 and lay.schedule == "1f1b" else ""
     return lay.name() + extra
 
 

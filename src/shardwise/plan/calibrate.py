@@ -138,9 +138,11 @@ def summarize(worlds: dict[int, list[dict]], sizes: Sequence[int]) -> dict[str, 
             )
         if n > 1:
             layer = statistics.median(a for a, _ in fits)
-            tp[str(n)], errors.setdefault("tp_block", {})[str(n)] = tp_call_fit(
+            us, errors.setdefault("tp_block", {})[str(n)] = tp_call_fit(
                 ranks, n, layer, collectives["all_reduce"][str(n)]
             )
+            # Per rank with a core of its own: a plan multiplies by its own sharing (share()).
+            tp[str(n)] = us / max(1.0, n / cores())
     block = (statistics.median(eff), statistics.median(overhead))
     preset = _preset(compute, collectives, block, statistics.median(opt))
     return {**preset, "tp_call_us": tp, "fit_errors": errors}
