@@ -183,7 +183,8 @@ def machine() -> dict:
 
 
 def save_measured(path: str, data: dict, runs: list[dict], args: argparse.Namespace) -> None:
-    """``--save-measured``: the calibration, the machine and each layout's seconds (JSON)."""
+    """``--save-measured``: the calibration, the machine (load average at the end) and each
+    layout's seconds with the load average when its world started and ended (JSON)."""
     out = {
         "machine": machine(),
         "settings": {"warmup": args.warmup, "steps": args.steps, "rounds": args.rounds},
@@ -286,9 +287,13 @@ def main() -> None:
         else:
             mine = [lay for lay in LAYOUTS if lay.world == world]
             mine += [tops[world]] if tops[world] not in mine else []
-            print(f"{world} processes (load average {os.getloadavg()[0]:.1f}):", flush=True)
+            load = os.getloadavg()[0]
+            print(f"{world} processes (load average {load:.1f}):", flush=True)
             got = measure_all(mine, args)
-            runs += [{"layout": lay.as_dict(), "seconds": t} for lay, t in got.items()]
+            runs += [
+                {"layout": lay.as_dict(), "seconds": t, "load_average": [load, os.getloadavg()[0]]}
+                for lay, t in got.items()
+            ]
         rows += rows_for(planner, got)
     if args.save_measured and saved is None:
         save_measured(args.save_measured, data, runs, args)

@@ -93,7 +93,7 @@ def _rank_work(rank: int, sizes: Sequence[int], repeats: int, gemm: tuple[int, i
     out["optimizer"] = optimizer_rate()
     for op in OPS if n > 1 else ():
         out["collectives"][op] = [time_op(op, size, repeats) for size in sizes]
-    out["tp_blocks"] = [tp_block_times(g) for g in tp_blocks(gemm)] if n > 1 else []
+    out["tp_blocks"] = [tp_block_times(g, repeats) for g in tp_blocks(gemm)] if n > 1 else []
     return out
 
 
