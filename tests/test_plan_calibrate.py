@@ -43,14 +43,16 @@ def _rank(rate: float, coll: dict, tp_blocks: list | None = None) -> dict:
             "collectives": coll, "tp_blocks": tp_blocks or []}  # fmt: skip
 
 
-def _tp_blocks(extra_s: float) -> list[dict]:
+def _tp_blocks(per_call_s: float, excess: float) -> list[dict]:
     """Split blocks of two sizes, each as the model predicts it (1 ms fixed, the rest halved,
-    4 all-reduces at 100 us + 2 (n-1)/n bytes / 1 GB/s) plus ``extra_s`` per all-reduce."""
+    4 all-reduces at 100 us + 2 (n-1)/n bytes / 1 GB/s), plus ``per_call_s`` per all-reduce
+    and the halved arithmetic ``excess`` slower."""
     out = []
     for full, payload in ((0.021, 1 << 20), (0.005, 1 << 17)):
         call = 100e-6 + payload / 1e9
-        out.append({"full": full, "tp": (full - 1e-3) / 2 + 1e-3 + 4 * (call + extra_s),
-                    "calls": 4, "payload": payload})  # fmt: skip
+        split = (full - 1e-3) / 2
+        tp = split * (1 + excess) + 1e-3 + 4 * (call + per_call_s)
+        out.append({"full": full, "tp": tp, "calls": 4, "payload": payload})
     return out
 
 
@@ -61,7 +63,7 @@ def test_summary_is_a_preset_whose_times_are_the_fit(monkeypatch):
     ring = {op: RING[op](2) for op in OPS}
     fast = {op: [100e-6 + ring[op] * s / 1e9 for s in SIZES] for op in OPS}
     slow = {op: [t * 1.0 for t in ts] for op, ts in fast.items()}
-    tp = _tp_blocks(300e-6)
+    tp = _tp_blocks(300e-6, 0.25)
     preset = calibrate.summarize({1: [_rank(4e10, {})], 2: [_rank(4e10, fast, tp),
                                                             _rank(3e10, slow, tp)]},
                                  SIZES)  # fmt: skip
@@ -75,25 +77,32 @@ def test_summary_is_a_preset_whose_times_are_the_fit(monkeypatch):
         assert t == pytest.approx(100e-6 + ring[op] * (1 << 20) / 1e9, rel=1e-6), op
     two = Cluster(**{**preset, "procs_per_node": 2, "cores": 2})
     assert two.tflops("fp32") == pytest.approx(0.015), "2 ranks: the slower one's block"
-    # The split blocks cost 300 us per all-reduce beyond the model: the fit finds it, exactly.
+    # The split blocks cost 300 us per all-reduce and a quarter more arithmetic than half the
+    # whole: the fit finds both, exactly.
     assert machine.tp_call_us == pytest.approx({"2": 300.0}), "tensor-parallel call cost"
+    assert machine.tp_compute == pytest.approx({"2": 0.25}), "split arithmetic's excess"
     assert machine.fit_errors["tp_block"]["2"] == pytest.approx(0.0, abs=1e-9)
     assert all(e == pytest.approx(0.0, abs=1e-9) for e in machine.fit_errors["all_reduce"].values())
 
 
-@pytest.mark.parametrize("extra_us,sequence_parallel", [(500.0, False), (500.0, True)])
-def test_tensor_calls_pay_the_calibrated_cost(extra_us, sequence_parallel):
-    """Each tensor-parallel collective on the path costs tp_call_us more, none other does."""
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_tensor_parallelism_pays_the_calibrated_costs(sequence_parallel):
+    """Each tensor-parallel collective on the path costs tp_call_us more, and the split
+    arithmetic 1 + tp_compute times as long; nothing else changes."""
     base = Cluster("m", procs_per_node=2, cores=2, latency_us=0.0)
-    taxed = Cluster("m", procs_per_node=2, cores=2, latency_us=0.0, tp_call_us={"2": extra_us})
+    taxed = Cluster(
+        "m", procs_per_node=2, cores=2, latency_us=0.0, tp_call_us={"2": 500.0},
+        tp_compute={"2": 0.25},
+    )  # fmt: skip
     model = read_model(build(Dims(layers=1, hidden=32, heads=2, vocab=32, seq=8)))
     lay = Layout(1, 2, 1, 0, 1, 1, sequence_parallel=sequence_parallel)
     plain, more = (Planner(model, m, 1, 8, "fp32").stage_view(lay, 0) for m in (base, taxed))
     calls = sum(c.count for c in plain.calls if c.axis == "tensor")
+    arithmetic = 3 * plain.work.flops / (base.tflops("fp32") * 1e12)
     a = step_time([plain.work], lay, base, "fp32").total
     b = step_time([more.work], lay, taxed, "fp32").total
-    case = f"{extra_us} us, sp={sequence_parallel}, {calls} tensor calls"
-    assert b - a == pytest.approx(calls * extra_us * 1e-6, rel=1e-9, abs=1e-12), case
+    case = f"sp={sequence_parallel}, {calls} tensor calls"
+    assert b - a == pytest.approx(calls * 500e-6 + 0.25 * arithmetic, rel=1e-9), case
 
 
 def test_real_calibration_with_two_processes(tmp_path):
@@ -105,7 +114,7 @@ def test_real_calibration_with_two_processes(tmp_path):
         lat, bw = fits["2"]
         assert lat >= 0 and bw > 0, (op, lat, bw)
     assert data["compute"]["fp32"]["2"] > 0 and data["layer_overhead_us"] >= 0
-    assert data["tp_call_us"]["2"] >= 0, "the split block's cost per call is measured"
+    assert data["tp_call_us"]["2"] >= 0 and data["tp_compute"]["2"] >= 0, "split block fitted"
     assert set(data["fit_errors"]) == {*OPS, "tp_block"}, "every fit reports its error"
     path = calibrate.save(data, tmp_path / "calib.json")
     assert load(str(path)) == Cluster(**data), "the saved preset loads back unchanged"

@@ -117,6 +117,7 @@ def summarize(worlds: dict[int, list[dict]], sizes: Sequence[int]) -> dict[str, 
     compute: dict[str, dict[str, float]] = {p: {} for p in DTYPES}
     collectives: dict[str, dict[str, list[float]]] = {}
     tp: dict[str, float] = {}
+    tp_compute: dict[str, float] = {}
     errors: dict[str, dict[str, float]] = {}
     eff, opt, overhead = [], [], []
     for n, ranks in sorted(worlds.items()):
@@ -138,14 +139,14 @@ def summarize(worlds: dict[int, list[dict]], sizes: Sequence[int]) -> dict[str, 
             )
         if n > 1:
             layer = statistics.median(a for a, _ in fits)
-            us, errors.setdefault("tp_block", {})[str(n)] = tp_call_fit(
+            us, tp_compute[str(n)], errors.setdefault("tp_block", {})[str(n)] = tp_call_fit(
                 ranks, n, layer, collectives["all_reduce"][str(n)]
             )
             # Per rank with a core of its own: a plan multiplies by its own sharing (share()).
             tp[str(n)] = us / max(1.0, n / cores())
     block = (statistics.median(eff), statistics.median(overhead))
     preset = _preset(compute, collectives, block, statistics.median(opt))
-    return {**preset, "tp_call_us": tp, "fit_errors": errors}
+    return {**preset, "tp_call_us": tp, "tp_compute": tp_compute, "fit_errors": errors}
 
 
 def describe_errors(data: dict[str, Any]) -> str:
@@ -158,12 +159,13 @@ def describe_errors(data: dict[str, Any]) -> str:
             f"{n} procs {e:.0%}" for n, e in sorted(errors[name].items(), key=lambda x: int(x[0]))
         )
         lines.append(f"  {name:15s} {per}")
-    tp = data.get("tp_call_us", {})
+    tp, k = data.get("tp_call_us", {}), data.get("tp_compute", {})
     if tp:
         per = ", ".join(
-            f"{n} procs {us:.0f} us" for n, us in sorted(tp.items(), key=lambda x: int(x[0]))
+            f"{n} procs {us:.0f} us, split arithmetic x {1 + k.get(n, 0.0):.2f}"
+            for n, us in sorted(tp.items(), key=lambda x: int(x[0]))
         )
-        lines.append(f"  tensor-parallel call beyond its fit: {per}")
+        lines.append(f"  tensor parallelism beyond the ideal: per call {per}")
     return "\n".join(lines)
 
 
@@ -174,31 +176,53 @@ def fit_error(xs: Sequence[float], ts: Sequence[float], lat: float, bw: float) -
 
 def tp_call_fit(
     ranks: list[dict], n: int, layer: float, all_reduce: list[float]
-) -> tuple[float, float]:
-    """(us per call, fit error) of what a tensor-parallel collective costs beyond the ring
-    fit of an isolated call. For each block size, the step-time model predicts the split
-    block as (full - layer) / n + layer + calls x all_reduce(payload); what the slowest
-    rank measured beyond that, per call, is the cost of issuing small collectives between
-    kernels (narrower matmuls, the norms every rank repeats, waiting on the peer): its least
-    over the sizes is ``tp_call_us``; the error is the largest relative miss of the model
-    with it at each size."""
+) -> tuple[float, float, float]:
+    """(us per call, split-compute excess, fit error) of a tensor-parallel block beyond the
+    ideal. The model without them predicts the split block as (full - layer) / n + layer +
+    calls x all_reduce(payload); what the slowest rank measured beyond that is fitted, over
+    the block sizes, as  calls x c + k x (full - layer) / n:  c per collective issued between
+    kernels (waiting on the peer, a woken socket thread), k the share by which the split
+    arithmetic runs slower than 1/n of the whole (narrower matmuls, the norms and residual
+    adds every rank repeats). The error is the model's largest relative miss with them."""
     lat, bw = all_reduce
     sizes = range(len(ranks[0]["tp_blocks"]))
     got = [{k: max(r["tp_blocks"][i][k] for r in ranks) for k in ("full", "tp")} for i in sizes]
     info = ranks[0]["tp_blocks"]
-    base = [
-        (g["full"] - layer) / n
-        + layer
-        + b["calls"] * (lat + RING["all_reduce"](n) * b["payload"] / bw)
-        for g, b in zip(got, info, strict=True)
-    ]
-    extra = [(g["tp"] - p) / b["calls"] for g, p, b in zip(got, base, info, strict=True)]
-    per_call = max(min(extra), 0.0)  # other jobs only add time: the smaller is the machine's
-    err = max(
-        abs(p + b["calls"] * per_call - g["tp"]) / g["tp"]
-        for g, p, b in zip(got, base, info, strict=True)
+    calls = [b["calls"] for b in info]
+    split = [(g["full"] - layer) / n for g in got]
+    ring = RING["all_reduce"](n)
+    comm_s = [c * (lat + ring * b["payload"] / bw) for c, b in zip(calls, info, strict=True)]
+    extra = [g["tp"] - x - layer - m for g, x, m in zip(got, split, comm_s, strict=True)]
+    # Least squares of extra = calls c + split k (relative: weights 1 / tp^2), both >= 0.
+    w = [1.0 / g["tp"] ** 2 for g in got]
+    a11, a12, a22 = _dot(w, calls, calls), _dot(w, calls, split), _dot(w, split, split)
+    b1, b2 = _dot(w, calls, extra), _dot(w, split, extra)
+    det = a11 * a22 - a12 * a12
+    c, k = ((b1 * a22 - b2 * a12) / det, (a11 * b2 - a12 * b1) / det) if det > 0 else (-1, -1)
+    if c < 0 or k < 0:  # one term alone (the other would be negative): the better of the two
+        only_c, only_k = (max(b1 / a11, 0.0), 0.0), (0.0, max(b2 / a22, 0.0))
+        c, k = min(only_c, only_k, key=lambda ck: _miss(ck, calls, split, extra, got))
+    return c * 1e6, k, _miss((c, k), calls, split, extra, got)
+
+
+def _dot(*vectors: list) -> float:
+    """Sum over i of the product of every vector's i-th entry."""
+    total = 0.0
+    for items in zip(*vectors, strict=True):
+        term = 1.0
+        for v in items:
+            term *= v
+        total += term
+    return total
+
+
+def _miss(ck: tuple[float, float], calls: list, split: list, extra: list, got: list) -> float:
+    """The largest relative miss of extra = calls c + split k at the measured blocks."""
+    c, k = ck
+    return max(
+        abs(n * c + x * k - e) / g["tp"]
+        for n, x, e, g in zip(calls, split, extra, got, strict=True)
     )
-    return per_call * 1e6, err
 
 
 def _preset(compute: dict, collectives: dict, block: tuple[float, float], opt_bps: float) -> dict:

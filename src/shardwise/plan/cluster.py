@@ -51,6 +51,7 @@ class Cluster:
     # Calibrated: what each tensor-parallel collective costs beyond its ring fit, per group
     # size (calibrate.tp_call_fit), and each fit's largest relative error at its points.
     tp_call_us: dict = field(default_factory=dict)
+    tp_compute: dict = field(default_factory=dict)  # split arithmetic's excess over 1/tp
     fit_errors: dict = field(default_factory=dict)
     estimated: tuple[str, ...] = ()  # fields not measured (SOURCES says why each is what it is)
 
@@ -104,6 +105,14 @@ class Cluster:
             return 0.0
         by_n = {int(k): v for k, v in self.tp_call_us.items()}
         return by_n[min(by_n, key=lambda k: abs(k - n))] * 1e-6 * self.share()
+
+    def tp_compute_factor(self, n: int) -> float:
+        """How much longer a rank's 1/n of a split layer's arithmetic takes than 1/n of the
+        whole (calibrated, nearest group size; 1 uncalibrated or unsplit)."""
+        if n <= 1 or not self.tp_compute:
+            return 1.0
+        by_n = {int(k): v for k, v in self.tp_compute.items()}
+        return 1.0 + by_n[min(by_n, key=lambda k: abs(k - n))]
 
     def estimated_for(self, offload: bool, comm: bool, data: bool) -> list[str]:
         """The unmeasured numbers a layout's time depends on (``comm``: it communicates;
