@@ -2,6 +2,8 @@
 
     python benchmarks/planner.py                       # calibrates first (about a minute)
     python benchmarks/planner.py --calibration calib.json --steps 6
+    python benchmarks/planner.py --save-measured runs.json     # keep the measured seconds
+    python benchmarks/planner.py --measured runs.json          # predict again, run nothing
 
 1. ``shardwise plan --calibrate``'s measurement (1, 2 and 4 processes), unless a preset is
    given; the planner then predicts every layout with it.
@@ -10,6 +12,9 @@
    ``train_batch`` steps on 2 or 4 gloo processes started by ``shardwise.spawn``, one thread
    each; a step's time is the slowest rank's, a run's the median of its timed steps, the
    layout's the median of ``--rounds`` runs (interleaved with the other layouts').
+   ``--save-measured FILE`` keeps each layout's seconds with the machine, its load average
+   and the calibration; ``--measured FILE`` skips 1 and 2 and predicts those layouts again
+   (after a change to the time model: the table re-taken from a quiet machine's runs).
 3. A table: predicted and measured seconds, the error |p - m| / m per layout, the mean
    error, and whether the planner's top choice per world is within 10% of the fastest
    measured layout of that world.
@@ -136,27 +141,69 @@ def measure(layout: Layout, warmup: int, steps: int, quiet_s: float = 0.0) -> fl
 
 
 def name(lay: Layout) -> str:
-    extra = f" {lay.schedule}" if lay.pp > 1 else ""
+    """The layout's name, its schedule always said for a pipeline (Layout.name omits 1F1B)."""
+    extra = " 1f1b" if lay.pp > 1 and lay.schedule == "1f1b" else ""
     return lay.name() + extra
 
 
-def rows_for(planner: Planner, layouts: list[Layout], args: argparse.Namespace) -> list[dict]:
-    """Each layout measured ``--rounds`` times, the rounds interleaved (a burst of another
-    job's work then lands on several layouts a little rather than on one a lot)."""
+def measure_all(layouts: list[Layout], args: argparse.Namespace) -> dict[Layout, float]:
+    """Each layout's seconds: the median of ``--rounds`` runs, the rounds interleaved (a burst
+    of another job's work then lands on several layouts a little rather than on one a lot)."""
     times: dict[Layout, list[float]] = {lay: [] for lay in layouts}
     for _ in range(args.rounds):
         for lay in layouts:
             times[lay].append(measure(lay, args.warmup, args.steps, args.wait_quiet))
+    return {lay: statistics.median(t) for lay, t in times.items()}
+
+
+def rows_for(planner: Planner, measured: dict[Layout, float]) -> list[dict]:
+    """Prediction against measurement, one row per measured layout."""
     rows = []
-    for lay in layouts:
+    for lay, seconds in measured.items():
         rec = planner.evaluate(lay)
-        measured = statistics.median(times[lay])
         predicted = rec["step_time_s"]
-        rows.append(dict(layout=lay, predicted=predicted, measured=measured, rec=rec))
-        err = abs(predicted - measured) / measured
-        print(f"  {name(lay):36s} predicted {predicted:.3f} s measured {measured:.3f} s "
+        rows.append(dict(layout=lay, predicted=predicted, measured=seconds, rec=rec))
+        err = abs(predicted - seconds) / seconds
+        print(f"  {name(lay):36s} predicted {predicted:.3f} s measured {seconds:.3f} s "
               f"error {err:.0%}", flush=True)  # fmt: skip
     return rows
+
+
+def machine() -> dict:
+    """What the measurement was taken on, and how busy the machine was."""
+    import platform
+
+    return {
+        "host": platform.node(),
+        "cores": calibrate.cores(),
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        "load_average": list(os.getloadavg()),
+    }
+
+
+def save_measured(path: str, data: dict, runs: list[dict], args: argparse.Namespace) -> None:
+    """``--save-measured``: the calibration, the machine (load average at the end) and each
+    layout's seconds with the load average when its world started and ended (JSON)."""
+    out = {
+        "machine": machine(),
+        "settings": {"warmup": args.warmup, "steps": args.steps, "rounds": args.rounds},
+        "calibration": data,
+        "runs": runs,
+    }
+    Path(path).write_text(json.dumps(out, indent=1) + "\n")
+    print(f"saved the measurements to {path}", flush=True)
+
+
+def load_measured(path: str) -> dict:
+    """``--measured``: a file ``--save-measured`` wrote; ValueError naming the flag if not."""
+    try:
+        saved = json.loads(Path(path).read_text())
+        for run in saved["runs"]:
+            run["layout"] = Layout(**run["layout"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"--measured {path!r}: not a file --save-measured wrote ({e})") from None
+    return saved
 
 
 def top_choice(planner: Planner, world: int) -> Layout:
@@ -185,7 +232,10 @@ def report(rows: list[dict], tops: dict[int, Layout]) -> str:
     for world, top in sorted(tops.items()):
         mine = [r for r in rows if r["layout"].world == world]
         fastest = min(r["measured"] for r in mine)
-        got = next(r["measured"] for r in mine if r["layout"] == top)
+        got = next((r["measured"] for r in mine if r["layout"] == top), None)
+        if got is None:  # --measured: the changed model ranks a layout first that never ran
+            lines.append(f"{world} processes: top choice {name(top)} was not measured")
+            continue
         ok = "yes" if got <= 1.10 * fastest else "NO"
         lines.append(f"{world} processes: top choice {name(top)} measured {got:.3f} s, "
                      f"fastest {fastest:.3f} s: within 10%: {ok}")  # fmt: skip
@@ -196,6 +246,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--calibration", help="a preset JSON from `shardwise plan --calibrate`")
     p.add_argument("--save-calibration", help="where to keep this run's calibration")
+    p.add_argument("--save-measured", help="where to keep each layout's measured seconds")
+    p.add_argument("--measured", help="a --save-measured file: predict its layouts, run none")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--procs", default="2,4", help="worlds to run")
@@ -208,25 +260,43 @@ def main() -> None:
     )
     args = p.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    saved = load_measured(args.measured) if args.measured else None
     if args.calibration:
         data = json.loads(Path(args.calibration).read_text())
+    elif saved is not None:
+        data = saved["calibration"]
     else:
         print(f"waiting for idle cores: busy {wait_quiet(args.wait_quiet):.0%}", flush=True)
         data = calibrate.measure([1, 2, 4], progress=print)
         if args.save_calibration:
             calibrate.save(data, args.save_calibration)
+    if saved is not None:
+        m = saved["machine"]
+        print(f"measured on {m['host']} ({m['cores']} cores) {m['date']}, "
+              f"load average {m['load_average'][0]:.1f}", flush=True)  # fmt: skip
     worlds = [int(n) for n in args.procs.split(",")]
     with torch.device("meta"):
         shape = read_model(gpt_model(pipeline=True), name="example GPT")
-    rows, tops = [], {}
+    rows, tops, runs = [], {}, []
     for world in worlds:
-        machine = Cluster(**{**data, "procs_per_node": world})
-        planner = Planner(shape, machine, GLOBAL_BATCH, SHAPE["block_size"], "fp32")
+        machine_ = Cluster(**{**data, "procs_per_node": world})
+        planner = Planner(shape, machine_, GLOBAL_BATCH, SHAPE["block_size"], "fp32")
         tops[world] = top_choice(planner, world)
-        mine = [lay for lay in LAYOUTS if lay.world == world]
-        mine += [tops[world]] if tops[world] not in mine else []
-        print(f"{world} processes (load average {os.getloadavg()[0]:.1f}):", flush=True)
-        rows += rows_for(planner, mine, args)
+        if saved is not None:
+            got = {r["layout"]: r["seconds"] for r in saved["runs"] if r["layout"].world == world}
+        else:
+            mine = [lay for lay in LAYOUTS if lay.world == world]
+            mine += [tops[world]] if tops[world] not in mine else []
+            load = os.getloadavg()[0]
+            print(f"{world} processes (load average {load:.1f}):", flush=True)
+            got = measure_all(mine, args)
+            runs += [
+                {"layout": lay.as_dict(), "seconds": t, "load_average": [load, os.getloadavg()[0]]}
+                for lay, t in got.items()
+            ]
+        rows += rows_for(planner, got)
+    if args.save_measured and saved is None:
+        save_measured(args.save_measured, data, runs, args)
     print()
     print(report(rows, tops))
 

@@ -22,25 +22,27 @@ EXTRA = {
 STEPS = 3
 
 
-def gpt():
+def gpt(tie: bool = False):
     M = example_module("gpt", "model")
     torch.manual_seed(0)
-    return M.GPT(M.GPTConfig(**SMALL))
+    return M.GPT(M.GPTConfig(**SMALL, tie_weights=tie))
 
 
-def pipeline(model=None):
+def pipeline(model=None, tie: bool = False):
+    """The example's pipeline form (tied: TiedLayerSpec ends, no tensor-parallel plan)."""
     from shardwise.pipe import PipelineModule
 
     M = example_module("gpt", "model")
-    model = model if model is not None else gpt()
+    model = model if model is not None else gpt(tie)
     pipe = PipelineModule(M.pipeline_layers(model), loss_fn=M.LMLoss())
-    pipe.tp_plan = M.pipeline_tp_plan(SMALL["n_layer"])
+    if not model.cfg.tie_weights:
+        pipe.tp_plan = M.pipeline_tp_plan(SMALL["n_layer"])
     return pipe
 
 
-def build_for(layout: Layout):
+def build_for(layout: Layout, tie: bool = False):
     """The module a script passes to initialize for ``layout``."""
-    return pipeline() if layout.pp > 1 else gpt()
+    return pipeline(tie=tie) if layout.pp > 1 else gpt(tie)
 
 
 def config_for(layout: Layout, precision: str) -> dict:
@@ -53,6 +55,11 @@ def config_for(layout: Layout, precision: str) -> dict:
     return cfg
 
 
+def batches(seed: int, layout: Layout) -> list:
+    """One rank's micro-batches of a step: ``grad_accum`` (ids, targets) pairs."""
+    return _batches(seed, layout)
+
+
 def _batches(seed: int, layout: Layout):
     g = torch.Generator().manual_seed(seed)
     V, T = SMALL["vocab_size"], SMALL["block_size"]
@@ -63,12 +70,12 @@ def _batches(seed: int, layout: Layout):
     return out
 
 
-def measure(layout: Layout, precision: str) -> dict:
+def measure(layout: Layout, precision: str, tie: bool = False) -> dict:
     import shardwise
     from shardwise import comm
     from shardwise.parallel.pipeline.meter import ActivationMeter
 
-    model = build_for(layout)
+    model = build_for(layout, tie)
     engine, *_ = shardwise.initialize(model=model, config=config_for(layout, precision))
     taken = {}
     step = engine.strategy.step
@@ -83,22 +90,31 @@ def measure(layout: Layout, precision: str) -> dict:
         engine.pipeline.track_activations()
     else:
         meter = ActivationMeter(engine.module)
+    losses = []
     for k in range(STEPS):
         if k == STEPS - 1:
             comm.reset_stats()
         data = iter(_batches(100 * k + engine.dp_rank, layout))
         if meter is not None:
             with meter.hooks():
-                engine.train_batch(data)
+                losses.append(float(engine.train_batch(data)))
         else:
-            engine.train_batch(data)
+            losses.append(float(engine.train_batch(data)))
     peak = meter.peak if meter is not None else engine.pipeline.peak_activation_bytes
     return {
         "stage": engine.mesh.pp_rank,
         "memory": taken["memory"],
         "comm": comm.stats(),
         "activations": peak,
+        "losses": losses,
+        "tied": {k: p.detach().clone() for k, ps in tied_of(engine).items() for _, p in ps},
     }
+
+
+def tied_of(engine) -> dict:
+    """This stage's tied parameters by key (a pipeline's; none otherwise)."""
+    tied = getattr(engine.module, "tied_parameters", None)
+    return tied() if engine.pipeline is not None and tied is not None else {}
 
 
 def measure_staging(layout: Layout, precision: str, save_dir: str) -> dict:

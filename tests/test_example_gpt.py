@@ -108,20 +108,23 @@ def _pipeline(model: M.GPT):
     return PipelineModule(M.pipeline_layers(model), num_stages=1, loss_fn=M.LMLoss())
 
 
-def test_pipeline_form_is_the_gpt():
+@pytest.mark.parametrize("tie", [False, True])
+def test_pipeline_form_is_the_gpt(tie):
     """The layer list computes the GPT's logits and loss, with the GPT's own parameters under
-    names that gpt_name maps back one to one."""
-    model = tiny()
+    names that gpt_name maps back one to one (tied: the embedding under tied_modules, the
+    head the same tensor)."""
+    model = tiny(tie_weights=tie)
     pipe = _pipeline(model)
     idx, targets = torch.randint(0, 50, (2, 3, 16), generator=torch.Generator().manual_seed(3))
     torch.testing.assert_close(pipe(idx), model(idx), rtol=0, atol=0)
     torch.testing.assert_close(pipe.loss_fn(pipe(idx), targets), model(idx, targets))
-    renamed = {M.gpt_name(k, 2): v for k, v in pipe.state_dict().items()}
-    assert renamed.keys() == model.state_dict().keys()
+    renamed = {M.gpt_name(k, 2, tie): v for k, v in pipe.state_dict().items()}
+    want = {k for k in model.state_dict() if not (tie and k == "head.weight")}
+    assert renamed.keys() == want, f"tie={tie}"
     for k, v in renamed.items():
         assert v.data_ptr() == model.state_dict()[k].data_ptr(), k  # shared, not copied
     for k in pipe.state_dict():
-        assert M.pipeline_name(M.gpt_name(k, 2), 2) == k
+        assert M.pipeline_name(M.gpt_name(k, 2, tie), 2, tie) == k, f"tie={tie}: {k}"
 
 
 def test_pipeline_tp_plan_names_real_modules():
@@ -134,9 +137,9 @@ def test_pipeline_tp_plan_names_real_modules():
     assert {M.pipeline_name(n, 2): s for n, s in on_gpt.items()} == on_pipe
 
 
-def test_pipeline_refuses_tied_weights():
+def test_tied_pipeline_has_no_tp_plan():
     with pytest.raises(ValueError, match="tie_weights"):
-        M.pipeline_layers(tiny(tie_weights=True))
+        M.pipeline_tp_plan(2, tied=True)
 
 
 def test_generate_length_and_determinism():

@@ -10,6 +10,7 @@ from shardwise.launch.cli import main
 from shardwise.plan import Cluster, Dims, Layout, Planner, build, calibrate, read_model
 from shardwise.plan.calibrate_ops import OPS, RING
 from shardwise.plan.cluster import load
+from shardwise.plan.timing import step_time
 
 GPT_FLAGS = ["--arch", "gpt", "--layers", "2", "--hidden", "64", "--heads", "2"]
 GPT_FLAGS += ["--vocab", "64", "--seq", "32", "--global-batch", "4", "--procs-per-node", "2"]
@@ -34,32 +35,74 @@ def test_fit_keeps_a_physical_line_on_noise():
     assert a == 0 and bw == pytest.approx(1e9, rel=1e-3), (a, bw)
 
 
-def _rank(rate: float, coll: dict) -> dict:
+def _rank(rate: float, coll: dict, tp_blocks: list | None = None) -> dict:
     """A rank's synthetic measurements: GEMMs at ``rate`` FLOP/s, blocks at half of it after
     a fixed 1 ms, AdamW at 4 GB/s."""
     blocks = [(flops, 1e-3 + flops / (rate / 2)) for flops in (1e9, 1e3)]
     return {"compute": {"fp32": rate, "bf16": rate / 2}, "blocks": blocks, "optimizer": 4e9,
-            "collectives": coll}  # fmt: skip
+            "collectives": coll, "tp_blocks": tp_blocks or []}  # fmt: skip
 
 
-def test_summary_is_a_preset_whose_times_are_the_fit():
+def _tp_blocks(per_call_s: float, excess: float) -> list[dict]:
+    """Split blocks of two sizes, each as the model predicts it (1 ms fixed, the rest halved,
+    4 all-reduces at 100 us + 2 (n-1)/n bytes / 1 GB/s), plus ``per_call_s`` per all-reduce
+    and the halved arithmetic ``excess`` slower."""
+    out = []
+    for full, payload in ((0.021, 1 << 20), (0.005, 1 << 17)):
+        call = 100e-6 + payload / 1e9
+        split = (full - 1e-3) / 2
+        tp = split * (1 + excess) + 1e-3 + 4 * (call + per_call_s)
+        out.append({"full": full, "tp": tp, "calls": 4, "payload": payload})
+    return out
+
+
+def test_summary_is_a_preset_whose_times_are_the_fit(monkeypatch):
     """Synthetic ranks: each collective takes 100 us + ring bytes / 1 GB/s; the slower rank
     sets each time; the preset's collective_time gives back the line."""
+    monkeypatch.setattr(calibrate, "cores", lambda: 4)  # a rank per core: no turns taken
     ring = {op: RING[op](2) for op in OPS}
     fast = {op: [100e-6 + ring[op] * s / 1e9 for s in SIZES] for op in OPS}
     slow = {op: [t * 1.0 for t in ts] for op, ts in fast.items()}
-    preset = calibrate.summarize({1: [_rank(4e10, {})], 2: [_rank(4e10, fast), _rank(3e10, slow)]},
+    tp = _tp_blocks(300e-6, 0.25)
+    preset = calibrate.summarize({1: [_rank(4e10, {})], 2: [_rank(4e10, fast, tp),
+                                                            _rank(3e10, slow, tp)]},
                                  SIZES)  # fmt: skip
     machine = Cluster(**preset)
     assert machine.compute["fp32"] == pytest.approx({"1": 0.02, "2": 0.015}), "slowest block"
     assert machine.fp32_tflops == pytest.approx(0.04), "the peak: a GEMM's rate"
-    assert machine.cores >= 1
+    assert machine.cores == 4
     assert machine.layer_overhead_us == pytest.approx(1000.0), "the blocks' fixed cost"
     for op in OPS:
         t = machine.collective_time(op, 1 << 20, 2, inter=False)
         assert t == pytest.approx(100e-6 + ring[op] * (1 << 20) / 1e9, rel=1e-6), op
     two = Cluster(**{**preset, "procs_per_node": 2, "cores": 2})
     assert two.tflops("fp32") == pytest.approx(0.015), "2 ranks: the slower one's block"
+    # The split blocks cost 300 us per all-reduce and a quarter more arithmetic than half the
+    # whole: the fit finds both, exactly.
+    assert machine.tp_call_us == pytest.approx({"2": 300.0}), "tensor-parallel call cost"
+    assert machine.tp_compute == pytest.approx({"2": 0.25}), "split arithmetic's excess"
+    assert machine.fit_errors["tp_block"]["2"] == pytest.approx(0.0, abs=1e-9)
+    assert all(e == pytest.approx(0.0, abs=1e-9) for e in machine.fit_errors["all_reduce"].values())
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_tensor_parallelism_pays_the_calibrated_costs(sequence_parallel):
+    """Each tensor-parallel collective on the path costs tp_call_us more, and the split
+    arithmetic 1 + tp_compute times as long; nothing else changes."""
+    base = Cluster("m", procs_per_node=2, cores=2, latency_us=0.0)
+    taxed = Cluster(
+        "m", procs_per_node=2, cores=2, latency_us=0.0, tp_call_us={"2": 500.0},
+        tp_compute={"2": 0.25},
+    )  # fmt: skip
+    model = read_model(build(Dims(layers=1, hidden=32, heads=2, vocab=32, seq=8)))
+    lay = Layout(1, 2, 1, 0, 1, 1, sequence_parallel=sequence_parallel)
+    plain, more = (Planner(model, m, 1, 8, "fp32").stage_view(lay, 0) for m in (base, taxed))
+    calls = sum(c.count for c in plain.calls if c.axis == "tensor")
+    arithmetic = 3 * plain.work.flops / (base.tflops("fp32") * 1e12)
+    a = step_time([plain.work], lay, base, "fp32").total
+    b = step_time([more.work], lay, taxed, "fp32").total
+    case = f"sp={sequence_parallel}, {calls} tensor calls"
+    assert b - a == pytest.approx(calls * 500e-6 + 0.25 * arithmetic, rel=1e-9), case
 
 
 def test_real_calibration_with_two_processes(tmp_path):
@@ -71,6 +114,8 @@ def test_real_calibration_with_two_processes(tmp_path):
         lat, bw = fits["2"]
         assert lat >= 0 and bw > 0, (op, lat, bw)
     assert data["compute"]["fp32"]["2"] > 0 and data["layer_overhead_us"] >= 0
+    assert data["tp_call_us"]["2"] >= 0 and data["tp_compute"]["2"] >= 0, "split block fitted"
+    assert set(data["fit_errors"]) == {*OPS, "tp_block"}, "every fit reports its error"
     path = calibrate.save(data, tmp_path / "calib.json")
     assert load(str(path)) == Cluster(**data), "the saved preset loads back unchanged"
 

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 import shardwise
 from shardwise.moe.layer import MoE
-from shardwise.pipe import moe_aux_loss
+from shardwise.pipe import TiedLayerSpec, moe_aux_loss
 
 
 @dataclass
@@ -317,14 +317,66 @@ class LMLoss(nn.Module):
         return self.ce(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
 
 
-def pipeline_layers(gpt: GPT) -> list[nn.Module]:
-    """The layer list of ``gpt`` for PipelineModule(layers=..., loss_fn=LMLoss())."""
-    if gpt.cfg.tie_weights:
-        raise ValueError(
-            "pipeline_layers: tie_weights=True shares the embedding with the head, which sit on "
-            "different pipeline stages; train the pipeline untied (tie_weights=False)"
-        )
-    return [Embed(gpt), *gpt.blocks, Final(gpt)]
+class Positions(nn.Module):
+    """Layer 1 of the tied form: x (B, T, C) token embeddings -> dropout(x + pos_emb(0..T-1))."""
+
+    def __init__(self, gpt: GPT) -> None:
+        super().__init__()
+        self.block_size = gpt.cfg.block_size
+        self.pos_emb, self.drop = gpt.pos_emb, gpt.drop
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[1] > self.block_size:
+            raise ValueError(f"sequence length {x.shape[1]} exceeds block_size {self.block_size}")
+        pos = torch.arange(x.shape[1], device=x.device)
+        return self.drop(x + self.pos_emb(pos))  # (B, T, C) + (T, C)
+
+
+class FinalNorm(nn.Module):
+    """The tied form's layer before the head: x (B, T, C) -> ln_f(x)."""
+
+    def __init__(self, gpt: GPT) -> None:
+        super().__init__()
+        self.ln_f = gpt.ln_f
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ln_f(x)
+
+
+class _OwnEmbedding(TiedLayerSpec):
+    """TiedLayerSpec "tok_emb" whose module is the GPT's own embedding (not a new one), so the
+    pipeline starts from exactly the GPT's weights, as the untied form does."""
+
+    def __init__(self, emb: nn.Embedding, forward_fn: Callable | None = None) -> None:
+        super().__init__("tok_emb", nn.Embedding, forward_fn=forward_fn, tied_weight_attr="weight")
+        self.module = emb
+
+    def build(self) -> nn.Module:
+        return self.module
+
+
+def _tied_head(emb: nn.Embedding, x: torch.Tensor) -> torch.Tensor:
+    """The tied head: logits (B, T, V) = x (B, T, C) @ tok_emb.weight (V, C).T."""
+    return F.linear(x, emb.weight)
+
+
+def pipeline_layers(gpt: GPT) -> list:
+    """The layer list of ``gpt`` for PipelineModule(layers=..., loss_fn=LMLoss()).
+
+    Untied: [embeddings, block 0, ..., block n-1, final norm + head]. Tied (``tie_weights``):
+    [token embedding, positions, blocks..., final norm, head], the first and the last a
+    ``TiedLayerSpec`` of key "tok_emb": the stages holding them each keep a copy of the
+    embedding, whose gradients the engine sums across those stages before every update
+    (pipeline/tied.py), so the copies stay the one tensor of a single process."""
+    if not gpt.cfg.tie_weights:
+        return [Embed(gpt), *gpt.blocks, Final(gpt)]
+    return [
+        _OwnEmbedding(gpt.tok_emb),  # idx (B, T) -> (B, T, C)
+        Positions(gpt),
+        *gpt.blocks,
+        FinalNorm(gpt),
+        _OwnEmbedding(gpt.tok_emb, forward_fn=_tied_head),
+    ]
 
 
 def pipeline_aux_loss(gpt: GPT) -> Callable[[nn.Module], torch.Tensor | None] | None:
@@ -334,28 +386,41 @@ def pipeline_aux_loss(gpt: GPT) -> Callable[[nn.Module], torch.Tensor | None] | 
     return moe_aux_loss(gpt.cfg.moe_aux) if gpt.cfg.moe_experts else None
 
 
-def pipeline_name(name: str, n_layer: int) -> str:
-    """A GPT module/parameter name (or tp_plan pattern) -> its name in the pipeline form."""
+def pipeline_name(name: str, n_layer: int, tied: bool = False) -> str:
+    """A GPT module/parameter name (or tp_plan pattern) -> its name in the pipeline form
+    (``tied``: the tied form, whose embedding and head are "tied_modules.tok_emb")."""
     head, _, rest = name.partition(".")
+    first = 2 if tied else 1  # the first block's index
     if head == "blocks":  # "blocks.2.attn.q" -> "3.attn.q"; "blocks.*.attn.q" -> "*.attn.q"
         index, _, rest = rest.partition(".")
-        return f"{index if index == '*' else int(index) + 1}.{rest}"
+        return f"{index if index == '*' else int(index) + first}.{rest}"
+    if tied and head in ("tok_emb", "head"):  # one module on each stage that uses it
+        return ".".join(["tied_modules.tok_emb", *([rest] if rest else [])])
     if head in ("tok_emb", "pos_emb", "drop"):
-        return f"0.{name}"
+        return f"{first - 1}.{name}"
     if head in ("ln_f", "head"):
-        return f"{n_layer + 1}.{name}"
+        return f"{n_layer + first}.{name}"
     if head == "loss_fn":
         return "loss_fn.ce"
     raise KeyError(f"{name!r} is not a name of the GPT")
 
 
-def gpt_name(name: str, n_layer: int) -> str:
-    """pipeline_name's inverse for parameter names: "3.attn.q.weight" -> "blocks.2.attn.q.weight"."""
+def gpt_name(name: str, n_layer: int, tied: bool = False) -> str:
+    """pipeline_name's inverse for parameter names: "3.attn.q.weight" -> "blocks.2.attn.q.weight"
+    (tied: "tied_modules.tok_emb.weight" -> "tok_emb.weight"; the head is the same tensor)."""
+    if tied and name.startswith("tied_modules.tok_emb."):
+        return name.removeprefix("tied_modules.")
     index, _, rest = name.partition(".")
-    i = int(index)
-    return rest if i in (0, n_layer + 1) else f"blocks.{i - 1}.{rest}"
+    i, first = int(index), 2 if tied else 1
+    return rest if i in (first - 1, n_layer + first) else f"blocks.{i - first}.{rest}"
 
 
-def pipeline_tp_plan(n_layer: int) -> dict[str, str]:
-    """GPT.tp_plan with the pipeline form's names."""
+def pipeline_tp_plan(n_layer: int, tied: bool = False) -> dict[str, str]:
+    """GPT.tp_plan with the pipeline form's names. The tied form has none: its head multiplies
+    by the embedding's weight inside a TiedLayerSpec, which no tensor-parallel style splits."""
+    if tied:
+        raise ValueError(
+            "pipeline_tp_plan: a tied pipeline (tie_weights=True) has no tensor-parallel plan; "
+            "with --tp and --pp train untied (no --tie-weights), or tied with tp=1"
+        )
     return {pipeline_name(p, n_layer): style for p, style in GPT.tp_plan.items()}

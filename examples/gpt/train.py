@@ -127,7 +127,7 @@ def build_config(args: argparse.Namespace) -> dict:
     if args.tp > 1:
         cfg["tensor_parallel"] = {"size": args.tp, "sequence_parallel": args.sp}
         if args.pp > 1:  # GPT.tp_plan, named as the PipelineModule names the layers
-            cfg["tensor_parallel"]["plan"] = pipeline_tp_plan(args.n_layer)
+            cfg["tensor_parallel"]["plan"] = pipeline_tp_plan(args.n_layer, args.tie_weights)
     if args.cp > 1:
         cfg["context_parallel"] = {"size": args.cp, "method": args.cp_method}
     if args.config:
@@ -308,7 +308,9 @@ def save_outputs(
     if engine.global_rank != 0:
         return
     if engine.pipeline is not None:  # "3.attn.q.weight" -> "blocks.2.attn.q.weight"
-        state = {gpt_name(k, gcfg.n_layer): v for k, v in state.items()}
+        state = {gpt_name(k, gcfg.n_layer, gcfg.tie_weights): v for k, v in state.items()}
+        if gcfg.tie_weights:  # the tied form holds one tensor; the GPT names it twice
+            state["head.weight"] = state["tok_emb.weight"]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     save_weights(state, out / "model.safetensors")
@@ -416,7 +418,8 @@ def shardwise_verify(**model: Any) -> dict:
             partition_method="type:Block",
             aux_loss_fn=pipeline_aux_loss(model),
         )
-        pipe.tp_plan = pipeline_tp_plan(args.n_layer)  # GPT.tp_plan in the pipeline's names
+        if not gcfg.tie_weights:  # GPT.tp_plan in the pipeline's names (the tied form has none)
+            pipe.tp_plan = pipeline_tp_plan(args.n_layer)
         return pipe
 
     cfg = build_config(args)

@@ -111,7 +111,7 @@ def _trace_chain(
     (one with no trainable parameter is never checkpointed, as PipelineModule decides)."""
     out, cache, x = [], {}, ids
     for fn, layer in zip(shape.callables, shape.layers, strict=True):
-        fn = twin.get(id(fn), fn)
+        fn = _twin_of(fn, twin)
         key = (layer.kind, tuple(p.shape for p in layer.params), _signature(x))
         if key not in cache:
             tr.events, tr.last_column_input = [], set()
@@ -128,6 +128,15 @@ def _trace_chain(
         out.append(cache[key][0])
         x = tr.follow(cache[key][1], cache[key][1].detach())
     return out, x
+
+
+def _twin_of(fn: Any, twin: dict) -> Any:
+    """``fn``'s copy in the traced model: the module itself, or a tied layer's
+    ``partial(forward_fn, module)`` (PipelineModule's form) bound to the module's copy."""
+    if isinstance(fn, functools.partial):
+        args = tuple(twin.get(id(a), a) for a in fn.args)
+        return functools.partial(fn.func, *args, **fn.keywords)
+    return twin.get(id(fn), fn)
 
 
 def _checkpointed(fn: Callable[[Any], Any], x: Any) -> Any:

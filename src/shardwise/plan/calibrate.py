@@ -48,6 +48,8 @@ from shardwise.plan.calibrate_ops import (
     gemm_rate,
     optimizer_rate,
     time_op,
+    tp_block_times,
+    tp_blocks,
 )
 from shardwise.plan.cluster import Cluster, default_calibration_path
 from shardwise.spawn import spawn
@@ -91,6 +93,7 @@ def _rank_work(rank: int, sizes: Sequence[int], repeats: int, gemm: tuple[int, i
     out["optimizer"] = optimizer_rate()
     for op in OPS if n > 1 else ():
         out["collectives"][op] = [time_op(op, size, repeats) for size in sizes]
+    out["tp_blocks"] = [tp_block_times(g, repeats) for g in tp_blocks(gemm)] if n > 1 else []
     return out
 
 
@@ -113,6 +116,9 @@ def summarize(worlds: dict[int, list[dict]], sizes: Sequence[int]) -> dict[str, 
     optimizer's speed from the smallest world (unshared cores, if there are enough)."""
     compute: dict[str, dict[str, float]] = {p: {} for p in DTYPES}
     collectives: dict[str, dict[str, list[float]]] = {}
+    tp: dict[str, float] = {}
+    tp_compute: dict[str, float] = {}
+    errors: dict[str, dict[str, float]] = {}
     eff, opt, overhead = [], [], []
     for n, ranks in sorted(worlds.items()):
         fits = [fit_line(*zip(*r["blocks"], strict=True)) for r in ranks]
@@ -128,8 +134,95 @@ def summarize(worlds: dict[int, list[dict]], sizes: Sequence[int]) -> dict[str, 
             slowest = [max(r["collectives"][op][i] for r in ranks) for i in range(len(sizes))]
             lat, bw = fit_line([ring * s for s in sizes], slowest)
             collectives.setdefault(op, {})[str(n)] = [lat, bw]
+            errors.setdefault(op, {})[str(n)] = fit_error(
+                [ring * s for s in sizes], slowest, lat, bw
+            )
+        if n > 1:
+            layer = statistics.median(a for a, _ in fits)
+            us, tp_compute[str(n)], errors.setdefault("tp_block", {})[str(n)] = tp_call_fit(
+                ranks, n, layer, collectives["all_reduce"][str(n)]
+            )
+            # Per rank with a core of its own: a plan multiplies by its own sharing (share()).
+            tp[str(n)] = us / max(1.0, n / cores())
     block = (statistics.median(eff), statistics.median(overhead))
-    return _preset(compute, collectives, block, statistics.median(opt))
+    preset = _preset(compute, collectives, block, statistics.median(opt))
+    return {**preset, "tp_call_us": tp, "tp_compute": tp_compute, "fit_errors": errors}
+
+
+def describe_errors(data: dict[str, Any]) -> str:
+    """One line per fit: its largest relative error per group size, and the per-call cost
+    of tensor-parallel collectives the split block showed."""
+    errors = data.get("fit_errors", {})
+    lines = ["fit errors (largest relative miss at the measured points):"]
+    for name in sorted(errors):
+        per = ", ".join(
+            f"{n} procs {e:.0%}" for n, e in sorted(errors[name].items(), key=lambda x: int(x[0]))
+        )
+        lines.append(f"  {name:15s} {per}")
+    tp, k = data.get("tp_call_us", {}), data.get("tp_compute", {})
+    if tp:
+        per = ", ".join(
+            f"{n} procs {us:.0f} us, split arithmetic x {1 + k.get(n, 0.0):.2f}"
+            for n, us in sorted(tp.items(), key=lambda x: int(x[0]))
+        )
+        lines.append(f"  tensor parallelism beyond the ideal: per call {per}")
+    return "\n".join(lines)
+
+
+def fit_error(xs: Sequence[float], ts: Sequence[float], lat: float, bw: float) -> float:
+    """The largest relative error of the fit ``lat + x / bw`` at the measured points."""
+    return max(abs(lat + x / bw - t) / t for x, t in zip(xs, ts, strict=True) if t > 0)
+
+
+def tp_call_fit(
+    ranks: list[dict], n: int, layer: float, all_reduce: list[float]
+) -> tuple[float, float, float]:
+    """(us per call, split-compute excess, fit error) of a tensor-parallel block beyond the
+    ideal. The model without them predicts the split block as (full - layer) / n + layer +
+    calls x all_reduce(payload); what the slowest rank measured beyond that is fitted, over
+    the block sizes, as  calls x c + k x (full - layer) / n:  c per collective issued between
+    kernels (waiting on the peer, a woken socket thread), k the share by which the split
+    arithmetic runs slower than 1/n of the whole (narrower matmuls, the norms and residual
+    adds every rank repeats). The error is the model's largest relative miss with them."""
+    lat, bw = all_reduce
+    sizes = range(len(ranks[0]["tp_blocks"]))
+    got = [{k: max(r["tp_blocks"][i][k] for r in ranks) for k in ("full", "tp")} for i in sizes]
+    info = ranks[0]["tp_blocks"]
+    calls = [b["calls"] for b in info]
+    split = [(g["full"] - layer) / n for g in got]
+    ring = RING["all_reduce"](n)
+    comm_s = [c * (lat + ring * b["payload"] / bw) for c, b in zip(calls, info, strict=True)]
+    extra = [g["tp"] - x - layer - m for g, x, m in zip(got, split, comm_s, strict=True)]
+    # Least squares of extra = calls c + split k (relative: weights 1 / tp^2), both >= 0.
+    w = [1.0 / g["tp"] ** 2 for g in got]
+    a11, a12, a22 = _dot(w, calls, calls), _dot(w, calls, split), _dot(w, split, split)
+    b1, b2 = _dot(w, calls, extra), _dot(w, split, extra)
+    det = a11 * a22 - a12 * a12
+    c, k = ((b1 * a22 - b2 * a12) / det, (a11 * b2 - a12 * b1) / det) if det > 0 else (-1, -1)
+    if c < 0 or k < 0:  # one term alone (the other would be negative): the better of the two
+        only_c, only_k = (max(b1 / a11, 0.0), 0.0), (0.0, max(b2 / a22, 0.0))
+        c, k = min(only_c, only_k, key=lambda ck: _miss(ck, calls, split, extra, got))
+    return c * 1e6, k, _miss((c, k), calls, split, extra, got)
+
+
+def _dot(*vectors: list) -> float:
+    """Sum over i of the product of every vector's i-th entry."""
+    total = 0.0
+    for items in zip(*vectors, strict=True):
+        term = 1.0
+        for v in items:
+            term *= v
+        total += term
+    return total
+
+
+def _miss(ck: tuple[float, float], calls: list, split: list, extra: list, got: list) -> float:
+    """The largest relative miss of extra = calls c + split k at the measured blocks."""
+    c, k = ck
+    return max(
+        abs(n * c + x * k - e) / g["tp"]
+        for n, x, e, g in zip(calls, split, extra, got, strict=True)
+    )
 
 
 def _preset(compute: dict, collectives: dict, block: tuple[float, float], opt_bps: float) -> dict:

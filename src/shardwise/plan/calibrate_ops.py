@@ -16,6 +16,8 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from shardwise import comm
+from shardwise.parallel.tensor.parallelize import parallelize
+from shardwise.plan.models import Dims, GPTBlock, tp_plan
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send")
 # Bytes a ring moves per payload byte, as cluster.Cluster.collective_time charges them.
@@ -111,3 +113,38 @@ def time_op(op: str, size: int, repeats: int) -> float:
         return _best_time(pingpong, repeats) / 2
     comm.barrier()
     return _best_time(calls[op], repeats)
+
+
+def tp_blocks(gemm: tuple[int, int]) -> tuple[tuple[int, int], ...]:
+    """(tokens, hidden) of the split blocks timed: the GEMM size, and a quarter of its tokens
+    at half its width (the shapes of small micro-batches)."""
+    return gemm, (max(gemm[0] // 4, 8), max(gemm[1] // 2, 16))
+
+
+def tp_block_times(gemm: tuple[int, int], repeats: int = 5) -> dict[str, float]:
+    """A pre-LN GPT block (the planner's own, plan/models.py) on ``gemm`` = (tokens, hidden):
+    best seconds of its forward + backward whole (``full``) and split by its tensor-parallel
+    plan over the default group (``tp``), the collectives one split pass issues (``calls``)
+    and the payload of each (``payload``: the (tokens, hidden) activation, fp32).
+    Every rank runs both at once, as ranks of a tensor-parallel layout do."""
+    torch.manual_seed(0)
+    tokens, h = gemm
+    seq = min(tokens, 256)
+    d = Dims(layers=1, hidden=h, heads=max(h // 32, comm.get_world_size()), vocab=8, seq=seq)
+    x = torch.randn(max(tokens // seq, 1), seq, h, requires_grad=True)
+    block = GPTBlock(d)
+    plan = {k.removeprefix("blocks.*."): s for k, s in tp_plan("gpt").items()}
+    plan = {k: s for k, s in plan.items() if k.split(".")[0] in ("attn", "mlp")}
+    split = parallelize(GPTBlock(d), plan, None)
+
+    def step(m: nn.Module) -> Callable[[], None]:
+        return lambda: m(x).sum().backward()
+
+    comm.barrier()
+    full = _best_time(step(block), repeats)
+    comm.barrier()
+    tp = _best_time(step(split), repeats)
+    before = comm.stats().get("all_reduce", {}).get("calls", 0)
+    step(split)()
+    calls = comm.stats().get("all_reduce", {}).get("calls", 0) - before
+    return {"full": full, "tp": tp, "calls": calls, "payload": 4 * x.numel()}

@@ -207,6 +207,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     calibrate.check_output(args.output)  # before a minute of measuring, not after
     data = calibrate.measure(procs, progress=lambda line: print(line, file=sys.stderr))
     path = calibrate.save(data, args.output)
+    print(calibrate.describe_errors(data))
     use = "--cluster this-machine" if args.output is None else f"--cluster {path}"
     print(f"calibration saved to {path}; plan with {use}")
     return 0

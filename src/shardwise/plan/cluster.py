@@ -48,6 +48,11 @@ class Cluster:
     compute: dict = field(default_factory=dict)
     layer_overhead_us: float = 0.0  # fixed cost of a layer's forward + backward, per micro-batch
     cores: int = 0  # CPU cores the ranks share (a calibrated CPU machine; 0: one device each)
+    # Calibrated: what each tensor-parallel collective costs beyond its ring fit, per group
+    # size (calibrate.tp_call_fit), and each fit's largest relative error at its points.
+    tp_call_us: dict = field(default_factory=dict)
+    tp_compute: dict = field(default_factory=dict)  # split arithmetic's excess over 1/tp
+    fit_errors: dict = field(default_factory=dict)
     estimated: tuple[str, ...] = ()  # fields not measured (SOURCES says why each is what it is)
 
     def __post_init__(self) -> None:  # a JSON list read back is the same tuple
@@ -92,6 +97,22 @@ class Cluster:
         steps = 2 * (n - 1) if op == "all_reduce" else max(n - 1, 1)
         gbps = self.inter_gbps if inter else self.intra_gbps
         return steps * self.latency_us * 1e-6 + ring * payload / (gbps * 1e9)
+
+    def tp_call_time(self, n: int) -> float:
+        """Seconds a tensor-parallel collective of ``n`` ranks costs beyond its ring fit (the
+        fit of the nearest calibrated group size; ranks sharing cores take turns: x share)."""
+        if n <= 1 or not self.tp_call_us:
+            return 0.0
+        by_n = {int(k): v for k, v in self.tp_call_us.items()}
+        return by_n[min(by_n, key=lambda k: abs(k - n))] * 1e-6 * self.share()
+
+    def tp_compute_factor(self, n: int) -> float:
+        """How much longer a rank's 1/n of a split layer's arithmetic takes than 1/n of the
+        whole (calibrated, nearest group size; 1 uncalibrated or unsplit)."""
+        if n <= 1 or not self.tp_compute:
+            return 1.0
+        by_n = {int(k): v for k, v in self.tp_compute.items()}
+        return 1.0 + by_n[min(by_n, key=lambda k: abs(k - n))]
 
     def estimated_for(self, offload: bool, comm: bool, data: bool) -> list[str]:
         """The unmeasured numbers a layout's time depends on (``comm``: it communicates;

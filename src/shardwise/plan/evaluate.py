@@ -201,9 +201,30 @@ class Planner:
             calls += traffic.pipeline_calls(
                 layout, as_stage, bytes_in, out.output_bytes, out.output_ndim, c, end
             )
+        calls += self._tied_calls(layout, stage, params)
         norm = self.gradient_clipping or self.precision == "fp16"
         apart = any(p.is_expert and p.ep > 1 for p in params)
         calls += traffic.scalar_calls(layout, stage, self.precision, norm, apart)
+        return calls
+
+    def _tied_calls(self, layout: Layout, stage: int, params: list) -> list[traffic.Call]:
+        """Each TiedLayerSpec key's gradient sum over the stages holding it; its parameters
+        lead ``params`` (range_params), keys in the order the stage's layers use them."""
+        if layout.pp == 1:
+            return []
+        held: dict[str, set[int]] = {}
+        for s in range(layout.pp):
+            for lo, hi in self.ranges(layout, s):
+                for x in self.shape.layers[lo:hi]:
+                    if x.tied:
+                        held.setdefault(x.tied, set()).add(s)
+        mine = [x.tied for lo, hi in self.ranges(layout, stage) for x in self.shape.layers[lo:hi]]
+        calls, start = [], 0
+        for key in dict.fromkeys(k for k in mine if k):
+            n = len(self.shape.tied[key])
+            ps = [p for p in params[start : start + n] if p.trainable]
+            calls += traffic.tied_calls(ps, len(held[key]), layout, self.precision, self.opts)
+            start += n
         return calls
 
     def evaluate(self, layout: Layout) -> dict[str, Any]:

@@ -97,7 +97,7 @@ def timeline_data(planner: Planner, layout: Layout) -> dict[str, Any]:
     end = max(finish) * t_mb
     rows = []
     for s, view in enumerate(views):
-        comm_share = 1.0 - compute_time(view.work, cluster, precision) / per_mb[s]
+        comm_share = 1.0 - compute_time(view.work, cluster, precision, layout.tp) / per_mb[s]
         segs = []
         for stage, a, b, ins in done:
             if stage == s:

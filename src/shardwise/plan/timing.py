@@ -88,14 +88,17 @@ def axis_time(calls: list[Call], layout: Layout, cluster: Cluster, axis: str) ->
         if c.axis == axis and c.op != "recv":
             inter = spans_nodes(axis, layout, cluster.procs_per_node)
             total += c.count * cluster.collective_time(c.op, c.payload, c.n, inter)
+            if axis == "tensor":  # issued between kernels: what the isolated fit misses
+                total += c.count * cluster.tp_call_time(c.n)
     return total
 
 
-def compute_time(work: StageWork, cluster: Cluster, precision: str) -> float:
-    """One micro-batch's arithmetic: FLOPs / sustained rate, plus each layer's fixed cost
+def compute_time(work: StageWork, cluster: Cluster, precision: str, tp: int = 1) -> float:
+    """One micro-batch's arithmetic: FLOPs / sustained rate (split by ``tp``: x the
+    calibrated excess of a split layer's arithmetic), plus each layer's fixed cost
     (a recomputed forward is a third of a layer's forward + backward), which ranks
     sharing cores pay in turn: x procs_per_node / cores when there are fewer cores."""
-    rate = cluster.tflops(precision) * 1e12
+    rate = cluster.tflops(precision) * 1e12 / cluster.tp_compute_factor(tp)
     fixed = (work.layers + work.recompute_layers / 3) * cluster.layer_overhead_us * 1e-6
     return (3 * work.flops + work.recompute_flops) / rate + fixed * cluster.share()
 
@@ -103,7 +106,7 @@ def compute_time(work: StageWork, cluster: Cluster, precision: str) -> float:
 def micro_batch_time(work: StageWork, layout: Layout, cluster: Cluster, precision: str) -> float:
     """The stage's forward + backward (+ recompute) and its on-path communication, once:
     tensor-parallel collectives, pipeline messages, MoE all-to-alls, context blocks."""
-    compute = compute_time(work, cluster, precision)
+    compute = compute_time(work, cluster, precision, layout.tp)
     path = sum(axis_time(work.calls, layout, cluster, a) for a in ON_PATH)
     return compute + path / layout.grad_accum
 
@@ -126,7 +129,7 @@ def step_time(
     slow = max(range(len(stages)), key=lambda i: per_mb[i])
     w = stages[slow]
     gas = layout.grad_accum
-    compute = gas * compute_time(w, cluster, precision)
+    compute = gas * compute_time(w, cluster, precision, layout.tp)
     on_path = per_mb[slow] * gas - compute
     data = axis_time(w.calls, layout, cluster, "data")
     data += axis_time(w.calls, layout, cluster, "replicate")

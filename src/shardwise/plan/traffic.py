@@ -28,6 +28,8 @@ all-reduce 2 (n-1)/n S, reduce-scatter / all-gather / broadcast (n-1)/n S, send 
     context    per attention call and micro-batch (cp > 1), ring: 2 (cp-1) K/V blocks sent
                forward, 2 (cp-1) again and 2 cp fp32 dK/dV partials backward; Ulysses: 4
                all-to-alls of one (B, H, S/cp, D) block forward, 4 backward
+    tied       per step, a pipeline's tied weights (TiedLayerSpec) summed over the stages
+               holding a copy (counted with pipeline in ``by_axis``)
     pipeline   per micro-batch, activations to the next stage and their gradients back (in
                1/t chunks, all-gathered by the receiving TP ranks, when TP splits them), and
                once per batch the activation's description (two int64 messages)
@@ -278,6 +280,29 @@ def pipeline_calls(
         calls += [Call("send", "pipeline", 8, 2), Call("send", "pipeline", meta, 2)]
     if not first:
         calls += [Call("recv", "pipeline", 8, 2), Call("recv", "pipeline", meta, 2)]
+    return calls
+
+
+def tied_calls(
+    params: list[ParamInfo], holders: int, layout: Layout, precision: str, opts: Options
+) -> list[Call]:
+    """The tied weights' gradient sum over the ``holders`` stages that each hold a copy
+    (pipeline/tied.py), once per step after the data-parallel reduction: the whole reduced
+    gradient, or under ZeRO this rank's shard of the tied parameter's own bucket."""
+    if holders < 2:
+        return []
+    c = DTYPE_BYTES[precision]
+    plain = layout.zero_stage == 0 and c == 4 and not layout.offload
+    calls = []
+    for p in params:
+        if layout.zero_stage == 0:
+            n = 1
+            for d in p.local_shape(layout.tp):
+                n *= d
+            calls.append(Call("all_reduce", "pipeline", (4 if plain else c) * n, holders))
+            continue
+        lay = buckets([p], layout.tp, layout.shard, opts.bucket_elements, {0})[0]
+        calls.append(Call("all_reduce", "pipeline", c * lay.shard_numel, holders))
     return calls
 
 
