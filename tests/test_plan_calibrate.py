@@ -8,9 +8,10 @@ import pytest
 
 from shardwise.launch.cli import main
 from shardwise.plan import Cluster, Dims, Layout, Planner, build, calibrate, read_model
+from shardwise.plan.bubble import bubble_units, shares
 from shardwise.plan.calibrate_ops import OPS, RING
 from shardwise.plan.cluster import load
-from shardwise.plan.timing import step_time
+from shardwise.plan.timing import micro_batch_time, step_time
 
 GPT_FLAGS = ["--arch", "gpt", "--layers", "2", "--hidden", "64", "--heads", "2"]
 GPT_FLAGS += ["--vocab", "64", "--seq", "32", "--global-batch", "4", "--procs-per-node", "2"]
@@ -72,6 +73,7 @@ def test_summary_is_a_preset_whose_times_are_the_fit(monkeypatch):
     assert machine.fp32_tflops == pytest.approx(0.04), "the peak: a GEMM's rate"
     assert machine.cores == 4
     assert machine.layer_overhead_us == pytest.approx(1000.0), "the blocks' fixed cost"
+    assert machine.layer_overheads_us == pytest.approx({"1": 1000.0, "2": 1000.0}), "per world"
     for op in OPS:
         t = machine.collective_time(op, 1 << 20, 2, inter=False)
         assert t == pytest.approx(100e-6 + ring[op] * (1 << 20) / 1e9, rel=1e-6), op
@@ -151,7 +153,7 @@ def test_bad_calibration_flags_name_the_flag(tmp_path, capsys, flags, message):
 
 def _compute_s(shape, ppn: int, cores: int, mb: int) -> float:
     preset = calibrate.summarize({1: [_rank(4e10, {})]}, SIZES)
-    machine = Cluster(**{**preset, "layer_overhead_us": 1000.0, "cores": cores,
+    machine = Cluster(**{**preset, "layer_overheads_us": {"1": 1000.0}, "cores": cores,
                          "procs_per_node": ppn, "optimizer_gbps": 1e12})  # fmt: skip
     lay = Layout(ppn, 1, 1, 0, mb, 8 // ppn // mb)
     return Planner(shape, machine, 8, 32, "fp32").evaluate(lay)["time"]["compute"]
@@ -167,3 +169,45 @@ def test_fixed_layer_cost_favours_fewer_larger_micro_batches():
     assert small - large == pytest.approx(3 * fixed, rel=1e-6), "dp2: mb 1x4 against 4x1"
     shared, own = _compute_s(shape, 4, 2, 1), _compute_s(shape, 4, 4, 1)
     assert shared - own == pytest.approx(2 * fixed, rel=1e-6), "dp4 mb 1x2: 2 or 4 cores"
+
+
+def test_layer_cost_is_the_fit_of_the_ranks_that_share_the_cores():
+    """One rank alone pays 1 ms per layer, two busy at once 1.5 ms each: a plan of 2 or more
+    ranks on 2 cores takes the 2-rank fit (4 ranks then take turns: x share elsewhere)."""
+    coll = {op: [100e-6 + RING[op](2) * b / 1e9 for b in SIZES] for op in OPS}
+    two = [_rank(4e10, coll, _tp_blocks(0.0, 0.0)) for _ in range(2)]
+    worlds = {1: [_rank(4e10, {})], 2: two}
+    for r in two:
+        r["blocks"] = [(f, t + 0.5e-3) for f, t in r["blocks"]]
+    preset = calibrate.summarize(worlds, SIZES)
+    assert preset["layer_overheads_us"] == pytest.approx({"1": 1000.0, "2": 1500.0})
+    for ppn, want in ((1, 1e-3), (2, 1.5e-3), (4, 1.5e-3)):
+        machine = Cluster(**{**preset, "cores": 2, "procs_per_node": ppn})
+        assert machine.layer_cost_s() == pytest.approx(want), f"{ppn} ranks on 2 cores"
+    assert Cluster("gpu", layer_overhead_us=20.0).layer_cost_s() == pytest.approx(20e-6)
+
+
+@pytest.mark.parametrize("cores,pp,factor", [(2, 2, 0.5), (4, 2, 1.0), (2, 1, 1.0), (1, 2, 0.5)])
+def test_a_pipeline_on_shared_cores_lends_its_waits(cores, pp, factor):
+    """4 ranks: with 2 cores (share 2) and 2 stages, a stage's bubble and its tensor-parallel
+    peers' waits cost half the shared time (another stage's ranks use the core meanwhile;
+    fill and drain run 1/pp of the ranks); on 1 core (share 4) too, the fill's 2 ranks
+    sharing it; with a core each or without a pipeline, the full time."""
+    model = read_model(build(Dims(layers=4, hidden=32, heads=2, vocab=32, seq=8)))
+    tp = 4 // pp // 2
+    m = Cluster("m", procs_per_node=4, cores=cores, latency_us=0.0, tp_call_us={"2": 500.0})
+    lay = Layout(2, tp, pp, 0, 1, 4)
+    planner = Planner(model, m, 8, 8, "fp32")
+    works = [planner.stage_view(lay, s).work for s in range(pp)]
+    t = step_time(works, lay, m, "fp32")
+    per_mb = max(micro_batch_time(w, lay, m, "fp32") for w in works)
+    f, wgt = shares(works[0].flops, works[0].recompute_flops)
+    case = f"4 ranks on {cores} cores, pp {pp}, tp {tp}"
+    assert t.bubble == pytest.approx(bubble_units(lay.schedule, pp, 4, f, wgt) * per_mb * factor), (
+        case
+    )
+    calls = sum(c.count for c in works[0].calls if c.axis == "tensor" and c.op != "recv")
+    bare = Cluster("m", procs_per_node=4, cores=cores, latency_us=0.0)
+    plain = step_time(works, lay, bare, "fp32")
+    extra = calls * 500e-6 * m.share() * factor
+    assert t.exposed_comm - plain.exposed_comm == pytest.approx(extra, rel=1e-6, abs=1e-12), case

@@ -7,9 +7,10 @@ its sharing in the numbers:
 
     compute     per rank, TFLOP/s of fp32 (and bf16) GEMMs of transformer shapes,
                 (tokens x h) @ (h x 3h), (h x 4h), (4h x h): 2 m k n FLOPs / best seconds
-    layers      a pre-LN block's forward + backward at that size and at a tiny one, fitted
-                t = overhead + FLOPs / rate: ``layer_overhead_us`` (the fixed cost of a
-                layer's ops, what dominates small micro-batches) and the block's rate,
+    layers      a pre-LN block's forward + backward at that size and at a tiny one (the
+                median call, every rank busy), fitted t = overhead + FLOPs / rate per
+                process count: ``layer_overheads_us`` (the fixed cost of a layer's ops,
+                what dominates small micro-batches) and the block's rate,
                 which is the preset's ``compute`` per process count (bf16: the bf16 GEMM
                 rate x the fp32 block's share of the fp32 GEMM rate); the GEMM rates
                 themselves become the peaks (MFU)
@@ -112,20 +113,23 @@ def cores() -> int:
 def summarize(worlds: dict[int, list[dict]], sizes: Sequence[int]) -> dict[str, Any]:
     """A ``Cluster``'s fields from each world's per-rank measurements: per process count,
     the sustained rate of a transformer block (the slowest rank's: it paces a synchronous
-    step), in bf16 the bf16 GEMM rate x the same efficiency; a layer's fixed cost and the
-    optimizer's speed from the smallest world (unshared cores, if there are enough)."""
+    step), in bf16 the bf16 GEMM rate x the same efficiency, and a layer's fixed cost (the
+    median rank's); the optimizer's speed from the smallest world (unshared cores, if there
+    are enough)."""
     compute: dict[str, dict[str, float]] = {p: {} for p in DTYPES}
     collectives: dict[str, dict[str, list[float]]] = {}
     tp: dict[str, float] = {}
     tp_compute: dict[str, float] = {}
     errors: dict[str, dict[str, float]] = {}
     eff, opt, overhead = [], [], []
+    overheads: dict[str, float] = {}
     for n, ranks in sorted(worlds.items()):
         fits = [fit_line(*zip(*r["blocks"], strict=True)) for r in ranks]
         ratio = [rate / r["compute"]["fp32"] for (_, rate), r in zip(fits, ranks, strict=True)]
         for prec in compute:
             rates = [r["compute"][prec] * e for r, e in zip(ranks, ratio, strict=True)]
             compute[prec][str(n)] = min(rates) / 1e12
+        overheads[str(n)] = statistics.median(a for a, _ in fits) * 1e6
         if n == min(worlds):
             overhead, eff = [a for a, _ in fits], ratio
             opt = [r["optimizer"] for r in ranks]
@@ -146,7 +150,8 @@ def summarize(worlds: dict[int, list[dict]], sizes: Sequence[int]) -> dict[str, 
             tp[str(n)] = us / max(1.0, n / cores())
     block = (statistics.median(eff), statistics.median(overhead))
     preset = _preset(compute, collectives, block, statistics.median(opt))
-    return {**preset, "tp_call_us": tp, "tp_compute": tp_compute, "fit_errors": errors}
+    extra = {"layer_overheads_us": overheads, "tp_call_us": tp, "tp_compute": tp_compute}
+    return {**preset, **extra, "fit_errors": errors}
 
 
 def describe_errors(data: dict[str, Any]) -> str:

@@ -47,6 +47,7 @@ class Cluster:
     collectives: dict = field(default_factory=dict)
     compute: dict = field(default_factory=dict)
     layer_overhead_us: float = 0.0  # fixed cost of a layer's forward + backward, per micro-batch
+    layer_overheads_us: dict = field(default_factory=dict)  # calibrated: the same per processes
     cores: int = 0  # CPU cores the ranks share (a calibrated CPU machine; 0: one device each)
     # Calibrated: what each tensor-parallel collective costs beyond its ring fit, per group
     # size (calibrate.tp_call_fit), and each fit's largest relative error at its points.
@@ -83,6 +84,16 @@ class Cluster:
             return by_procs[n] * n / max(self.procs_per_node, n) * self.efficiency
         peak = self.fp32_tflops if precision == "fp32" else self.peak_tflops
         return peak * self.efficiency
+
+    def layer_cost_s(self) -> float:
+        """Seconds a layer's forward + backward costs beyond its FLOPs, per micro-batch, on
+        one rank with a core of its own: calibrated, the fit of the process count nearest
+        ``procs_per_node`` (capped at the cores, as ``tflops``); else ``layer_overhead_us``."""
+        if not self.layer_overheads_us:
+            return self.layer_overhead_us * 1e-6
+        by_procs = {int(k): v for k, v in self.layer_overheads_us.items()}
+        want = min(self.procs_per_node, self.cores) if self.cores else self.procs_per_node
+        return by_procs[min(by_procs, key=lambda k: abs(k - want))] * 1e-6
 
     def collective_time(self, op: str, payload: int, n: int, inter: bool) -> float:
         """Seconds for one call of ``op`` with ``payload`` bytes on ``n`` ranks (ring model)."""

@@ -38,7 +38,7 @@ class StageWork:
     recompute_flops: float
     calls: list[Call]
     states: ModelStates
-    layers: int = 0  # layers on this stage (each costs cluster.layer_overhead_us per pass)
+    layers: int = 0  # layers on this stage (each costs cluster.layer_cost_s() per pass)
     recompute_layers: int = 0  # checkpointed layers (their forward runs twice)
 
 
@@ -81,6 +81,17 @@ def by_link(calls: list[Call], layout: Layout, procs_per_node: int) -> dict[str,
     return out
 
 
+def out_of_phase(layout: Layout, cluster: Cluster) -> float:
+    """The part of a shared core's slowdown that a pipeline's waits pay: with more ranks
+    than cores (share s > 1), a rank waiting in the bubble or on a tensor-parallel peer
+    leaves its core to a rank of another stage, which is busy then (stages are out of
+    phase), and during fill and drain only 1/pp of the ranks compute, at s / pp sharing
+    (at least 1). So those waits cost max(1, s / pp) / s of the shared time; 1 without a
+    pipeline (data-parallel replicas wait at the same moments) or with a core per rank."""
+    s = cluster.share()
+    return max(1.0, s / layout.pp) / s
+
+
 def axis_time(calls: list[Call], layout: Layout, cluster: Cluster, axis: str) -> float:
     """Seconds of the calls of ``axis`` in one step."""
     total = 0.0
@@ -89,7 +100,7 @@ def axis_time(calls: list[Call], layout: Layout, cluster: Cluster, axis: str) ->
             inter = spans_nodes(axis, layout, cluster.procs_per_node)
             total += c.count * cluster.collective_time(c.op, c.payload, c.n, inter)
             if axis == "tensor":  # issued between kernels: what the isolated fit misses
-                total += c.count * cluster.tp_call_time(c.n)
+                total += c.count * cluster.tp_call_time(c.n) * out_of_phase(layout, cluster)
     return total
 
 
@@ -99,7 +110,7 @@ def compute_time(work: StageWork, cluster: Cluster, precision: str, tp: int = 1)
     (a recomputed forward is a third of a layer's forward + backward), which ranks
     sharing cores pay in turn: x procs_per_node / cores when there are fewer cores."""
     rate = cluster.tflops(precision) * 1e12 / cluster.tp_compute_factor(tp)
-    fixed = (work.layers + work.recompute_layers / 3) * cluster.layer_overhead_us * 1e-6
+    fixed = (work.layers + work.recompute_layers / 3) * cluster.layer_cost_s()
     return (3 * work.flops + work.recompute_flops) / rate + fixed * cluster.share()
 
 
@@ -138,4 +149,5 @@ def step_time(
     compute += optimizer_time(w.states, layout, cluster)
     f, wgt = shares(w.flops, w.recompute_flops)
     bubble = bubble_units(layout.schedule, layout.pp, gas, f, wgt) * per_mb[slow]
+    bubble *= out_of_phase(layout, cluster)
     return StepTime(compute, exposed, bubble)
