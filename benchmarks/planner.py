@@ -63,16 +63,22 @@ LAYOUTS = [  # dp, tp, pp, zero, micro-batch, accumulation, checkpointing, offlo
 ]
 
 
-def gpt_model(pipeline: bool) -> torch.nn.Module:
+MOE = dict(moe_experts=4, moe_k=1)  # --variants moe: each block's MLP a top-1 MoE of 4
+
+
+def gpt_model(pipeline: bool, moe: bool = False, ep: int = 1) -> torch.nn.Module:
+    """The example GPT (its MoE form with ``moe``: experts split over ``ep`` data ranks)."""
     import model as M
 
     torch.manual_seed(0)
-    gpt = M.GPT(M.GPTConfig(**SHAPE))
+    gpt = M.GPT(M.GPTConfig(**SHAPE, **(dict(MOE, ep=ep) if moe else {})))
     if not pipeline:
         return gpt
     from shardwise.pipe import PipelineModule
 
-    pipe = PipelineModule(M.pipeline_layers(gpt), loss_fn=M.LMLoss())
+    pipe = PipelineModule(
+        M.pipeline_layers(gpt), loss_fn=M.LMLoss(), aux_loss_fn=M.pipeline_aux_loss(gpt)
+    )
     pipe.tp_plan = M.pipeline_tp_plan(SHAPE["n_layer"])
     return pipe
 
@@ -86,13 +92,14 @@ def config(layout: Layout) -> dict:
     return cfg
 
 
-def train(rank: int, layout: Layout, warmup: int, steps: int) -> list[float]:
+def train(rank: int, layout: Layout, warmup: int, steps: int, moe: bool) -> list[float]:
     """Runs on every rank (``spawn``): seconds of each timed ``train_batch``."""
     import torch.distributed as dist
 
     import shardwise
 
-    engine, *_ = shardwise.initialize(model=gpt_model(layout.pp > 1), config=config(layout))
+    net = gpt_model(layout.pp > 1, moe, layout.ep)
+    engine, *_ = shardwise.initialize(model=net, config=config(layout))
     g = torch.Generator().manual_seed(engine.dp_rank)
     V, T = SHAPE["vocab_size"], SHAPE["block_size"]
     x = torch.randint(0, V, (layout.micro_batch, T), generator=g)
@@ -131,12 +138,15 @@ def wait_quiet(limit_s: float) -> float:
     return busy
 
 
-def measure(layout: Layout, warmup: int, steps: int, quiet_s: float = 0.0) -> float:
+def measure(
+    layout: Layout, warmup: int, steps: int, quiet_s: float = 0.0, moe: bool = False
+) -> float:
     from shardwise.spawn import spawn
 
     if quiet_s:
         wait_quiet(quiet_s)
-    ranks = spawn(train, layout.world, args=(layout, warmup, steps), backend="gloo", timeout=900)
+    args = (layout, warmup, steps, moe)
+    ranks = spawn(train, layout.world, args=args, backend="gloo", timeout=900)
     return statistics.median(max(step) for step in zip(*ranks, strict=True))
 
 
@@ -146,25 +156,90 @@ def name(lay: Layout) -> str:
     return lay.name() + extra
 
 
-def measure_all(layouts: list[Layout], args: argparse.Namespace) -> dict[Layout, float]:
+Case = tuple[str, Layout]  # (model form: "dense" or "moe", layout)
+FAMILY = ("dp", "tp", "pp", "cp", "ep", "zero_stage", "schedule", "cp_method")
+
+
+def measure_all(cases: list[Case], args: argparse.Namespace) -> dict[Case, float]:
     """Each layout's seconds: the median of ``--rounds`` runs, the rounds interleaved (a burst
     of another job's work then lands on several layouts a little rather than on one a lot)."""
-    times: dict[Layout, list[float]] = {lay: [] for lay in layouts}
+    times: dict[Case, list[float]] = {case: [] for case in cases}
     for _ in range(args.rounds):
-        for lay in layouts:
-            times[lay].append(measure(lay, args.warmup, args.steps, args.wait_quiet))
-    return {lay: statistics.median(t) for lay, t in times.items()}
+        for form, lay in cases:
+            if (form, lay) in FAILED:
+                continue
+            try:
+                t = measure(lay, args.warmup, args.steps, args.wait_quiet, form == "moe")
+            except Exception as e:  # a layout the planner lists that does not run: say so
+                FAILED[form, lay] = str(e).strip().splitlines()[-1][:300]
+                print(f"  {form} {name(lay)} FAILED: {FAILED[form, lay]}", flush=True)
+                continue
+            times[form, lay].append(t)
+    return {case: statistics.median(t) for case, t in times.items() if t}
 
 
-def rows_for(planner: Planner, measured: dict[Layout, float]) -> list[dict]:
+FAILED: dict[Case, str] = {}  # layouts the planner lists that did not train, and why
+
+
+def planners(data: dict, world: int, form: str) -> dict[int, Planner]:
+    """The planner of each build of ``form`` on ``world`` ranks, by expert-parallel size: the
+    dense GPT once; the MoE GPT once per ep (``MoE(ep_size=...)`` is a constructor argument).
+    Both as PipelineModules, so pipelines are among the candidates."""
+    machine_ = Cluster(**{**data, "procs_per_node": world})
+    experts = MOE["moe_experts"]
+    eps = [e for e in (1, 2, 4) if world % e == 0 and experts % e == 0] if form == "moe" else [1]
+    out = {}
+    for ep in eps:
+        with torch.device("meta"):
+            shape = read_model(gpt_model(True, form == "moe", ep), name=f"example GPT {form}")
+        out[ep] = Planner(shape, machine_, GLOBAL_BATCH, SHAPE["block_size"], "fp32")
+    return out
+
+
+def feasible(forms: dict[int, Planner], world: int, cp: bool) -> list[dict]:
+    """Every feasible record of every build, fastest predicted first (``cp``: context splits
+    of the dense GPT too, which calls ``shardwise.attention``)."""
+    recs = []
+    for ep, planner in forms.items():
+        sizes = (
+            [c for c in (1, 2, 4) if world % c == 0]
+            if cp and not planner.shape.expert_counts
+            else None
+        )
+        lays = candidates(
+            planner.shape, world, world, GLOBAL_BATCH, seq=SHAPE["block_size"], cp_sizes=sizes
+        )
+        recs += [r for r in planner.plan([x for x in lays if x.ep == ep]) if r["feasible"]]
+    return sorted(recs, key=lambda r: r["step_time_s"])
+
+
+def world_name(form: str, lay: Layout) -> str:
+    return f"{lay.world} processes, {form}, {name(lay)}"
+
+
+def as_layout(rec: dict) -> Layout:
+    return Layout(**{k: rec[k] for k in Layout.__dataclass_fields__})
+
+
+def sweep(recs: list[dict]) -> list[Layout]:
+    """``--sweep``: the planner's best layout of each family (mesh, ZeRO stage, schedule,
+    context method), each at the micro-batch and options it prefers: every kind of layout
+    the library runs here, not a hand-picked few."""
+    best: dict[tuple, dict] = {}
+    for r in recs:
+        best.setdefault(tuple(r[k] for k in FAMILY), r)
+    return [as_layout(r) for r in best.values()]
+
+
+def rows_for(forms: dict[int, Planner], form: str, measured: dict[Layout, float]) -> list[dict]:
     """Prediction against measurement, one row per measured layout."""
     rows = []
     for lay, seconds in measured.items():
-        rec = planner.evaluate(lay)
+        rec = forms[lay.ep].evaluate(lay)
         predicted = rec["step_time_s"]
-        rows.append(dict(layout=lay, predicted=predicted, measured=seconds, rec=rec))
+        rows.append(dict(form=form, layout=lay, predicted=predicted, measured=seconds, rec=rec))
         err = abs(predicted - seconds) / seconds
-        print(f"  {name(lay):36s} predicted {predicted:.3f} s measured {seconds:.3f} s "
+        print(f"  {form:5s} {name(lay):36s} predicted {predicted:.3f} s measured {seconds:.3f} s "
               f"error {err:.0%}", flush=True)  # fmt: skip
     return rows
 
@@ -206,39 +281,36 @@ def load_measured(path: str) -> dict:
     return saved
 
 
-def top_choice(planner: Planner, world: int) -> Layout:
-    """The planner's best feasible layout of ``world`` ranks (its first record)."""
-    shape = planner.shape
-    lays = list(candidates(shape, world, world, GLOBAL_BATCH))
-    best = next(r for r in planner.plan(lays) if r["feasible"])
-    return Layout(**{k: best[k] for k in Layout.__dataclass_fields__})
-
-
-def report(rows: list[dict], tops: dict[int, Layout]) -> str:
+def report(rows: list[dict], tops: dict[tuple[int, str], Layout]) -> str:
     table = []
     for r in rows:
-        lay = r["layout"]
+        lay, form = r["layout"], r["form"]
         err = abs(r["predicted"] - r["measured"]) / r["measured"]
-        mark = " (top)" if tops.get(lay.world) == lay else ""
+        mark = " (top)" if tops.get((lay.world, form)) == lay else ""
         t = r["rec"]["time"]
         split = f"{t['compute']:.3f}/{t['exposed_comm']:.3f}/{t['bubble']:.3f}"
-        table.append([str(lay.world), name(lay) + mark, f"{r['predicted']:.3f}", split,
+        label = name(lay) + ("" if form == "dense" else f" {form}") + mark
+        table.append([str(lay.world), label, f"{r['predicted']:.3f}", split,
                       f"{r['measured']:.3f}", f"{err:.0%}"])  # fmt: skip
     heads = ["procs", "layout", "predicted s", "cmp/comm/bubble", "measured s", "error"]
     lines = [format_table(heads, table)]
     errors = [abs(r["predicted"] - r["measured"]) / r["measured"] for r in rows]
     lines.append(f"\nmean error {statistics.mean(errors):.1%}, largest {max(errors):.1%}, "
-                 f"{sum(e <= 0.25 for e in errors)} of {len(errors)} within 25%")  # fmt: skip
-    for world, top in sorted(tops.items()):
-        mine = [r for r in rows if r["layout"].world == world]
-        fastest = min(r["measured"] for r in mine)
-        got = next((r["measured"] for r in mine if r["layout"] == top), None)
-        if got is None:  # --measured: the changed model ranks a layout first that never ran
-            lines.append(f"{world} processes: top choice {name(top)} was not measured")
+                 f"{sum(e <= 0.15 for e in errors)} of {len(errors)} within 15%, "
+                 f"{sum(e <= 0.25 for e in errors)} within 25%")  # fmt: skip
+    for (world, form), top in sorted(tops.items()):
+        mine = [r for r in rows if r["layout"].world == world and r["form"] == form]
+        if not mine:
             continue
-        ok = "yes" if got <= 1.10 * fastest else "NO"
-        lines.append(f"{world} processes: top choice {name(top)} measured {got:.3f} s, "
-                     f"fastest {fastest:.3f} s: within 10%: {ok}")  # fmt: skip
+        fastest = min(mine, key=lambda r: r["measured"])
+        got = next((r["measured"] for r in mine if r["layout"] == top), None)
+        what = f"{world} processes, {form} ({len(mine)} layouts run)"
+        if got is None:  # --measured: the changed model ranks a layout first that never ran
+            lines.append(f"{what}: top choice {name(top)} was not measured")
+            continue
+        ok = "yes" if got <= 1.10 * fastest["measured"] else "NO"
+        lines.append(f"{what}: top choice {name(top)} measured {got:.3f} s, fastest "
+                     f"{name(fastest['layout'])} {fastest['measured']:.3f} s: within 10%: {ok}")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -252,6 +324,12 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--procs", default="2,4", help="worlds to run")
     p.add_argument("--rounds", type=int, default=2, help="measurements per layout (median)")
+    p.add_argument("--sweep", action="store_true", help="also the best layout of every family")
+    p.add_argument(
+        "--variants",
+        default="",
+        help="moe (the MoE GPT: the best layout of each family), cp (context splits too)",
+    )
     p.add_argument(
         "--wait-quiet",
         type=float,
@@ -275,30 +353,36 @@ def main() -> None:
         print(f"measured on {m['host']} ({m['cores']} cores) {m['date']}, "
               f"load average {m['load_average'][0]:.1f}", flush=True)  # fmt: skip
     worlds = [int(n) for n in args.procs.split(",")]
-    with torch.device("meta"):
-        shape = read_model(gpt_model(pipeline=True), name="example GPT")
+    variants = set(filter(None, args.variants.split(",")))
     rows, tops, runs = [], {}, []
-    for world in worlds:
-        machine_ = Cluster(**{**data, "procs_per_node": world})
-        planner = Planner(shape, machine_, GLOBAL_BATCH, SHAPE["block_size"], "fp32")
-        tops[world] = top_choice(planner, world)
+    for world, form in [(w, f) for w in worlds for f in ("dense", "moe")]:
+        if form == "moe" and "moe" not in variants:
+            continue
+        forms = planners(data, world, form)
+        recs = feasible(forms, world, "cp" in variants)
+        top = tops[world, form] = as_layout(recs[0])
         if saved is not None:
-            got = {r["layout"]: r["seconds"] for r in saved["runs"] if r["layout"].world == world}
+            got = {r["layout"]: r["seconds"] for r in saved["runs"]
+                   if r["layout"].world == world and r.get("form", "dense") == form}  # fmt: skip
         else:
-            mine = [lay for lay in LAYOUTS if lay.world == world]
-            mine += [tops[world]] if tops[world] not in mine else []
+            mine = [lay for lay in LAYOUTS if lay.world == world and form == "dense"]
+            mine += [lay for lay in [top, *(sweep(recs) if args.sweep or form == "moe" else [])]
+                     if lay not in mine]  # fmt: skip
             load = os.getloadavg()[0]
-            print(f"{world} processes (load average {load:.1f}):", flush=True)
-            got = measure_all(mine, args)
+            print(f"{world} processes, {form}, {len(mine)} layouts (load {load:.1f}):", flush=True)
+            got = {lay: t for (_, lay), t in measure_all([(form, x) for x in mine], args).items()}
             runs += [
-                {"layout": lay.as_dict(), "seconds": t, "load_average": [load, os.getloadavg()[0]]}
+                {"form": form, "layout": lay.as_dict(), "seconds": t,
+                 "load_average": [load, os.getloadavg()[0]]}
                 for lay, t in got.items()
-            ]
-        rows += rows_for(planner, got)
+            ]  # fmt: skip
+        rows += rows_for(forms, form, got)
     if args.save_measured and saved is None:
         save_measured(args.save_measured, data, runs, args)
     print()
     print(report(rows, tops))
+    for (form, lay), why in FAILED.items():
+        print(f"did not run: {world_name(form, lay)}: {why}")
 
 
 if __name__ == "__main__":

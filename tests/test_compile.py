@@ -32,24 +32,32 @@ from pipe_models import BLOCKS_PLAN, micro_batches, pipeline_module
 from pipe_models import setup as pipe_setup
 
 import shardwise
+from shardwise.parallel.compile import is_compiled
 from shardwise.verify import VerifySetup
 
 STEPS, MB, LR, CLIP = 6, 2, 0.05, 0.3
 SGD = {"type": "SGD", "params": {"lr": LR, "momentum": 0.9}}
+
+SHARDED = {"stage": 3, "stage3_param_persistence_threshold": 0}  # every parameter gathered
 
 LAYOUTS = [
     # name, world, backend, config blocks; every row on 2 processes (one reused world)
     ("dp2", "aot_eager", {}),
     ("dp2-zero1", "aot_eager", {"zero_optimization": {"stage": 1}}),
     ("dp2-zero2", "aot_eager", {"zero_optimization": {"stage": 2}}),
-    ("dp2-zero3", "aot_eager", {"zero_optimization": {"stage": 3}}),
-    ("dp2-zero3-ckpt", "aot_eager", {"zero_optimization": {"stage": 3}, "ckpt": True}),
+    ("dp2-zero3", "aot_eager", {"zero_optimization": SHARDED}),
+    ("dp2-zero3-whole", "aot_eager", {"zero_optimization": {"stage": 3}}),
+    ("dp2-zero3-ckpt", "aot_eager", {"zero_optimization": SHARDED, "ckpt": True}),
     ("tp2", "aot_eager", {"tensor_parallel": {"size": 2}}),
     ("tp2-sp", "aot_eager", {"tensor_parallel": {"size": 2, "sequence_parallel": True}}),
     ("tp2-ckpt", "aot_eager", {"tensor_parallel": {"size": 2}, "ckpt": True}),
     ("pp2", "aot_eager", {"pipeline": True}),
-    ("dp2-zero3-inductor", "inductor", {"zero_optimization": {"stage": 3}}),
+    ("dp2-zero3-inductor", "inductor", {"zero_optimization": SHARDED}),
 ]
+# Compiled regions per row where the layout decides it (parallel/compile.py): the whole model
+# unless something runs between blocks (ZeRO-3 gathering, checkpoints): then the 2 blocks.
+# dp2-zero3-whole keeps every parameter whole (all under the default persistence threshold).
+REGIONS = {"dp2": 1, "dp2-zero3": 2, "dp2-zero3-whole": 1, "tp2": 1, "tp2-ckpt": 2}
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +117,9 @@ def run_layout(extra: dict, backend: str, cache: str) -> dict:
         norms.append(engine.get_global_grad_norm())
         graphs.append(_counters()["graphs"])
     params = engine.consolidated_state_dict()
-    return {"losses": losses, "norms": norms, "params": params, "per_step": graphs, **_counters()}
+    regions = sum(is_compiled(m) for m in engine.module.modules())
+    out = {"losses": losses, "norms": norms, "params": params, "per_step": graphs}
+    return {**out, "regions": regions, **_counters()}
 
 
 def _run_pipeline(extra: dict, backend: str) -> dict:
@@ -148,6 +158,8 @@ def test_compiled_layout_trains_like_one_process(name, backend, extra, cache_dir
         graphs = got["per_step"]  # graphs compiled by the end of each step
         assert graphs[0] >= 1, f"{tag}: nothing was compiled"
         assert graphs[-1] == graphs[1], f"{tag}: recompiled after step 2: {graphs}"
+        if name in REGIONS:
+            assert got["regions"] == REGIONS[name], f"{tag}: {got['regions']} compiled regions"
         assert got["losses"] == pytest.approx(want["losses"], rel=1e-5), tag
         assert got["norms"] == pytest.approx(want["norms"], rel=1e-5), tag
         assert got["params"].keys() == want["params"].keys(), tag

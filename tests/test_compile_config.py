@@ -16,6 +16,7 @@ import shardwise
 from shardwise.config import ConfigError, parse_config
 from shardwise.parallel.activation.selective import apply_activation_checkpointing
 from shardwise.parallel.compile import compile_regions, is_compiled
+from shardwise.training.compiling import whole_model
 from shardwise.verify.layout_names import layout_config, parse_layout
 
 GOOD = [
@@ -80,6 +81,24 @@ def test_regions_are_the_whole_model_unless_something_stays_eager_between_blocks
 ):
     got = [n for n, _ in compile_regions(build(), whole)]
     assert got == want, f"{case}: regions {got}"
+
+
+WHOLE = [
+    # case, zero_optimization, the model compiles as one region
+    ("ZeRO-2", {"stage": 2}, True),
+    ("ZeRO-3, every parameter under the persistence threshold", {"stage": 3}, True),
+    ("ZeRO-3, a threshold of 1: gathers", {"stage": 3, "stage3_param_persistence_threshold": 1}, False),
+    ("ZeRO-3, over the model's persistence budget", {"stage": 3, "stage3_model_persistence_threshold": 1000}, False),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("case,zero,want", WHOLE, ids=[c[0] for c in WHOLE])
+def test_a_layout_compiles_whole_unless_zero3_gathers_between_blocks(case, zero, want):
+    """ZeRO-3 that keeps every parameter whole (the test GPT's largest has 1,024 elements,
+    under DeepSpeed's default threshold of 100,000) installs no gather hook: nothing runs
+    between blocks, as under ZeRO-2; one that shards does, and stays per block."""
+    cfg = parse_config({"train_micro_batch_size_per_gpu": 1, "zero_optimization": zero})
+    assert whole_model(cfg, make_gpt()) is want, case
 
 
 def _train(engine, steps: int = 2) -> list[float]:

@@ -48,6 +48,15 @@ from shardwise.config.compile import check_compile_kwargs
 from shardwise.parallel.activation import selective
 
 _COMPILED = "_shardwise_compiled"  # on a region's instance: the forward it replaced
+_TRACEABLE = "_shardwise_traceable"  # on a hook dynamo may trace inside a region
+
+
+def traceable(hook: Callable) -> Callable:
+    """Mark a module hook as one a compiled region may run inside itself (it does nothing
+    dynamo cannot trace, or breaks the graph only where the eager work is needed anyway):
+    it does not make the model compile per block (``needs_blocks``)."""
+    setattr(hook, _TRACEABLE, True)
+    return hook
 
 
 def compile_regions(model: nn.Module, whole: bool = False) -> list[tuple[str, nn.Module]]:
@@ -66,13 +75,16 @@ def compile_regions(model: nn.Module, whole: bool = False) -> list[tuple[str, nn
 
 def needs_blocks(model: nn.Module) -> bool:
     """True when something inside ``model`` must run eagerly around a block: a forward hook
-    (ZeRO-3's gathers, a user's), an activation checkpoint, TP's per-forward input cache."""
+    (ZeRO-3's gathers, a user's; not one marked ``traceable``) or an activation checkpoint."""
     return any(
-        m._forward_pre_hooks or m._forward_hooks or selective.is_checkpointed(m)
-        or hasattr(m, "shared_input")
+        selective.is_checkpointed(m)
+        or any(
+            not getattr(h, _TRACEABLE, False)
+            for h in (*m._forward_pre_hooks.values(), *m._forward_hooks.values())
+        )
         for m in model.modules()
         if m is not model
-    )  # fmt: skip
+    )
 
 
 def compile_blocks(

@@ -14,7 +14,10 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from torch import nn
+
 from shardwise.parallel.compile import compile_blocks, compile_regions, is_compiled
+from shardwise.parallel.zero.partition import gathers_nothing
 
 if TYPE_CHECKING:  # annotations only
     from shardwise.config import Config
@@ -27,11 +30,19 @@ DEFAULT_BACKEND = (
 )
 
 
-def whole_model(cfg: Config, mesh: ProcessMesh) -> bool:
-    """True when the layout keeps nothing eager between blocks (neither ZeRO-3's gathers nor
-    tensor parallelism's caches; a pipeline stage is always per layer): the model may compile
-    as one region (parallel/compile.py)."""
-    return cfg.zero_optimization.stage < 3 and mesh.topology.tp == 1
+def whole_model(cfg: Config, model: nn.Module) -> bool:
+    """True when the layout keeps nothing eager between blocks: no ZeRO-3 gathers (stages
+    0-2, or a ZeRO-3 that keeps every parameter of ``model`` whole, each under
+    ``stage3_param_persistence_threshold``); tensor parallelism's collectives are custom ops
+    and its input cache is emptied at the region's entry. Then the model may compile as one
+    region (parallel/compile.py; a module hook or checkpoint inside still makes it per
+    block; a pipeline stage is always per layer)."""
+    zero = cfg.zero_optimization
+    if zero.stage < 3:
+        return True
+    return gathers_nothing(
+        model, zero.stage3_param_persistence_threshold, zero.stage3_model_persistence_threshold
+    )
 
 
 class CompileMethods:
@@ -65,7 +76,7 @@ class CompileMethods:
         if self.is_compiled:
             return
         names = compile_blocks(
-            self.module, backend, compile_kwargs, whole_model(self.config, self.mesh)
+            self.module, backend, compile_kwargs, whole_model(self.config, self.module)
         )
         regroup = getattr(self.strategy, "regroup_for_compile", None)
         if regroup is not None:  # ZeRO-3: gathers move from modules to the compiled regions
@@ -75,5 +86,5 @@ class CompileMethods:
     @property
     def is_compiled(self) -> bool:
         """True once every region of the model is compiled (``engine.compile`` or the config)."""
-        regions = compile_regions(self.module, whole_model(self.config, self.mesh))
+        regions = compile_regions(self.module, whole_model(self.config, self.module))
         return all(is_compiled(m) for _, m in regions)

@@ -58,7 +58,7 @@ def rewrite_model(
     apply_activation_checkpointing_block(cfg, model, mesh)  # after TP and PP, before the cast
     cast_module(model, compute_dtype(cfg))
     if cfg.compile.enabled:  # last: a region compiles what TP, checkpointing and the cast made
-        compile_blocks(model, cfg.compile.backend, cfg.compile.kwargs, whole_model(cfg, mesh))
+        compile_blocks(model, cfg.compile.backend, cfg.compile.kwargs, whole_model(cfg, model))
     return params
 
 

@@ -37,16 +37,19 @@ def resolve_group(name: str) -> ProcessGroup:
     return _resolve_process_group(name)
 
 
+REDUCE_OPS = {"sum": comm.ReduceOp.SUM, "max": comm.ReduceOp.MAX}
+
+
 @torch.library.custom_op("shardwise::tp_all_reduce", mutates_args=())
-def all_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
-    """The sum over the group of every rank's ``x``."""
+def all_reduce(x: torch.Tensor, group: str, op: str = "sum") -> torch.Tensor:
+    """The sum (``op`` "max": the maximum) over the group of every rank's ``x``."""
     out = torch.clone(x, memory_format=torch.contiguous_format)
-    comm.all_reduce(out, group=resolve_group(group))
+    comm.all_reduce(out, op=REDUCE_OPS[op], group=resolve_group(group))
     return out
 
 
 @all_reduce.register_fake
-def _(x: torch.Tensor, group: str) -> torch.Tensor:
+def _(x: torch.Tensor, group: str, op: str = "sum") -> torch.Tensor:
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 

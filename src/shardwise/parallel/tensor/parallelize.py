@@ -71,6 +71,7 @@ import torch
 from torch import nn
 
 from shardwise import comm
+from shardwise.parallel.compile import traceable
 from shardwise.parallel.tensor import random as tp_random
 from shardwise.parallel.tensor.comm import (
     gather_from_sequence,
@@ -225,8 +226,10 @@ def _fork_rng(module: nn.Module, tracker: tp_random.RNGStatesTracker) -> None:
         if fork is not None:
             fork.__exit__(None, None, None)
 
-    module.register_forward_pre_hook(enter)
-    module.register_forward_hook(leave, always_call=True)
+    # Traced inside a compiled region: the fork is skipped there when nothing draws (above);
+    # with dropout it breaks the graph around this module, per block or whole alike.
+    module.register_forward_pre_hook(traceable(enter))
+    module.register_forward_hook(traceable(leave), always_call=True)
 
 
 def _draws(module: nn.Module) -> bool:

@@ -29,6 +29,7 @@ from torch import nn
 
 from shardwise import comm
 from shardwise.parallel.flat import ceil_div
+from shardwise.parallel.tensor import comm_ops
 from shardwise.parallel.tensor.comm import reduce_from_tp
 from shardwise.parallel.tensor.placement import set_placement, split_box
 
@@ -138,8 +139,7 @@ class _VocabParallelCE(torch.autograd.Function):
         z = logits.float()  # the softmax in fp32 whatever the logits' dtype
         vl = z.size(-1)
         start = comm.get_rank(group) * vl
-        m = z.max(dim=-1).values
-        comm.all_reduce(m, op=comm.ReduceOp.MAX, group=group)
+        m = _reduce(z.max(dim=-1).values, group, "max")
         z = z - m.unsqueeze(-1)  # every row's max is 0 now: exp cannot overflow
         valid = target != ignore_index
         mine = valid & (target >= start) & (target < start + vl)
@@ -148,7 +148,7 @@ class _VocabParallelCE(torch.autograd.Function):
         picked = torch.where(mine, picked, torch.zeros_like(picked))  # not *: -inf * 0 is nan
         exp = z.exp_()
         sums = torch.stack([exp.sum(-1), picked])  # (2, N): one message for both sums
-        comm.all_reduce(sums, group=group)
+        sums = _reduce(sums, group)
         loss = torch.where(valid, sums[0].log() - sums[1], torch.zeros_like(picked))
         softmax = exp.div_(sums[0].unsqueeze(-1))
         ctx.save_for_backward(softmax, idx, mine, valid)
@@ -162,6 +162,15 @@ class _VocabParallelCE(torch.autograd.Function):
         g.scatter_add_(-1, idx.unsqueeze(-1), -mine.unsqueeze(-1).to(g.dtype))
         g.mul_((grad * valid).unsqueeze(-1))
         return g.to(ctx.dtype), None, None, None
+
+
+def _reduce(x: torch.Tensor, group: ProcessGroup | None, op: str = "sum") -> torch.Tensor:
+    """``x`` all-reduced over ``group``: in place eagerly; under torch.compile a new tensor
+    from the custom op (comm_ops.py), so a model compiled whole traces its loss too."""
+    if torch.compiler.is_compiling():
+        return comm_ops.all_reduce(x, comm_ops.group_name(group), op)
+    comm.all_reduce(x, op=comm_ops.REDUCE_OPS[op], group=group)
+    return x
 
 
 def vocab_parallel_cross_entropy(

@@ -83,6 +83,19 @@ def partition(
     p.data = torch.empty(0, dtype=dtype, device=p.device)
 
 
+def numel(p: nn.Parameter) -> int:
+    """Elements of ``p`` whole (a partitioned parameter's ``ds_numel``)."""
+    return p.ds_numel if is_partitioned(p) else p.numel()
+
+
+def gathers_nothing(model: nn.Module, threshold: int, budget: int) -> bool:
+    """True when ZeRO-3 keeps every trained parameter of ``model`` whole (stage3's ``_plan``
+    rule: each under ``threshold`` elements, all within ``budget``): no unit is ever
+    gathered, so no hook has to run between the model's blocks."""
+    sizes = [numel(p) for p in {id(p): p for p in model.parameters()}.values() if p.requires_grad]
+    return all(n < threshold for n in sizes) and sum(sizes) <= budget
+
+
 def full_value(p: nn.Parameter) -> torch.Tensor:
     """The whole value of ``p``: all-gathered from the shards when partitioned."""
     if not is_partitioned(p):

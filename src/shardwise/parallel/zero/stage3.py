@@ -64,6 +64,7 @@ from shardwise.parallel.zero.partition import (
     full_value,
     is_partitioned,
     materialize_meta,
+    numel,
     sync_rng,
     unpartition,
 )
@@ -210,8 +211,8 @@ class Zero3Strategy:
                     continue  # tied: planned with its first module
                 if id(p) not in group_of:
                     unpartition(p)  # not trained (frozen): kept whole, as it was given
-                elif _numel(p) < threshold and _numel(p) <= budget:
-                    budget -= _numel(p)
+                elif numel(p) < threshold and numel(p) <= budget:
+                    budget -= numel(p)
                     persistent[id(p)] = p
                 else:
                     sharded.append(p)
@@ -257,7 +258,7 @@ class Zero3Strategy:
             for name in ("ds_tensor", "ds_group"):
                 if hasattr(p, name):
                     delattr(p, name)
-            p.ds_shape, p.ds_numel, p._shardwise_unit = layout.shapes[i], _numel(p), u
+            p.ds_shape, p.ds_numel, p._shardwise_unit = layout.shapes[i], numel(p), u
             p.data = layout.view(shard, i) if persistent else shard.new_empty(0)
         self.units.append(u)
         return u
@@ -385,10 +386,6 @@ def lift_to_regions(
         owner = lifted.setdefault(regions.get(module, module), [])
         owner.extend(u for u in mine if all(u is not v for v in owner))
     return lifted
-
-
-def _numel(p: nn.Parameter) -> int:
-    return p.ds_numel if is_partitioned(p) else p.numel()
 
 
 def _split(params: Iterable[nn.Parameter], group_of: dict[int, int]) -> list[list[nn.Parameter]]:
