@@ -157,7 +157,7 @@ def name(lay: Layout) -> str:
 
 
 Case = tuple[str, Layout]  # (model form: "dense" or "moe", layout)
-FAMILY = ("dp", "tp", "pp", "cp", "ep", "zero_stage", "schedule", "cp_method")
+FAMILY = ("dp", "tp", "pp", "cp", "ep", "cp_method")  # and the schedule, or the ZeRO stage
 
 
 def measure_all(cases: list[Case], args: argparse.Namespace) -> dict[Case, float]:
@@ -222,12 +222,13 @@ def as_layout(rec: dict) -> Layout:
 
 
 def sweep(recs: list[dict]) -> list[Layout]:
-    """``--sweep``: the planner's best layout of each family (mesh, ZeRO stage, schedule,
-    context method), each at the micro-batch and options it prefers: every kind of layout
-    the library runs here, not a hand-picked few."""
+    """``--sweep``: the planner's best layout of each family (mesh, context method, and the
+    schedule of a pipeline or else the ZeRO stage), each at the micro-batch and options it
+    prefers: every kind of layout the library runs here, not a hand-picked few."""
     best: dict[tuple, dict] = {}
     for r in recs:
-        best.setdefault(tuple(r[k] for k in FAMILY), r)
+        kind = r["schedule"] if r["pp"] > 1 else r["zero_stage"]
+        best.setdefault((*(r[k] for k in FAMILY), kind), r)
     return [as_layout(r) for r in best.values()]
 
 
