@@ -8,12 +8,14 @@ block of the same code and shapes reuses its graph (dynamo's cache is per code o
 
 Regions exist for what must run eagerly between blocks: ZeRO-3's gathers, checkpoints, a
 pipeline's sends. A layout with none of them (``whole=True``: DP, ZeRO-1/2, whose hooks are
-on parameters) and a model with no module hook, checkpoint or TP input cache compiles the
-whole model as one region, as DeepSpeed's ``engine.compile`` (``module.compile()``) does: the
-embedding, the final norm, the head and the loss fuse too, and the Python and guard cost
-paid at each block's entry and exit is paid once (benchmarks/README.md measured -6% CPU on
-the example GPT's DP step against -1% per block). The price: dynamo traces every block
-instead of reusing one block's graph, so compile time grows with the depth.
+on parameters; TP, whose collectives are custom ops; a ZeRO-3 that gathers nothing,
+training/compiling.py) and a model with no module hook (but ``traceable`` ones) or
+checkpoint compiles the whole model as one region, as DeepSpeed's ``engine.compile``
+(``module.compile()``) does: the embedding, the final norm, the head and the loss fuse too,
+and the Python and guard cost paid at each block's entry and exit is paid once
+(benchmarks/README.md measured -6% CPU on the example GPT's DP step against -1% per block).
+The price: dynamo traces every block instead of reusing one block's graph, so compile time
+grows with the depth.
 
 What is compiled is the region's ``forward``, replaced on the instance, not its ``__call__``:
 hooks registered on the region module itself run eagerly around the compiled code. That is
