@@ -11,7 +11,7 @@ from shardwise.plan import Cluster, Dims, Layout, Planner, build, calibrate, rea
 from shardwise.plan.bubble import bubble_units, shares
 from shardwise.plan.calibrate_ops import OPS, RING
 from shardwise.plan.cluster import load
-from shardwise.plan.timing import micro_batch_time, step_time
+from shardwise.plan.timing import StageWork, compute_time, micro_batch_time, step_time
 
 GPT_FLAGS = ["--arch", "gpt", "--layers", "2", "--hidden", "64", "--heads", "2"]
 GPT_FLAGS += ["--vocab", "64", "--seq", "32", "--global-batch", "4", "--procs-per-node", "2"]
@@ -153,7 +153,7 @@ def test_bad_calibration_flags_name_the_flag(tmp_path, capsys, flags, message):
 
 def _compute_s(shape, ppn: int, cores: int, mb: int) -> float:
     preset = calibrate.summarize({1: [_rank(4e10, {})]}, SIZES)
-    machine = Cluster(**{**preset, "layer_overheads_us": {"1": 1000.0}, "cores": cores,
+    machine = Cluster(**{**preset, "layer_overheads_us": {"1": 1000.0}, "layer_ops": 0.0, "cores": cores,
                          "procs_per_node": ppn, "optimizer_gbps": 1e12})  # fmt: skip
     lay = Layout(ppn, 1, 1, 0, mb, 8 // ppn // mb)
     return Planner(shape, machine, 8, 32, "fp32").evaluate(lay)["time"]["compute"]
@@ -211,3 +211,14 @@ def test_a_pipeline_on_shared_cores_lends_its_waits(cores, pp, factor):
     plain = step_time(works, lay, bare, "fp32")
     extra = calls * 500e-6 * m.share() * factor
     assert t.exposed_comm - plain.exposed_comm == pytest.approx(extra, rel=1e-6, abs=1e-12), case
+
+
+@pytest.mark.parametrize("ops,recompute_ops,units", [(88, 0, 2.0), (44, 44, 4 / 3), (0, 0, 3.0)])
+def test_a_layer_costs_its_ops_in_calibration_blocks(ops, recompute_ops, units):
+    """The calibrated block (44 forward ops, 1 ms fixed) sets a per-op cost: 3 layers of 88
+    ops in all cost 2 ms, a checkpointed one of 44 again a third more; without an op count
+    (0: a model not traced) each of the 3 layers costs one block's 1 ms."""
+    machine = Cluster("m", layer_overhead_us=1000.0, layer_ops=44.0, peak_tflops=1e9)
+    work = StageWork(0.0, 0.0, [], None, 3, 1 if recompute_ops else 0, ops, recompute_ops)
+    case = f"{ops} ops, {recompute_ops} recomputed"
+    assert compute_time(work, machine, "bf16") == pytest.approx(units * 1e-3, rel=1e-9), case

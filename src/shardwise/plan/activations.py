@@ -58,6 +58,7 @@ class LayerActivations:
     flops: int = 0  # forward FLOPs of one micro-batch, whole layer (torch's flop counter)
     recompute_sites: tuple[tuple[str, int], ...] = ()  # sites a checkpoint's recompute passes
     attention_flops: int = 0  # the part of ``flops`` in attention (context parallelism: x cp)
+    ops: int = 0  # aten ops of its forward (a layer's fixed cost scales with them, timing.py)
 
 
 @dataclass(frozen=True)
@@ -116,14 +117,16 @@ def _trace_chain(
         if key not in cache:
             tr.events, tr.last_column_input = [], set()
             plain, y, flops = trace(fn, tr.follow(x, fresh_input(x)), params, tr)
-            sites, attention = tuple(tr.events), tr.attention_flops
+            sites, attention, ops = tuple(tr.events), tr.attention_flops, tr.ops
             ckpt, again = plain, ()
             if any(p.trainable for p in layer.params) or layer.tied:
                 ckpt_fn = functools.partial(_checkpointed, fn)
                 ckpt, z, _ = trace(ckpt_fn, tr.follow(x, fresh_input(x)), params, tr)
                 again = recompute_sites(z, tr)
             ndim = y.dim() if isinstance(y, torch.Tensor) else 0
-            acts = LayerActivations(plain, ckpt, bytes_of(y), ndim, sites, flops, again, attention)
+            acts = LayerActivations(
+                plain, ckpt, bytes_of(y), ndim, sites, flops, again, attention, ops
+            )
             cache[key] = (acts, y)
         out.append(cache[key][0])
         x = tr.follow(cache[key][1], cache[key][1].detach())
@@ -152,6 +155,7 @@ def _trace_whole(
     run = functools.partial(_call_model, takes_targets, ids)
     plain, y, flops = trace(functools.partial(run, model), ids, params, tr)
     sites, ckpt, again, attention = tuple(tr.events), plain, (), tr.attention_flops
+    ops = tr.ops
     try:  # the model is the planner's own copy: checkpoint it in place, after the plain run
         apply_activation_checkpointing(model, "all")
     except ConfigError:  # no block list: checkpointing has nothing to choose
@@ -160,7 +164,7 @@ def _trace_whole(
         ckpt, z, _ = trace(functools.partial(run, model), ids, params, tr)
         again = recompute_sites(z, tr)
     ndim = y.dim() if isinstance(y, torch.Tensor) else 0
-    return LayerActivations(plain, ckpt, bytes_of(y), ndim, sites, flops, again, attention)
+    return LayerActivations(plain, ckpt, bytes_of(y), ndim, sites, flops, again, attention, ops)
 
 
 def _call_model(takes_targets: bool, ids: torch.Tensor, model: nn.Module, x: Any) -> Any:

@@ -45,6 +45,7 @@ from shardwise.plan.calibrate_ops import (
     GEMM,
     OPS,
     RING,
+    block_ops,
     block_time,
     gemm_rate,
     optimizer_rate,
@@ -151,6 +152,7 @@ def summarize(worlds: dict[int, list[dict]], sizes: Sequence[int]) -> dict[str, 
     block = (statistics.median(eff), statistics.median(overhead))
     preset = _preset(compute, collectives, block, statistics.median(opt))
     extra = {"layer_overheads_us": overheads, "tp_call_us": tp, "tp_compute": tp_compute}
+    extra["layer_ops"] = float(block_ops(TINY_BLOCK))  # the fixed cost's block, its ops
     return {**preset, **extra, "fit_errors": errors}
 
 

@@ -25,6 +25,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from shardwise import comm
 from shardwise.parallel.tensor.parallelize import parallelize
 from shardwise.plan.models import Dims, GPTBlock, tp_plan
+from shardwise.plan.tracing import OpCount
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send")
 # Bytes a ring moves per payload byte, as cluster.Cluster.collective_time charges them.
@@ -92,6 +93,22 @@ def block_time(gemm: tuple[int, int] = GEMM, repeats: int = 5) -> tuple[float, f
     with counter:
         step()
     return float(counter.get_total_flops()), _typical_time(step, repeats)
+
+
+def block_ops(gemm: tuple[int, int] = GEMM) -> int:
+    """Aten ops of the timed block's forward (``block_time``'s block, counted as the
+    planner's trace counts a layer's: tracing.OpCount)."""
+    torch.manual_seed(0)
+    tokens, h = gemm
+    seq = min(tokens, 256)
+    block = nn.TransformerEncoderLayer(
+        h, max(h // 64, 1), 4 * h, dropout=0.0, batch_first=True, norm_first=True
+    )
+    x = torch.randn(max(tokens // seq, 1), seq, h, requires_grad=True)
+    mask = nn.Transformer.generate_square_subsequent_mask(seq)
+    with OpCount() as count:
+        block(x, src_mask=mask, is_causal=True)
+    return count.n
 
 
 def optimizer_rate(elements: int = 1 << 20, repeats: int = 5) -> float:

@@ -48,6 +48,7 @@ class Cluster:
     compute: dict = field(default_factory=dict)
     layer_overhead_us: float = 0.0  # fixed cost of a layer's forward + backward, per micro-batch
     layer_overheads_us: dict = field(default_factory=dict)  # calibrated: the same per processes
+    layer_ops: float = 0.0  # calibrated: aten ops of the timed block's forward (timing.py)
     cores: int = 0  # CPU cores the ranks share (a calibrated CPU machine; 0: one device each)
     # Calibrated: what each tensor-parallel collective costs beyond its ring fit, per group
     # size (calibrate.tp_call_fit), and each fit's largest relative error at its points.

@@ -166,7 +166,10 @@ class Planner:
         )
         # Context parallelism: a rank's queries meet all cp blocks of keys (x cp in attention).
         flops = sum(a.flops + (layout.cp - 1) * a.attention_flops for a in acts) / tp
-        work = StageWork(flops, recompute, calls, states, len(acts), again)
+        ops = sum(a.ops for a in acts)
+        redo = sum(a.ops for a in acts if a.checkpointed != a.plain)
+        redo = redo if layout.activation_checkpointing else 0
+        work = StageWork(flops, recompute, calls, states, len(acts), again, ops, redo)
         acts_held, loss_held = k * (per_mb + loss), k * loss
         return StageView(stage, (lo, hi), states, acts_held, loss_held, transient, calls, work, k)
 

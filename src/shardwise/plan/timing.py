@@ -40,6 +40,8 @@ class StageWork:
     states: ModelStates
     layers: int = 0  # layers on this stage (each costs cluster.layer_cost_s() per pass)
     recompute_layers: int = 0  # checkpointed layers (their forward runs twice)
+    ops: int = 0  # aten ops of the layers' forwards (traced): their fixed cost, if calibrated
+    recompute_ops: int = 0  # of the checkpointed layers
 
 
 @dataclass(frozen=True)
@@ -108,9 +110,15 @@ def compute_time(work: StageWork, cluster: Cluster, precision: str, tp: int = 1)
     """One micro-batch's arithmetic: FLOPs / sustained rate (split by ``tp``: x the
     calibrated excess of a split layer's arithmetic), plus each layer's fixed cost
     (a recomputed forward is a third of a layer's forward + backward), which ranks
-    sharing cores pay in turn: x procs_per_node / cores when there are fewer cores."""
+    sharing cores pay in turn: x procs_per_node / cores when there are fewer cores.
+    Calibrated with the block's op count, a layer's fixed cost is the block's x its aten
+    ops / the block's (an MoE block of 4 experts and its gate dispatches several times a
+    dense block's ops); else one block's per layer."""
     rate = cluster.tflops(precision) * 1e12 / cluster.tp_compute_factor(tp)
-    fixed = (work.layers + work.recompute_layers / 3) * cluster.layer_cost_s()
+    units = work.layers + work.recompute_layers / 3
+    if cluster.layer_ops and work.ops:  # in calibration blocks' worth of aten ops
+        units = (work.ops + work.recompute_ops / 3) / cluster.layer_ops
+    fixed = units * cluster.layer_cost_s()
     return (3 * work.flops + work.recompute_flops) / rate + fixed * cluster.share()
 
 

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -41,6 +42,7 @@ class Tracker(TorchFunctionMode):
         self.last_column_input: set[int] = set()
         self.loss_shape: tuple[int, int] | None = None  # (N, V) inside a loss_parallel module
         self.attention_flops = 0  # of the last trace: what context parallelism multiplies
+        self.ops = 0  # of the last trace: aten ops its forward dispatched (OpCount)
 
     def tag(self, out: Any, split: bool) -> None:
         for t in tree_leaves(out):
@@ -141,6 +143,19 @@ def hook_styles(model: nn.Module, styles: dict[str, str], tr: Tracker) -> list[A
     return handles
 
 
+class OpCount(TorchDispatchMode):
+    """Counts the aten ops dispatched inside it: what a layer pays in fixed cost per call
+    on a CPU (dispatch, allocation, a kernel's setup) whatever its size."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
 def _cpu_attention_flops(
     q: tuple[int, ...], k: tuple[int, ...], *args: object, **kw: object
 ) -> int:
@@ -173,8 +188,10 @@ def trace(
         return t
 
     flops = FlopCounterMode(display=False, custom_mapping=_FLOPS)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), tr, flops:
+    ops = OpCount()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), tr, flops, ops:
         out = fn(x)
+    tr.ops = ops.n
     rows, vocab = loss_shape[0] if loss_shape else (0, 0)
     counts_by_op = flops.get_flop_counts().get("Global", {})
     tr.attention_flops = sum(n for op, n in counts_by_op.items() if "attention" in str(op))
