@@ -73,10 +73,8 @@ def gemm_rate(dtype: torch.dtype, gemm: tuple[int, int] = GEMM, repeats: int = 5
     return flops / seconds
 
 
-def block_time(gemm: tuple[int, int] = GEMM, repeats: int = 5) -> tuple[float, float]:
-    """(FLOPs, median seconds) of a pre-LN transformer block's forward + backward (fp32) on
-    ``gemm`` = (tokens, hidden); FLOPs by torch's counter, as the planner's trace counts them
-    (norms, softmax and GELU cost time and no counted FLOPs)."""
+def _block_forward(gemm: tuple[int, int]) -> Callable[[], torch.Tensor]:
+    """The forward of the timed pre-LN block (fp32) on ``gemm`` = (tokens, hidden)."""
     torch.manual_seed(0)
     tokens, h = gemm
     seq = min(tokens, 256)
@@ -85,9 +83,17 @@ def block_time(gemm: tuple[int, int] = GEMM, repeats: int = 5) -> tuple[float, f
     )
     x = torch.randn(max(tokens // seq, 1), seq, h, requires_grad=True)
     mask = nn.Transformer.generate_square_subsequent_mask(seq)
+    return lambda: block(x, src_mask=mask, is_causal=True)
+
+
+def block_time(gemm: tuple[int, int] = GEMM, repeats: int = 5) -> tuple[float, float]:
+    """(FLOPs, median seconds) of a pre-LN transformer block's forward + backward (fp32) on
+    ``gemm`` = (tokens, hidden); FLOPs by torch's counter, as the planner's trace counts them
+    (norms, softmax and GELU cost time and no counted FLOPs)."""
+    forward = _block_forward(gemm)
 
     def step() -> None:
-        block(x, src_mask=mask, is_causal=True).sum().backward()
+        forward().sum().backward()
 
     counter = FlopCounterMode(display=False)
     with counter:
@@ -98,16 +104,9 @@ def block_time(gemm: tuple[int, int] = GEMM, repeats: int = 5) -> tuple[float, f
 def block_ops(gemm: tuple[int, int] = GEMM) -> int:
     """Aten ops of the timed block's forward (``block_time``'s block, counted as the
     planner's trace counts a layer's: tracing.OpCount)."""
-    torch.manual_seed(0)
-    tokens, h = gemm
-    seq = min(tokens, 256)
-    block = nn.TransformerEncoderLayer(
-        h, max(h // 64, 1), 4 * h, dropout=0.0, batch_first=True, norm_first=True
-    )
-    x = torch.randn(max(tokens // seq, 1), seq, h, requires_grad=True)
-    mask = nn.Transformer.generate_square_subsequent_mask(seq)
+    forward = _block_forward(gemm)
     with OpCount() as count:
-        block(x, src_mask=mask, is_causal=True)
+        forward()
     return count.n
 
 
