@@ -8,6 +8,7 @@ with no launcher at all, and a two-task Slurm job faked through its variables.
 import datetime
 import os
 import random
+import socket
 import subprocess
 import sys
 
@@ -270,11 +271,29 @@ print("RANK", env.rank, env.launcher, env.master_addr, env.master_port, int(t.it
 """
 
 
+def _job_id_of_a_free_port() -> int:
+    """A job id whose port (20000 + id) is free now and below the kernel's ephemeral range.
+
+    Ports from 32768 up are handed to every outgoing connection and every ``bind(0)`` (the
+    gloo pairs and stores of other runs on the machine): a job port there could be taken, or
+    listened on by a stranger rank 1 would then talk to. 30000-32767 is only used by ports
+    asked for by number.
+    """
+    for job_id in random.sample(range(10_000, 12_768), 50):
+        with socket.socket() as s:
+            try:
+                s.bind(("", 20_000 + job_id))
+            except OSError:
+                continue
+            return job_id
+    raise AssertionError("no free port in 30000-32767 for the fake Slurm job")
+
+
 def test_init_distributed_from_a_slurm_job_of_two_tasks():
-    # Two processes with srun's variables; the port comes from the job id (random, so that a
-    # port in use only costs a retry).
+    # Two processes with srun's variables; the port comes from the job id, chosen free (a port
+    # taken between the check and rank 0's bind only costs a retry).
     for _attempt in range(3):
-        job_id = random.randrange(10_000, 19_000)
+        job_id = _job_id_of_a_free_port()
         procs = [
             subprocess.Popen(
                 [sys.executable, "-c", SLURM_RANK],
