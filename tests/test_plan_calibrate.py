@@ -36,12 +36,25 @@ def test_fit_keeps_a_physical_line_on_noise():
     assert a == 0 and bw == pytest.approx(1e9, rel=1e-3), (a, bw)
 
 
-def _rank(rate: float, coll: dict, tp_blocks: list | None = None) -> dict:
+def _rank(rate: float, coll: dict, tp_blocks: list | None = None, cp: list | None = None) -> dict:
     """A rank's synthetic measurements: GEMMs at ``rate`` FLOP/s, blocks at half of it after
     a fixed 1 ms, AdamW at 4 GB/s."""
     blocks = [(flops, 1e-3 + flops / (rate / 2)) for flops in (1e9, 1e3)]
     return {"compute": {"fp32": rate, "bf16": rate / 2}, "blocks": blocks, "optimizer": 4e9,
-            "collectives": coll, "tp_blocks": tp_blocks or []}  # fmt: skip
+            "collectives": coll, "tp_blocks": tp_blocks or [], "cp": cp or []}  # fmt: skip
+
+
+def _cp_attention(per_call_s: dict, excess: dict, rate: float) -> list[dict]:
+    """Context-split attention of two sizes on 2 ranks, each as the planner charges it (3 x 2
+    x F / ``rate``; ring: 4 (n-1) + 2 n sends, Ulysses: 8 all-to-alls, at 100 us + ring
+    bytes / 1 GB/s) plus ``per_call_s`` and the arithmetic ``excess`` of each method."""
+    out = []
+    for flops, payload in ((4e7, 1 << 16), (2e6, 1 << 13)):
+        arith = 3 * 2 * flops / rate
+        comm = {"ring": 8 * (100e-6 + payload / 1e9), "ulysses": 8 * (100e-6 + payload / 2e9)}
+        times = {m: arith * (1 + excess[m]) + comm[m] + per_call_s[m] for m in comm}
+        out.append({"flops": flops, "payload": payload, **times})
+    return out
 
 
 def _tp_blocks(per_call_s: float, excess: float) -> list[dict]:
@@ -65,8 +78,9 @@ def test_summary_is_a_preset_whose_times_are_the_fit(monkeypatch):
     fast = {op: [100e-6 + ring[op] * s / 1e9 for s in SIZES] for op in OPS}
     slow = {op: [t * 1.0 for t in ts] for op, ts in fast.items()}
     tp = _tp_blocks(300e-6, 0.25)
-    preset = calibrate.summarize({1: [_rank(4e10, {})], 2: [_rank(4e10, fast, tp),
-                                                            _rank(3e10, slow, tp)]},
+    cp = _cp_attention({"ring": 2e-3, "ulysses": 1e-3}, {"ring": 0.5, "ulysses": 0.0}, 1.5e10)
+    preset = calibrate.summarize({1: [_rank(4e10, {})], 2: [_rank(4e10, fast, tp, cp),
+                                                            _rank(3e10, slow, tp, cp)]},
                                  SIZES)  # fmt: skip
     machine = Cluster(**preset)
     assert machine.compute["fp32"] == pytest.approx({"1": 0.02, "2": 0.015}), "slowest block"
@@ -84,6 +98,12 @@ def test_summary_is_a_preset_whose_times_are_the_fit(monkeypatch):
     assert machine.tp_call_us == pytest.approx({"2": 300.0}), "tensor-parallel call cost"
     assert machine.tp_compute == pytest.approx({"2": 0.25}), "split arithmetic's excess"
     assert machine.fit_errors["tp_block"]["2"] == pytest.approx(0.0, abs=1e-9)
+    # Context-split attention: 2 ms / 1 ms per call beyond its messages, the ring's
+    # arithmetic half as slow again as the block rate (1.5e10 FLOP/s at 2 ranks).
+    for method, us, k in (("ring", 2000.0, 0.5), ("ulysses", 1000.0, 0.0)):
+        assert machine.cp_call_us[method] == pytest.approx({"2": us}), method
+        assert machine.cp_compute[method] == pytest.approx({"2": k}, abs=1e-9), method
+        assert machine.fit_errors[f"cp_{method}"]["2"] == pytest.approx(0.0, abs=1e-9), method
     assert all(e == pytest.approx(0.0, abs=1e-9) for e in machine.fit_errors["all_reduce"].values())
 
 
@@ -107,6 +127,26 @@ def test_tensor_parallelism_pays_the_calibrated_costs(sequence_parallel):
     assert b - a == pytest.approx(calls * 500e-6 + 0.25 * arithmetic, rel=1e-9), case
 
 
+@pytest.mark.parametrize("method", ["ring", "ulysses"])
+def test_context_parallelism_pays_the_calibrated_costs(method):
+    """Each context-split attention call costs cp_call_us more and its arithmetic
+    (3 cp F / rate) cp_compute more; nothing else changes. Two layers: two calls."""
+    base = Cluster("m", procs_per_node=2, cores=2, latency_us=0.0)
+    taxed = Cluster(
+        "m", procs_per_node=2, cores=2, latency_us=0.0, cp_call_us={method: {"2": 700.0}},
+        cp_compute={method: {"2": 0.5}},
+    )  # fmt: skip
+    model = read_model(build(Dims(layers=2, hidden=32, heads=2, vocab=32, seq=8)))
+    lay = Layout(1, 1, 1, 0, 2, 1, cp=2, cp_method=method)
+    plain, more = (Planner(model, m, 1, 2, "fp32").stage_view(lay, 0) for m in (base, taxed))
+    assert plain.work.attention_calls == 2, f"{method}: one call per layer"
+    arithmetic = 3 * 2 * plain.work.attention_flops / (base.tflops("fp32") * 1e12)
+    a = step_time([plain.work], lay, base, "fp32").total
+    b = step_time([more.work], lay, taxed, "fp32").total
+    assert b - a == pytest.approx(2 * 700e-6 + 0.5 * arithmetic, rel=1e-9), method
+    assert arithmetic > 0, f"{method}: the traced attention has FLOPs"
+
+
 def test_real_calibration_with_two_processes(tmp_path):
     """A tiny run over gloo (two sizes, small GEMMs): every op fitted for a group of 2, and
     the saved preset plans a model (no assertion on speed: this machine is shared)."""
@@ -117,7 +157,11 @@ def test_real_calibration_with_two_processes(tmp_path):
         assert lat >= 0 and bw > 0, (op, lat, bw)
     assert data["compute"]["fp32"]["2"] > 0 and data["layer_overhead_us"] >= 0
     assert data["tp_call_us"]["2"] >= 0 and data["tp_compute"]["2"] >= 0, "split block fitted"
-    assert set(data["fit_errors"]) == {*OPS, "tp_block"}, "every fit reports its error"
+    for method in ("ring", "ulysses"):
+        assert data["cp_call_us"][method]["2"] >= 0, f"context attention ({method}) fitted"
+    assert set(data["fit_errors"]) == {*OPS, "tp_block", "cp_ring", "cp_ulysses"}, (
+        "every fit reports its error"
+    )
     path = calibrate.save(data, tmp_path / "calib.json")
     assert load(str(path)) == Cluster(**data), "the saved preset loads back unchanged"
 

@@ -42,11 +42,13 @@ import torch
 import torch.distributed as dist
 
 from shardwise.plan.calibrate_ops import (
+    CONTEXT,
     GEMM,
     OPS,
     RING,
     block_ops,
     block_time,
+    cp_attention_times,
     gemm_rate,
     optimizer_rate,
     time_op,
@@ -96,6 +98,7 @@ def _rank_work(rank: int, sizes: Sequence[int], repeats: int, gemm: tuple[int, i
     for op in OPS if n > 1 else ():
         out["collectives"][op] = [time_op(op, size, repeats) for size in sizes]
     out["tp_blocks"] = [tp_block_times(g, repeats) for g in tp_blocks(gemm)] if n > 1 else []
+    out["cp"] = [cp_attention_times(g, repeats) for g in tp_blocks(gemm)] if n > 1 else []
     return out
 
 
@@ -152,6 +155,7 @@ def summarize(worlds: dict[int, list[dict]], sizes: Sequence[int]) -> dict[str, 
     block = (statistics.median(eff), statistics.median(overhead))
     preset = _preset(compute, collectives, block, statistics.median(opt))
     extra = {"layer_overheads_us": overheads, "tp_call_us": tp, "tp_compute": tp_compute}
+    extra |= cp_fits(worlds, compute["fp32"], collectives, errors)
     extra["layer_ops"] = float(block_ops(TINY_BLOCK))  # the fixed cost's block, its ops
     return {**preset, **extra, "fit_errors": errors}
 
@@ -173,6 +177,13 @@ def describe_errors(data: dict[str, Any]) -> str:
             for n, us in sorted(tp.items(), key=lambda x: int(x[0]))
         )
         lines.append(f"  tensor parallelism beyond the ideal: per call {per}")
+    cp, k = data.get("cp_call_us", {}), data.get("cp_compute", {})
+    for method, by_n in sorted(cp.items()):
+        per = ", ".join(
+            f"{n} procs {us:.0f} us, arithmetic x {1 + k.get(method, {}).get(n, 0.0):.2f}"
+            for n, us in sorted(by_n.items(), key=lambda x: int(x[0]))
+        )
+        lines.append(f"  context ({method}) beyond the ideal: per attention call {per}")
     return "\n".join(lines)
 
 
@@ -200,8 +211,14 @@ def tp_call_fit(
     ring = RING["all_reduce"](n)
     comm_s = [c * (lat + ring * b["payload"] / bw) for c, b in zip(calls, info, strict=True)]
     extra = [g["tp"] - x - layer - m for g, x, m in zip(got, split, comm_s, strict=True)]
-    # Least squares of extra = calls c + split k (relative: weights 1 / tp^2), both >= 0.
-    w = [1.0 / g["tp"] ** 2 for g in got]
+    c, k, miss = fit_excess(calls, split, extra, [g["tp"] for g in got])
+    return c * 1e6, k, miss
+
+
+def fit_excess(calls: list, split: list, extra: list, got: list) -> tuple[float, float, float]:
+    """(c, k, largest relative miss) of the least-squares fit extra = calls c + split k
+    (relative: weights 1 / got^2), both >= 0; ``got`` the measured seconds."""
+    w = [1.0 / t**2 for t in got]
     a11, a12, a22 = _dot(w, calls, calls), _dot(w, calls, split), _dot(w, split, split)
     b1, b2 = _dot(w, calls, extra), _dot(w, split, extra)
     det = a11 * a22 - a12 * a12
@@ -209,7 +226,49 @@ def tp_call_fit(
     if c < 0 or k < 0:  # one term alone (the other would be negative): the better of the two
         only_c, only_k = (max(b1 / a11, 0.0), 0.0), (0.0, max(b2 / a22, 0.0))
         c, k = min(only_c, only_k, key=lambda ck: _miss(ck, calls, split, extra, got))
-    return c * 1e6, k, _miss((c, k), calls, split, extra, got)
+    return c, k, _miss((c, k), calls, split, extra, got)
+
+
+def cp_fits(worlds: dict, rate: dict, collectives: dict, errors: dict) -> dict[str, dict]:
+    """``cp_call_us`` and ``cp_compute`` per method and group size: what a context-parallel
+    attention call (forward + backward, per micro-batch) costs beyond what the planner
+    charges it, fitted over the timed shards as  c + k x arithmetic  (``cp_call_fit``)."""
+    us: dict[str, dict] = {}
+    ks: dict[str, dict] = {}
+    for n, ranks in sorted(worlds.items()):
+        for method in CONTEXT if n > 1 and ranks[0].get("cp") else ():
+            fit = cp_call_fit(ranks, n, method, rate[str(n)] * 1e12, collectives)
+            c, ks.setdefault(method, {})[str(n)], errors.setdefault(f"cp_{method}", {})[str(n)] = (
+                fit
+            )
+            us.setdefault(method, {})[str(n)] = c * 1e6 / max(1.0, n / cores())
+    return {"cp_call_us": us, "cp_compute": ks}
+
+
+def cp_call_fit(
+    ranks: list[dict], n: int, method: str, rate: float, collectives: dict
+) -> tuple[float, float, float]:
+    """(seconds per call, arithmetic excess, fit error) of context-parallel attention. The
+    planner charges a call 3 n F / rate (the local block's F FLOPs, x n key blocks, forward
+    + backward) plus its messages as traffic.context_calls issues them: ring, per call
+    4 (n-1) K/V blocks and 2 n fp32 dK/dV blocks sent; Ulysses, 8 all-to-alls of a block.
+    What the slowest rank took beyond that is fitted as c + k x 3 n F / rate: c the waits on
+    the neighbour and the merges' small ops, k how much slower than the GEMM rate the
+    split attention runs."""
+    info = ranks[0]["cp"]
+    got = [max(r["cp"][i][method] for r in ranks) for i in range(len(info))]
+    arith = [3 * n * b["flops"] / rate for b in info]
+
+    def charged(op: str, payload: float) -> float:
+        lat, bw = collectives[op][str(n)]
+        return lat + RING[op](n) * payload / bw
+
+    if method == "ulysses":
+        comm_s = [8 * charged("all_to_all", b["payload"]) for b in info]
+    else:
+        comm_s = [(4 * (n - 1) + 2 * n) * charged("send", b["payload"]) for b in info]
+    extra = [g - a - m for g, a, m in zip(got, arith, comm_s, strict=True)]
+    return fit_excess([1.0] * len(got), arith, extra, got)
 
 
 def _dot(*vectors: list) -> float:
@@ -227,8 +286,7 @@ def _miss(ck: tuple[float, float], calls: list, split: list, extra: list, got: l
     """The largest relative miss of extra = calls c + split k at the measured blocks."""
     c, k = ck
     return max(
-        abs(n * c + x * k - e) / g["tp"]
-        for n, x, e, g in zip(calls, split, extra, got, strict=True)
+        abs(n * c + x * k - e) / t for n, x, e, t in zip(calls, split, extra, got, strict=True)
     )
 
 

@@ -23,17 +23,20 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from shardwise import comm
+from shardwise.parallel.context.ring import ring_attention
+from shardwise.parallel.context.ulysses import ulysses_attention
 from shardwise.parallel.tensor.parallelize import parallelize
 from shardwise.plan.models import Dims, GPTBlock, tp_plan
 from shardwise.plan.tracing import OpCount
 
-OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send")
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "send")
 # Bytes a ring moves per payload byte, as cluster.Cluster.collective_time charges them.
 RING: dict[str, Callable[[int], float]] = {
     "all_reduce": lambda n: 2.0 * (n - 1) / n,
     "all_gather": lambda n: (n - 1) / n,
     "reduce_scatter": lambda n: (n - 1) / n,
     "broadcast": lambda n: (n - 1) / n,
+    "all_to_all": lambda n: (n - 1) / n,
     "send": lambda n: 1.0,
 }
 GEMM = (1024, 256)  # (tokens, hidden): a micro-batch of 1024 tokens, hidden size 256
@@ -123,12 +126,13 @@ def time_op(op: str, size: int, repeats: int) -> float:
     rank calls it). ``send``: half a ping-pong between ranks 2k and 2k + 1 (0 when unpaired)."""
     n, rank = comm.get_world_size(), comm.get_rank()
     elems = max(size // 4 // n, 1) * n  # fp32, divisible by n for the gathers and scatters
-    full, part = torch.ones(elems), torch.ones(elems // n)
+    full, part, out = torch.ones(elems), torch.ones(elems // n), torch.empty(elems)
     calls: dict[str, Callable[[], object]] = {
         "all_reduce": lambda: comm.all_reduce(full),
         "all_gather": lambda: comm.all_gather_into_tensor(full, part),
         "reduce_scatter": lambda: comm.reduce_scatter_tensor(part, full),
         "broadcast": lambda: comm.broadcast(full, 0),
+        "all_to_all": lambda: comm.all_to_all_single(out, full),
     }
     if op == "send":
         peer = rank ^ 1
@@ -180,3 +184,30 @@ def tp_block_times(gemm: tuple[int, int], repeats: int = 5) -> dict[str, float]:
     step(split)()
     calls = comm.stats().get("all_reduce", {}).get("calls", 0) - before
     return {"full": full, "tp": tp, "calls": calls, "payload": 4 * x.numel()}
+
+
+CONTEXT = {"ring": ring_attention, "ulysses": ulysses_attention}
+
+
+def cp_attention_times(gemm: tuple[int, int], repeats: int = 5) -> dict[str, float]:
+    """Causal attention split over the default group as context parallelism splits it: the
+    median seconds of forward + backward per method (``ring``, ``ulysses``) on this rank's
+    (1, H, s, 32) shard of ``gemm``'s tokens (s = tokens / n, H = hidden / 32, at least n and
+    divisible by it), every rank at once; with the FLOPs the planner's tracer counts for the
+    local block (4 H s^2 D) and the bytes of one (1, H, s, D) block (``payload``, fp32)."""
+    n = comm.get_world_size()
+    tokens, h = gemm
+    d, heads = 32, -(-max(h // 32, n) // n) * n
+    s = max(tokens // n // 2 * 2, 2)  # two chunks per rank (the balanced token order)
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, heads, s, d, requires_grad=True) for _ in range(3))
+    ranks = list(range(n))
+    out: dict[str, float] = {"flops": 4.0 * heads * s * s * d, "payload": 4.0 * q.numel()}
+    for name, attend in CONTEXT.items():
+
+        def step(attend: Callable = attend) -> None:
+            attend(q, k, v, causal=True, group=None, ranks=ranks).sum().backward()
+
+        comm.barrier()
+        out[name] = _typical_time(step, repeats)
+    return out

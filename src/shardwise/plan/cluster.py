@@ -54,6 +54,10 @@ class Cluster:
     # size (calibrate.tp_call_fit), and each fit's largest relative error at its points.
     tp_call_us: dict = field(default_factory=dict)
     tp_compute: dict = field(default_factory=dict)  # split arithmetic's excess over 1/tp
+    # The same for a context-parallel attention call, per method and group size
+    # (calibrate.cp_call_fit): seconds beyond its messages, and its arithmetic's excess.
+    cp_call_us: dict = field(default_factory=dict)
+    cp_compute: dict = field(default_factory=dict)
     fit_errors: dict = field(default_factory=dict)
     estimated: tuple[str, ...] = ()  # fields not measured (SOURCES says why each is what it is)
 
@@ -125,6 +129,17 @@ class Cluster:
             return 1.0
         by_n = {int(k): v for k, v in self.tp_compute.items()}
         return 1.0 + by_n[min(by_n, key=lambda k: abs(k - n))]
+
+    def cp_call_time(self, method: str, n: int) -> tuple[float, float]:
+        """(seconds, arithmetic excess) a context-parallel attention call of ``method`` on
+        ``n`` ranks costs beyond its messages and 1/rate arithmetic, forward + backward (the
+        nearest calibrated group size; ranks sharing cores take turns: x share); (0, 0)
+        uncalibrated."""
+        us, ks = self.cp_call_us.get(method, {}), self.cp_compute.get(method, {})
+        if n <= 1 or not us:
+            return 0.0, 0.0
+        near = str(min((int(k) for k in us), key=lambda k: abs(k - n)))
+        return us[near] * 1e-6 * self.share(), ks.get(near, 0.0)
 
     def estimated_for(self, offload: bool, comm: bool, data: bool) -> list[str]:
         """The unmeasured numbers a layout's time depends on (``comm``: it communicates;

@@ -169,7 +169,8 @@ class Planner:
         ops = sum(a.ops for a in acts)
         redo = sum(a.ops for a in acts if a.checkpointed != a.plain)
         redo = redo if layout.activation_checkpointing else 0
-        work = StageWork(flops, recompute, calls, states, len(acts), again, ops, redo)
+        attn = _attention(acts, layout) if layout.cp > 1 else (0.0, 0.0)
+        work = StageWork(flops, recompute, calls, states, len(acts), again, ops, redo, *attn)
         acts_held, loss_held = k * (per_mb + loss), k * loss
         return StageView(stage, (lo, hi), states, acts_held, loss_held, transient, calls, work, k)
 
@@ -294,3 +295,12 @@ def _record(layout: Layout, view: StageView | None, time: Any, reason: str = "")
         "bubble": time.bubble,
     }
     return rec
+
+
+def _attention(acts: list, layout: Layout) -> tuple[float, float]:
+    """(calls, forward FLOPs) of the stage's context-split attention per micro-batch: each
+    traced ``attn`` site is a call (recomputed under checkpointing: a forward, 1/3 of one)."""
+    calls = sum(1 for a in acts for site, _ in a.tp_sites if site == "attn")
+    if layout.activation_checkpointing:
+        calls += sum(a.checkpointed != a.plain for a in acts) / 3
+    return float(calls), sum(a.attention_flops for a in acts) / layout.tp

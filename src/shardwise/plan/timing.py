@@ -42,6 +42,8 @@ class StageWork:
     recompute_layers: int = 0  # checkpointed layers (their forward runs twice)
     ops: int = 0  # aten ops of the layers' forwards (traced): their fixed cost, if calibrated
     recompute_ops: int = 0  # of the checkpointed layers
+    attention_calls: float = 0.0  # context-split attention calls (a recomputed one: 1/3)
+    attention_flops: float = 0.0  # their forward FLOPs against the local keys (x cp: all)
 
 
 @dataclass(frozen=True)
@@ -127,7 +129,18 @@ def micro_batch_time(work: StageWork, layout: Layout, cluster: Cluster, precisio
     tensor-parallel collectives, pipeline messages, MoE all-to-alls, context blocks."""
     compute = compute_time(work, cluster, precision, layout.tp)
     path = sum(axis_time(work.calls, layout, cluster, a) for a in ON_PATH)
-    return compute + path / layout.grad_accum
+    return compute + path / layout.grad_accum + context_excess(work, layout, cluster, precision)
+
+
+def context_excess(work: StageWork, layout: Layout, cluster: Cluster, precision: str) -> float:
+    """What context-parallel attention costs per micro-batch beyond its FLOPs and messages
+    (calibrated, cluster.cp_call_time): c per call (waits on the neighbour, the ring's
+    merges) and k x its arithmetic, 3 cp F / rate."""
+    if layout.cp <= 1 or not work.attention_calls:
+        return 0.0
+    c, k = cluster.cp_call_time(layout.cp_method, layout.cp)
+    arith = 3 * layout.cp * work.attention_flops / (cluster.tflops(precision) * 1e12)
+    return (work.attention_calls * c + k * arith) * out_of_phase(layout, cluster)
 
 
 def optimizer_time(states: ModelStates, layout: Layout, cluster: Cluster) -> float:
