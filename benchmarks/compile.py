@@ -196,6 +196,13 @@ def main() -> None:
     p.add_argument("--only", default="", help='families to run, comma-separated ("fsdp2,ours dp2")')
     args = p.parse_args()
     single_thread()
+    # Every contender compiles the same GPT code (examples/gpt/model.py). Left automatic,
+    # dynamo takes a contender whose input shape differs from an earlier contender's (CP's
+    # half sequences after DP's rows: "size mismatch at index 0") for a shape that varies and
+    # compiles it shape-generic, slower than the static graph it gets alone (CP at 4x256:
+    # 0.87x after three families, 1.04x alone). Off, each contender compiles for its own
+    # shapes, as in a process of its own.
+    torch._dynamo.config.automatic_dynamic_shapes = False
     shardwise.init_distributed()
     if dist.get_world_size() != 2:
         raise SystemExit("run on 2 processes: --nproc-per-node 2")
