@@ -116,11 +116,15 @@ class Cluster:
 
     def tp_call_time(self, n: int) -> float:
         """Seconds a tensor-parallel collective of ``n`` ranks costs beyond its ring fit (the
-        fit of the nearest calibrated group size; ranks sharing cores take turns: x share)."""
+        fit of the nearest calibrated group size). Not multiplied by the share of ranks on a
+        core: calibrated with every rank busy and stored per core (÷ n / cores), the wait is
+        paid once per call; a rank waiting on its peer hands its core to another (idle sweep
+        of session 41: x share put 4-rank TP layouts on 2 cores 24-41% too slow, per core
+        within 4%)."""
         if n <= 1 or not self.tp_call_us:
             return 0.0
         by_n = {int(k): v for k, v in self.tp_call_us.items()}
-        return by_n[min(by_n, key=lambda k: abs(k - n))] * 1e-6 * self.share()
+        return by_n[min(by_n, key=lambda k: abs(k - n))] * 1e-6
 
     def tp_compute_factor(self, n: int) -> float:
         """How much longer a rank's 1/n of a split layer's arithmetic takes than 1/n of the
@@ -133,13 +137,12 @@ class Cluster:
     def cp_call_time(self, method: str, n: int) -> tuple[float, float]:
         """(seconds, arithmetic excess) a context-parallel attention call of ``method`` on
         ``n`` ranks costs beyond its messages and 1/rate arithmetic, forward + backward (the
-        nearest calibrated group size; ranks sharing cores take turns: x share); (0, 0)
-        uncalibrated."""
+        nearest calibrated group size; per core, as ``tp_call_time``); (0, 0) uncalibrated."""
         us, ks = self.cp_call_us.get(method, {}), self.cp_compute.get(method, {})
         if n <= 1 or not us:
             return 0.0, 0.0
         near = str(min((int(k) for k in us), key=lambda k: abs(k - n)))
-        return us[near] * 1e-6 * self.share(), ks.get(near, 0.0)
+        return us[near] * 1e-6, ks.get(near, 0.0)
 
     def estimated_for(self, offload: bool, comm: bool, data: bool) -> list[str]:
         """The unmeasured numbers a layout's time depends on (``comm``: it communicates;

@@ -86,9 +86,9 @@ def by_link(calls: list[Call], layout: Layout, procs_per_node: int) -> dict[str,
 
 
 def out_of_phase(layout: Layout, cluster: Cluster) -> float:
-    """The part of a shared core's slowdown that a pipeline's waits pay: with more ranks
-    than cores (share s > 1), a rank waiting in the bubble or on a tensor-parallel peer
-    leaves its core to a rank of another stage, which is busy then (stages are out of
+    """The part of a shared core's slowdown that a pipeline's bubble pays: with more ranks
+    than cores (share s > 1), a rank waiting in the bubble leaves its core to a rank of
+    another stage, which is busy then (stages are out of
     phase), and during fill and drain only 1/pp of the ranks compute, at s / pp sharing
     (at least 1). So those waits cost max(1, s / pp) / s of the shared time; 1 without a
     pipeline (data-parallel replicas wait at the same moments) or with a core per rank."""
@@ -104,7 +104,7 @@ def axis_time(calls: list[Call], layout: Layout, cluster: Cluster, axis: str) ->
             inter = spans_nodes(axis, layout, cluster.procs_per_node)
             total += c.count * cluster.collective_time(c.op, c.payload, c.n, inter)
             if axis == "tensor":  # issued between kernels: what the isolated fit misses
-                total += c.count * cluster.tp_call_time(c.n) * out_of_phase(layout, cluster)
+                total += c.count * cluster.tp_call_time(c.n)
     return total
 
 
@@ -140,7 +140,7 @@ def context_excess(work: StageWork, layout: Layout, cluster: Cluster, precision:
         return 0.0
     c, k = cluster.cp_call_time(layout.cp_method, layout.cp)
     arith = 3 * layout.cp * work.attention_flops / (cluster.tflops(precision) * 1e12)
-    return (work.attention_calls * c + k * arith) * out_of_phase(layout, cluster)
+    return work.attention_calls * c + k * arith
 
 
 def optimizer_time(states: ModelStates, layout: Layout, cluster: Cluster) -> float:
