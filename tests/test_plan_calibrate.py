@@ -258,6 +258,27 @@ def test_a_pipeline_on_shared_cores_lends_its_waits(cores, pp, factor):
     assert t.exposed_comm - plain.exposed_comm == pytest.approx(extra, rel=1e-6, abs=1e-12), case
 
 
+@pytest.mark.parametrize("schedule", ["zb-h1", "zbv", "interleaved"])
+def test_a_schedule_that_fills_its_bubble_saves_nothing_on_shared_cores(schedule):
+    """4 ranks, 2 stages: with a core each, the schedule's own (smaller) bubble; on 2 cores
+    at least 1F1B's bubble, both lent at max(1, s / pp) / s."""
+    model = read_model(build(Dims(layers=4, hidden=32, heads=2, vocab=32, seq=8)))
+    for cores in (4, 2):
+        m = Cluster("m", procs_per_node=4, cores=cores, latency_us=0.0)
+        planner = Planner(model, m, 8, 8, "fp32")
+        got = {}
+        for sched in ("1f1b", schedule):
+            lay = Layout(2, 1, 2, 0, 1, 4, schedule=sched)
+            works = [planner.stage_view(lay, s).work for s in range(2)]
+            per_mb = max(micro_batch_time(w, lay, m, "fp32") for w in works)
+            got[sched] = step_time(works, lay, m, "fp32").bubble / per_mb
+        case = f"{schedule} on {cores} cores: {got}"
+        if cores == 4:
+            assert got[schedule] < got["1f1b"], case
+        else:
+            assert got[schedule] == pytest.approx(got["1f1b"]), case
+
+
 @pytest.mark.parametrize("ops,recompute_ops,units", [(88, 0, 2.0), (44, 44, 4 / 3), (0, 0, 3.0)])
 def test_a_layer_costs_its_ops_in_calibration_blocks(ops, recompute_ops, units):
     """The calibrated block (44 forward ops, 1 ms fixed) sets a per-op cost: 3 layers of 88
