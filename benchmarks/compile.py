@@ -54,6 +54,12 @@ LR = 1e-3
 # Inductor fuses and reorders sums inside a block: eager and compiled losses of one family
 # differ by rounding, about 1e-6 relative per step; a broken contender is off by far more.
 LOSS_TOLERANCE = 1e-3
+# A MoE gate's top-1 choice is discontinuous: a rounding difference in a logit near a tie sends
+# a token to another expert (or past its capacity), and from then on the two runs train
+# different models. At 4x256 over 6 rounds, eager and compiled agreed to 1e-7 for 9 steps, then
+# 2.6e-5 at step 9 and a chaotic 1.5e-2 by step 25. The MoE family's losses are compared over
+# its first steps (tests/test_compile.py holds ep2 to 1e-5 of one process over 6 steps).
+MOE_CHECKED_STEPS = 8
 # The MoE family: 4 experts, 2 per rank. Without DeepSpeed's random token selection (use_rts,
 # on by default): it draws from the global generator, which the interleaved contenders share,
 # so eager and compiled dropped different tokens (losses 5e-3 apart; without it, 2e-7).
@@ -176,7 +182,9 @@ def report(cs: list[Contender], args: argparse.Namespace) -> str:
     for eager, comp in zip(cs[::2], cs[1::2], strict=True):
         te, tc = median_ms(eager.times), median_ms(comp.times)
         ce, cc = median_ms(eager.cpu), median_ms(comp.cpu)
-        diff = max(abs(a - b) / abs(a) for a, b in zip(eager.losses, comp.losses, strict=True))
+        pairs = list(zip(eager.losses, comp.losses, strict=True))
+        pairs = pairs[:MOE_CHECKED_STEPS] if "MoE" in eager.family else pairs
+        diff = max(abs(a - b) / abs(a) for a, b in pairs)
         ok = "ok" if diff <= LOSS_TOLERANCE else f"DIFFERS {diff:.1e}"
         rows.append(
             [eager.family, f"{te:.1f}", f"{tc:.1f}", f"{te / tc:.2f}x", f"{ce:.1f}", f"{cc:.1f}",
