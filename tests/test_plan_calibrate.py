@@ -128,23 +128,26 @@ def test_tensor_parallelism_pays_the_calibrated_costs(sequence_parallel):
 
 
 @pytest.mark.parametrize("method", ["ring", "ulysses"])
-def test_context_parallelism_pays_the_calibrated_costs(method):
-    """Each context-split attention call costs cp_call_us more and its arithmetic
-    (3 cp F / rate) cp_compute more; nothing else changes. Two layers: two calls."""
-    base = Cluster("m", procs_per_node=2, cores=2, latency_us=0.0)
+@pytest.mark.parametrize("procs,share", [(2, 1), (4, 2)])
+def test_context_parallelism_pays_the_calibrated_costs(method, procs, share):
+    """Each context-split attention call costs cp_call_us more (x the ranks sharing a core:
+    it is work, done in turns) and its arithmetic (3 cp F / rate) cp_compute more; nothing
+    else changes. Two layers: two calls."""
+    base = Cluster("m", procs_per_node=procs, cores=2, latency_us=0.0)
     taxed = Cluster(
-        "m", procs_per_node=2, cores=2, latency_us=0.0, cp_call_us={method: {"2": 700.0}},
+        "m", procs_per_node=procs, cores=2, latency_us=0.0, cp_call_us={method: {"2": 700.0}},
         cp_compute={method: {"2": 0.5}},
     )  # fmt: skip
     model = read_model(build(Dims(layers=2, hidden=32, heads=2, vocab=32, seq=8)))
-    lay = Layout(1, 1, 1, 0, 2, 1, cp=2, cp_method=method)
+    lay = Layout(procs // 2, 1, 1, 0, 2, 1, cp=2, cp_method=method)
     plain, more = (Planner(model, m, 1, 2, "fp32").stage_view(lay, 0) for m in (base, taxed))
-    assert plain.work.attention_calls == 2, f"{method}: one call per layer"
+    case = f"{method} on {procs} ranks, 2 cores"
+    assert plain.work.attention_calls == 2, f"{case}: one call per layer"
     arithmetic = 3 * 2 * plain.work.attention_flops / (base.tflops("fp32") * 1e12)
     a = step_time([plain.work], lay, base, "fp32").total
     b = step_time([more.work], lay, taxed, "fp32").total
-    assert b - a == pytest.approx(2 * 700e-6 + 0.5 * arithmetic, rel=1e-9), method
-    assert arithmetic > 0, f"{method}: the traced attention has FLOPs"
+    assert b - a == pytest.approx(2 * 700e-6 * share + 0.5 * arithmetic, rel=1e-9), case
+    assert arithmetic > 0, f"{case}: the traced attention has FLOPs"
 
 
 def test_real_calibration_with_two_processes(tmp_path):

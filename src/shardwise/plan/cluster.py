@@ -137,12 +137,16 @@ class Cluster:
     def cp_call_time(self, method: str, n: int) -> tuple[float, float]:
         """(seconds, arithmetic excess) a context-parallel attention call of ``method`` on
         ``n`` ranks costs beyond its messages and 1/rate arithmetic, forward + backward (the
-        nearest calibrated group size; per core, as ``tp_call_time``); (0, 0) uncalibrated."""
+        nearest calibrated group size; (0, 0) uncalibrated). Unlike ``tp_call_time``'s
+        waits, this is mostly work (the ring's merges and copies, the per-block kernels'
+        fixed costs), which ranks sharing a core do in turns: x share (idle table of
+        session 40 re-predicted: 4-rank CP layouts on 2 cores 20-32% too fast per core,
+        0-12% x share)."""
         us, ks = self.cp_call_us.get(method, {}), self.cp_compute.get(method, {})
         if n <= 1 or not us:
             return 0.0, 0.0
         near = str(min((int(k) for k in us), key=lambda k: abs(k - n)))
-        return us[near] * 1e-6, ks.get(near, 0.0)
+        return us[near] * 1e-6 * self.share(), ks.get(near, 0.0)
 
     def estimated_for(self, offload: bool, comm: bool, data: bool) -> list[str]:
         """The unmeasured numbers a layout's time depends on (``comm``: it communicates;
