@@ -41,7 +41,8 @@ def _rank(rate: float, coll: dict, tp_blocks: list | None = None, cp: list | Non
     a fixed 1 ms, AdamW at 4 GB/s."""
     blocks = [(flops, 1e-3 + flops / (rate / 2)) for flops in (1e9, 1e3)]
     return {"compute": {"fp32": rate, "bf16": rate / 2}, "blocks": blocks, "optimizer": 4e9,
-            "collectives": coll, "tp_blocks": tp_blocks or [], "cp": cp or []}  # fmt: skip
+            "collectives": coll, "tp_blocks": tp_blocks or [], "cp": cp or [],
+            "split": 4e-4}  # fmt: skip
 
 
 def _cp_attention(per_call_s: dict, excess: dict, rate: float) -> list[dict]:
@@ -88,6 +89,7 @@ def test_summary_is_a_preset_whose_times_are_the_fit(monkeypatch):
     assert machine.cores == 4
     assert machine.layer_overhead_us == pytest.approx(1000.0), "the blocks' fixed cost"
     assert machine.layer_overheads_us == pytest.approx({"1": 1000.0, "2": 1000.0}), "per world"
+    assert machine.split_overhead_us == pytest.approx(400.0), "the split backward's cost"
     for op in OPS:
         t = machine.collective_time(op, 1 << 20, 2, inter=False)
         assert t == pytest.approx(100e-6 + ring[op] * (1 << 20) / 1e9, rel=1e-6), op
@@ -160,6 +162,7 @@ def test_real_calibration_with_two_processes(tmp_path):
         assert lat >= 0 and bw > 0, (op, lat, bw)
     assert data["compute"]["fp32"]["2"] > 0 and data["layer_overhead_us"] >= 0
     assert data["tp_call_us"]["2"] >= 0 and data["tp_compute"]["2"] >= 0, "split block fitted"
+    assert data["split_overhead_us"] >= 0, "the B/W split timed"
     for method in ("ring", "ulysses"):
         assert data["cp_call_us"][method]["2"] >= 0, f"context attention ({method}) fitted"
     assert set(data["fit_errors"]) == {*OPS, "tp_block", "cp_ring", "cp_ulysses"}, (
@@ -280,6 +283,25 @@ def test_a_schedule_that_fills_its_bubble_saves_nothing_on_shared_cores(schedule
             assert got[schedule] < got["1f1b"], case
         else:
             assert got[schedule] == pytest.approx(got["1f1b"]), case
+
+
+@pytest.mark.parametrize("schedule,split", [("zb-h1", 1.0), ("zbv", 1.0), ("1f1b", 0.0)])
+@pytest.mark.parametrize("cores", [4, 2])
+def test_a_split_backward_pays_its_calibrated_cost(schedule, split, cores):
+    """A schedule whose backwards run as B and W pays split_overhead_us per layer and
+    micro-batch (x the ranks sharing a core); 1F1B never splits and pays nothing."""
+    model = read_model(build(Dims(layers=4, hidden=32, heads=2, vocab=32, seq=8)))
+    lay = Layout(2, 1, 2, 0, 1, 4, schedule=schedule)
+    base = Cluster("m", procs_per_node=4, cores=cores, latency_us=0.0)
+    taxed = Cluster("m", procs_per_node=4, cores=cores, latency_us=0.0, split_overhead_us=500.0)
+    t = {}
+    for name, m in (("base", base), ("taxed", taxed)):
+        works = [Planner(model, m, 8, 8, "fp32").stage_view(lay, s).work for s in range(2)]
+        t[name] = step_time(works, lay, m, "fp32")
+    layers = works[0].layers
+    want = 4 * split * layers * 500e-6 * base.share()
+    case = f"{schedule} on {cores} cores, {layers} layers a stage"
+    assert t["taxed"].compute - t["base"].compute == pytest.approx(want, abs=1e-12), case
 
 
 @pytest.mark.parametrize("ops,recompute_ops,units", [(88, 0, 2.0), (44, 44, 4 / 3), (0, 0, 3.0)])

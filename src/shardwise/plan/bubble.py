@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 
-from shardwise.parallel.pipeline.instructions import unpair
+from shardwise.parallel.pipeline.instructions import Op, unpair
 from shardwise.parallel.pipeline.schedule import (
     V_SCHEDULES,
     make_schedule,
@@ -69,3 +69,19 @@ def held(name: str, stages: int, stage: int, micro_batches: int) -> float:
     chunks = chunks_of(name)
     program = make_schedule(name, stages, stage, micro_batches, chunks)
     return peak_held(program) / chunks
+
+
+@functools.lru_cache(maxsize=4096)
+def split_share(name: str, stages: int, micro_batches: int) -> float:
+    """The share of a stage's backwards that run as B and W (split_linear.py: its linears
+    routed and their weight work deferred), over the library's programs of every stage; 0
+    for schedules that never split (1F1B, GPipe, interleaved)."""
+    if stages == 1:
+        return 0.0
+    chunks = chunks_of(name)
+    split = whole = 0
+    for s in range(stages):
+        for ins in make_schedule(name, stages, s, micro_batches, chunks):
+            split += ins.op is Op.BACKWARD_INPUT
+            whole += ins.op in (Op.BACKWARD, Op.FORWARD_BACKWARD)
+    return split / (split + whole) if split + whole else 0.0

@@ -51,6 +51,7 @@ from shardwise.plan.calibrate_ops import (
     cp_attention_times,
     gemm_rate,
     optimizer_rate,
+    split_excess,
     time_op,
     tp_block_times,
     tp_blocks,
@@ -95,6 +96,8 @@ def _rank_work(rank: int, sizes: Sequence[int], repeats: int, gemm: tuple[int, i
     out["blocks"] = [block_time(gemm), block_time(TINY_BLOCK, repeats=2 * repeats)]
     dist.barrier()
     out["optimizer"] = optimizer_rate()
+    dist.barrier()
+    out["split"] = split_excess(TINY_BLOCK, 2 * repeats)
     for op in OPS if n > 1 else ():
         out["collectives"][op] = [time_op(op, size, repeats) for size in sizes]
     out["tp_blocks"] = [tp_block_times(g, repeats) for g in tp_blocks(gemm)] if n > 1 else []
@@ -157,6 +160,10 @@ def summarize(worlds: dict[int, list[dict]], sizes: Sequence[int]) -> dict[str, 
     extra = {"layer_overheads_us": overheads, "tp_call_us": tp, "tp_compute": tp_compute}
     extra |= cp_fits(worlds, compute["fp32"], collectives, errors)
     extra["layer_ops"] = float(block_ops(TINY_BLOCK))  # the fixed cost's block, its ops
+    # The split backward's fixed cost, with a core each (the smallest world), per block.
+    extra["split_overhead_us"] = (
+        statistics.median(r.get("split", 0.0) for r in worlds[min(worlds)]) * 1e6
+    )
     return {**preset, **extra, "fit_errors": errors}
 
 

@@ -25,6 +25,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from shardwise import comm
 from shardwise.parallel.context.ring import ring_attention
 from shardwise.parallel.context.ulysses import ulysses_attention
+from shardwise.parallel.pipeline.split_linear import LinearSplitter, deferring, weight_backward
 from shardwise.parallel.tensor.parallelize import parallelize
 from shardwise.plan.models import Dims, GPTBlock, tp_plan
 from shardwise.plan.tracing import OpCount
@@ -78,6 +79,11 @@ def gemm_rate(dtype: torch.dtype, gemm: tuple[int, int] = GEMM, repeats: int = 5
 
 def _block_forward(gemm: tuple[int, int]) -> Callable[[], torch.Tensor]:
     """The forward of the timed pre-LN block (fp32) on ``gemm`` = (tokens, hidden)."""
+    return _timed_block(gemm)[1]
+
+
+def _timed_block(gemm: tuple[int, int]) -> tuple[nn.Module, Callable[[], torch.Tensor]]:
+    """(the timed pre-LN block, its forward on ``gemm`` = (tokens, hidden)), fp32."""
     torch.manual_seed(0)
     tokens, h = gemm
     seq = min(tokens, 256)
@@ -86,7 +92,7 @@ def _block_forward(gemm: tuple[int, int]) -> Callable[[], torch.Tensor]:
     )
     x = torch.randn(max(tokens // seq, 1), seq, h, requires_grad=True)
     mask = nn.Transformer.generate_square_subsequent_mask(seq)
-    return lambda: block(x, src_mask=mask, is_causal=True)
+    return block, lambda: block(x, src_mask=mask, is_causal=True)
 
 
 def block_time(gemm: tuple[int, int] = GEMM, repeats: int = 5) -> tuple[float, float]:
@@ -102,6 +108,33 @@ def block_time(gemm: tuple[int, int] = GEMM, repeats: int = 5) -> tuple[float, f
     with counter:
         step()
     return float(counter.get_total_flops()), _typical_time(step, repeats)
+
+
+def split_excess(gemm: tuple[int, int], repeats: int = 5) -> float:
+    """Seconds the timed block's forward + backward takes longer run as the zero-bubble
+    schedules run it (split_linear.py: its linears routed through the splitter's mode, the
+    backward as B with the weight work deferred, then W) than fused; >= 0."""
+    module, block = _timed_block(gemm)
+    splitter = LinearSplitter(module)
+
+    def plain() -> None:
+        splitter.active = False
+        block().sum().backward()
+
+    def split() -> None:
+        splitter.active = True
+        out = block()
+        splitter.active = False
+        with deferring([]) as sink:
+            out.sum().backward()
+        weight_backward(sink)
+
+    # Alternated, and the median of the pairs' differences: a busy neighbour slows both
+    # calls of a pair alike.
+    for fn in (plain, split, plain, split):
+        fn()
+    pairs = [_times(split, 1, 0)[0] - _times(plain, 1, 0)[0] for _ in range(repeats)]
+    return max(statistics.median(pairs), 0.0)
 
 
 def block_ops(gemm: tuple[int, int] = GEMM) -> int:

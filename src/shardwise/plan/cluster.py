@@ -58,6 +58,9 @@ class Cluster:
     # (calibrate.cp_call_fit): seconds beyond its messages, and its arithmetic's excess.
     cp_call_us: dict = field(default_factory=dict)
     cp_compute: dict = field(default_factory=dict)
+    # Calibrated: what running a block's backward as B and W (the zero-bubble schedules)
+    # adds to its forward + backward, per calibration block's worth of ops (timing.py).
+    split_overhead_us: float = 0.0
     fit_errors: dict = field(default_factory=dict)
     estimated: tuple[str, ...] = ()  # fields not measured (SOURCES says why each is what it is)
 

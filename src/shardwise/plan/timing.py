@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardwise.plan.bubble import bubble_units, shares
+from shardwise.plan.bubble import bubble_units, shares, split_share
 from shardwise.plan.candidates import Layout
 from shardwise.plan.cluster import Cluster
 from shardwise.plan.memory import ModelStates
@@ -137,10 +137,28 @@ def compute_time(work: StageWork, cluster: Cluster, precision: str, tp: int = 1)
     return (3 * work.flops + work.recompute_flops) / rate + fixed * cluster.share()
 
 
+def split_time(work: StageWork, layout: Layout, cluster: Cluster) -> float:
+    """A micro-batch's share of what a split backward (B, then W: the zero-bubble schedules,
+    split_linear.py) costs beyond the fused one: the calibrated ``split_overhead_us`` per
+    layer (the calibration block has a GPT block's four linears; the cost goes with the
+    linears routed and their deferred weight work, not with all of a layer's ops: scaled by
+    ops, an MoE layer's 378 were charged 1.5-2x what its pipelines took), x the share of the
+    schedule's backwards that split, x share (it is work, done in turns)."""
+    if not cluster.split_overhead_us or layout.pp == 1:
+        return 0.0
+    part = split_share(layout.schedule, layout.pp, layout.grad_accum)
+    return part * work.layers * cluster.split_overhead_us * 1e-6 * cluster.share()
+
+
+def stage_compute(work: StageWork, layout: Layout, cluster: Cluster, precision: str) -> float:
+    """One micro-batch's arithmetic and fixed costs (``compute_time``), its backward split."""
+    return compute_time(work, cluster, precision, layout.tp) + split_time(work, layout, cluster)
+
+
 def micro_batch_time(work: StageWork, layout: Layout, cluster: Cluster, precision: str) -> float:
     """The stage's forward + backward (+ recompute) and its on-path communication, once:
     tensor-parallel collectives, pipeline messages, MoE all-to-alls, context blocks."""
-    compute = compute_time(work, cluster, precision, layout.tp)
+    compute = stage_compute(work, layout, cluster, precision)
     path = sum(axis_time(work.calls, layout, cluster, a) for a in ON_PATH)
     return compute + path / layout.grad_accum + context_excess(work, layout, cluster, precision)
 
@@ -174,7 +192,7 @@ def step_time(
     slow = max(range(len(stages)), key=lambda i: per_mb[i])
     w = stages[slow]
     gas = layout.grad_accum
-    compute = gas * compute_time(w, cluster, precision, layout.tp)
+    compute = gas * stage_compute(w, layout, cluster, precision)
     on_path = per_mb[slow] * gas - compute
     data = axis_time(w.calls, layout, cluster, "data")
     data += axis_time(w.calls, layout, cluster, "replicate")
