@@ -41,6 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from shardwise.plan import traffic
 from shardwise.plan.calibrate_ops import (
     CONTEXT,
     GEMM,
@@ -56,6 +57,7 @@ from shardwise.plan.calibrate_ops import (
     tp_block_times,
     tp_blocks,
 )
+from shardwise.plan.candidates import Layout
 from shardwise.plan.cluster import Cluster, default_calibration_path
 from shardwise.spawn import spawn
 
@@ -257,8 +259,8 @@ def cp_call_fit(
 ) -> tuple[float, float, float]:
     """(seconds per call, arithmetic excess, fit error) of context-parallel attention. The
     planner charges a call 3 n F / rate (the local block's F FLOPs, x n key blocks, forward
-    + backward) plus its messages as traffic.context_calls issues them: ring, per call
-    4 (n-1) K/V blocks and 2 n fp32 dK/dV blocks sent; Ulysses, 8 all-to-alls of a block.
+    + backward) plus its messages, asked of traffic.context_calls (ring, per call 4 (n-1)
+    K/V blocks and 2 n fp32 dK/dV blocks sent; Ulysses, 8 all-to-alls of a block).
     What the slowest rank took beyond that is fitted as c + k x 3 n F / rate: c the waits on
     the neighbour and the merges' small ops, k how much slower than the GEMM rate the
     split attention runs."""
@@ -266,14 +268,17 @@ def cp_call_fit(
     got = [max(r["cp"][i][method] for r in ranks) for i in range(len(info))]
     arith = [3 * n * b["flops"] / rate for b in info]
 
-    def charged(op: str, payload: float) -> float:
-        lat, bw = collectives[op][str(n)]
-        return lat + RING[op](n) * payload / bw
+    layout = Layout(1, 1, 1, 0, 1, 1, cp=n, cp_method=method)
 
-    if method == "ulysses":
-        comm_s = [8 * charged("all_to_all", b["payload"]) for b in info]
-    else:
-        comm_s = [(4 * (n - 1) + 2 * n) * charged("send", b["payload"]) for b in info]
+    def charged(payload: float) -> float:  # the planner's messages of one call, as fitted
+        total = 0.0
+        for c in traffic.context_calls([("attn", int(payload))], layout, "fp32", False):
+            if c.op != "recv":
+                lat, bw = collectives[c.op][str(n)]
+                total += c.count * (lat + RING[c.op](n) * c.payload / bw)
+        return total
+
+    comm_s = [charged(b["payload"]) for b in info]
     extra = [g - a - m for g, a, m in zip(got, arith, comm_s, strict=True)]
     return fit_excess([1.0] * len(got), arith, extra, got)
 
