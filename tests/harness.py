@@ -2,7 +2,8 @@
 
 ``run_distributed(fn, world_size, *args)`` runs ``fn(*args)`` on every rank of a world of
 ``world_size`` processes and returns the per-rank results. Worlds are kept alive between tests
-(starting a process that imports torch costs seconds on 2 cores), each with its default process
+(starting a process that imports torch costs seconds on 2 cores; one whose ranks have piled up
+threads is replaced, see MAX_THREADS), each with its default process
 group already set up through a FileStore (no ports to collide). ``fn`` must be a module-level
 function so that it pickles by name.
 
@@ -129,6 +130,16 @@ class World:
             results[rank] = value
         return [results[r] for r in range(self.world_size)]
 
+    def threads(self) -> int:
+        """The most threads any rank runs (0 where /proc does not tell)."""
+        counts = [0]
+        for p in self.procs:
+            try:
+                counts.append(len(os.listdir(f"/proc/{p.pid}/task")))
+            except OSError:
+                pass
+        return max(counts)
+
     def alive(self) -> bool:
         return all(p.is_alive() for p in self.procs)
 
@@ -145,6 +156,12 @@ class World:
 
 
 _WORLDS: dict[int, World] = {}
+# Some groups outlive their task all the same (held by hooks torch keeps in C++, out of the
+# collector's sight), and each keeps gloo's threads, whose TCP loops wake the CPU: measured
+# in a full run, 226 threads per rank of the world of 4 by its middle, its idle ranks at 9 %
+# of a core each, every later test slower for it (the last third of the suite ~1.5x). A world
+# past this many threads is replaced after its task: a new one costs seconds, once in a while.
+MAX_THREADS = 150
 
 
 WORLD_RUNS: list[int] = []  # one entry per run_distributed call (tiers.py reads and clears it)
@@ -159,11 +176,15 @@ def run_distributed(
     if world is None or not world.alive():
         world = _WORLDS[world_size] = World(world_size)
     try:
-        return world.run(fn, args, kwargs, scaled(timeout))
+        results = world.run(fn, args, kwargs, scaled(timeout))
     except BaseException:
         world.close(kill=True)
         _WORLDS.pop(world_size, None)
         raise
+    if world.threads() > MAX_THREADS:
+        world.close()
+        _WORLDS.pop(world_size, None)
+    return results
 
 
 def shutdown_worlds() -> None:
