@@ -156,11 +156,11 @@ class World:
 
 
 _WORLDS: dict[int, World] = {}
-# Some groups outlive their task all the same (held by hooks torch keeps in C++, out of the
-# collector's sight), and each keeps gloo's threads, whose TCP loops wake the CPU: measured
-# in a full run, 226 threads per rank of the world of 4 by its middle, its idle ranks at 9 %
-# of a core each, every later test slower for it (the last third of the suite ~1.5x). A world
-# past this many threads is replaced after its task: a new one costs seconds, once in a while.
+# A group can outlive its task (an engine held by a cycle the collector cannot see, the bug
+# parallel/weak_hooks.py fixes), and each keeps gloo's threads, whose TCP loops wake the CPU:
+# before that fix, 226 threads per rank of the world of 4 halfway through a full run, its
+# idle ranks at 9 % of a core each, the last third of the suite ~1.5x slower. A world past
+# this many threads is replaced after its task, so that any such leak costs seconds, not that.
 MAX_THREADS = 150
 
 

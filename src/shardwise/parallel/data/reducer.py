@@ -40,6 +40,7 @@ from shardwise.parallel import clip
 from shardwise.parallel.data.replica_groups import get_replicas, has_replicas, partition_by_replicas
 from shardwise.parallel.flat import FlatLayout, plan_buckets
 from shardwise.parallel.strategy_contract import StrategyContext, bucket_elements, plain_precision
+from shardwise.parallel.weak_hooks import weak_hook
 
 if TYPE_CHECKING:  # annotations only
     from torch.distributed import ProcessGroup
@@ -107,7 +108,9 @@ class DataParallelReducer:
         if self.world > 1:
             for b in self.buckets:
                 for p in b.layout.params:
-                    self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+                    self._hooks.append(
+                        p.register_post_accumulate_grad_hook(weak_hook(self._on_grad))
+                    )
         self._bind_grads()
 
     # -- gradients as views of the buckets

@@ -38,6 +38,7 @@ from torch.utils._pytree import tree_leaves
 
 from shardwise import comm
 from shardwise.parallel.flat import FlatLayout
+from shardwise.parallel.weak_hooks import weak_hook
 
 _IN_FLIGHT = 2  # reduce-scatters in flight before the oldest is waited for (as in stage 2)
 
@@ -217,7 +218,7 @@ class GatherScheduler:
             for p in u.params:
                 if p.requires_grad:
                     self.handles.append(
-                        p.register_post_accumulate_grad_hook(partial(self._on_grad, u))
+                        p.register_post_accumulate_grad_hook(weak_hook(self._on_grad, u))
                     )
 
     # ------------------------------------------------------------------ forward

@@ -48,6 +48,7 @@ from shardwise.parallel.strategy_contract import (
     offload_device,
     require_optimizer,
 )
+from shardwise.parallel.weak_hooks import weak_hook
 from shardwise.parallel.zero.buckets import Bucket, Where
 from shardwise.parallel.zero.masters import rebind_optimizer, shares_storage
 from shardwise.parallel.zero.mics import ZeroGroups
@@ -123,7 +124,7 @@ class ZeroStrategy:
         self._slot = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.layout.params)}
         self.optimizer = rebind_optimizer(optimizer, self.buckets, group_of)
         self._hooks = [
-            p.register_post_accumulate_grad_hook(self._on_grad)
+            p.register_post_accumulate_grad_hook(weak_hook(self._on_grad))
             for b in self.buckets
             for p in b.layout.params
         ]
