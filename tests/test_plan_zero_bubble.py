@@ -2,8 +2,10 @@
 
 With communication and the update made free, a step is m micro-batch times plus the bubble,
 so the planner's bubble share must be the schedule's: (p-1)(F+B-2W) micro-batch times for
-ZB-H1 (F = W = 1/3 of a micro-batch without recompute: (p-1)/3), 1F1B's p-1 unchanged, and
-whatever the library's simulator finds for ZBV (less than ZB-H1's). Memory: a stage holds its
+ZB-H1 (F = 1/3 of a micro-batch without recompute; W the weight gradients' share, their
+GEMMs as many FLOPs as the weighted products' forward: a little under F, attention's
+products having no weight), 1F1B's p-1 unchanged, and whatever the library's simulator
+finds for ZBV (less than ZB-H1's). Memory: a stage holds its
 micro-batches from the forward to the W (schedule.peak_held); in a V, stage 0 holds the first
 and the last layers, so the embedding, the head and the loss's activations.
 """
@@ -18,6 +20,7 @@ from shardwise.config import parse_config
 from shardwise.parallel.pipeline.schedule import make_schedule, peak_held, simulate
 from shardwise.plan import PRESETS, Dims, Layout, Planner, build, read_model
 from shardwise.plan.candidates import candidates, to_config
+from shardwise.plan.timing import micro_batch_time, split_shares
 
 FREE = replace(
     PRESETS["a100-80g"], intra_gbps=1e12, inter_gbps=1e12, latency_us=0, optimizer_gbps=1e18
@@ -27,6 +30,13 @@ FREE = replace(
 def _planner(layers=8, m=8):
     d = Dims(layers=layers, hidden=64, heads=4, vocab=512, seq=16)
     return Planner(read_model(build(d)), FREE, m, 16, "fp32")
+
+
+def _shares(planner: Planner, lay: Layout) -> tuple[float, float]:
+    """(F, W) of the slowest stage, the one the step time charges."""
+    works = [planner.stage_view(lay, s).work for s in range(lay.pp)]
+    slow = max(works, key=lambda w: micro_batch_time(w, lay, FREE, "fp32"))
+    return split_shares(slow, lay, FREE, "fp32")
 
 
 def test_candidates_enumerate_the_zero_bubble_schedules():
@@ -49,7 +59,9 @@ def test_zb_h1_bubble_is_a_third_of_1f1b_s(p, m):
     ofob = planner.evaluate(Layout(1, 1, p, 0, 1, m))
     zb = planner.evaluate(Layout(1, 1, p, 0, 1, m, schedule="zb-h1"))
     assert ofob["bubble"] == pytest.approx((p - 1) / (m + p - 1))
-    units = (p - 1) / 3  # (p-1)(F+B-2W) with F = W = 1/3, B = 2/3
+    f, w = _shares(planner, Layout(1, 1, p, 0, 1, m, schedule="zb-h1"))
+    assert f == pytest.approx(1 / 3, abs=1e-3) and 0.25 < w <= f, (f, w)
+    units = (p - 1) * (1 - 2 * w)  # (p-1)(F+B-2W), F + B = 1
     assert zb["bubble"] == pytest.approx(units / (m + units), rel=1e-2)
     assert zb["step_time_s"] < ofob["step_time_s"]
     lay = Layout(1, 1, p, 0, 1, m, schedule="zb-h1")
@@ -64,7 +76,7 @@ def test_zbv_bubble_is_the_simulator_s_and_below_zb_h1_s():
     zb = planner.evaluate(Layout(1, 1, p, 0, 1, m, schedule="zb-h1"))
     assert zbv["feasible"], zbv["reason"]
     assert zbv["bubble"] < zb["bubble"]
-    f = w = 0.333
+    f, w = _shares(planner, Layout(1, 1, p, 0, 1, m, schedule="zbv"))
     progs = [make_schedule("zbv", p, s, m, chunks=2) for s in range(p)]
     units = simulate(progs, 2, f, 1 - f, w, "v") - m
     assert zbv["bubble"] == pytest.approx(units / (m + units), rel=1e-3)

@@ -170,7 +170,10 @@ class Planner:
         redo = sum(a.ops for a in acts if a.checkpointed != a.plain)
         redo = redo if layout.activation_checkpointing else 0
         attn = _attention(acts, layout) if layout.cp > 1 else (0.0, 0.0)
-        work = StageWork(flops, recompute, calls, states, len(acts), again, ops, redo, *attn)
+        weight = sum(a.flops - a.attention_flops for a in acts) / tp
+        work = StageWork(
+            flops, recompute, calls, states, len(acts), again, ops, redo, *attn, weight
+        )
         acts_held, loss_held = k * (per_mb + loss), k * loss
         return StageView(stage, (lo, hi), states, acts_held, loss_held, transient, calls, work, k)
 

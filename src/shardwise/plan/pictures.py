@@ -11,12 +11,15 @@ them with matplotlib (imported there: the planner runs without it).
 
 The timeline is the step-time model laid out in time: the library's simulator runs the
 schedule's instruction lists (parallel/pipeline/simulate.py) with a micro-batch's forward,
-backward and weight shares (bubble.shares) in units of the slowest stage's micro-batch time
+backward and weight shares (timing.split_shares) in units of the slowest stage's micro-batch time
 t_mb, as timing.step_time charges it; each compute segment ends with its share of the
 on-path communication (tensor, pipeline, expert, context: t_mb - compute per micro-batch),
 and the step ends with the exposed data-parallel traffic and the optimizer update. The
 slowest stage (``slow``) ends at the record's ``step_time_s``; the gaps are the bubble (a stage
 with a larger update, the embedding's, may end a little later: the model charges the slowest's).
+With ranks sharing cores, the timeline is the run timing.shared_pipeline times
+(contention.py): each instruction's work at the speed the busy stages leave it, then its wait;
+the stage that ends last ends at the record's ``step_time_s``.
 """
 
 from __future__ import annotations
@@ -26,11 +29,21 @@ from typing import Any
 from shardwise.parallel.pipeline.instructions import Op
 from shardwise.parallel.pipeline.schedule import placement_of
 from shardwise.parallel.pipeline.simulate import timeline
-from shardwise.plan.bubble import chunks_of, run_order, shares
+from shardwise.plan.bubble import chunks_of, run_order
 from shardwise.plan.candidates import Layout
 from shardwise.plan.cluster import GIB
+from shardwise.plan.contention import contended
 from shardwise.plan.evaluate import Planner
-from shardwise.plan.timing import axis_time, compute_time, micro_batch_time, optimizer_time
+from shardwise.plan.timing import (
+    axis_time,
+    compute_time,
+    data_time,
+    end_time,
+    micro_batch_time,
+    optimizer_time,
+    split_shares,
+    stage_cost,
+)
 
 MEMORY_KINDS = ("params", "grads", "optimizer", "activations", "buffers")
 TIME_KINDS = ("compute", "exposed_comm", "bubble")
@@ -86,10 +99,12 @@ def timeline_data(planner: Planner, layout: Layout) -> dict[str, Any]:
     """One step of ``layout``, per stage: segments and the total (module docstring)."""
     views = [planner.stage_view(layout, s) for s in range(layout.pp)]
     cluster, precision = planner.cluster, planner.precision
+    if layout.pp > 1 and cluster.share() > 1:
+        return _shared_timeline(planner, layout, views)
     per_mb = [micro_batch_time(v.work, layout, cluster, precision) for v in views]
     slow = max(range(layout.pp), key=lambda i: per_mb[i])
     t_mb = per_mb[slow]
-    f, w = shares(views[slow].work.flops, views[slow].work.recompute_flops)
+    f, w = split_shares(views[slow].work, layout, cluster, precision)
     chunks, gas = chunks_of(layout.schedule), layout.grad_accum
     progs = [run_order(layout.schedule, layout.pp, s, gas, chunks) for s in range(layout.pp)]
     done: list = []
@@ -120,6 +135,38 @@ def timeline_data(planner: Planner, layout: Layout) -> dict[str, Any]:
         "micro_batch_s": t_mb,
         "slow": slow,
     }
+
+
+def _shared_timeline(planner: Planner, layout: Layout, views: list) -> dict[str, Any]:
+    """The timeline of ranks that share cores: contention.py's run of the schedule (each
+    instruction's work, then its wait), then the step's end calls, data traffic, update."""
+    cluster, precision = planner.cluster, planner.precision
+    costs = [stage_cost(v.work, layout, cluster, precision) for v in views]
+    done: list = []
+    run = contended(
+        layout.schedule,
+        layout.grad_accum,
+        costs,
+        layout.world // layout.pp,
+        cluster.cores,
+        cluster.procs_per_node,
+        done,
+    )
+    end, rows = run.makespan, []
+    for s, view in enumerate(views):
+        segs = []
+        for stage, a, cut, b, ins in done:
+            if stage == s:
+                segs += [(PASS.get(ins.op, "forward"), a, cut, ins.mb), ("comm", cut, b, ins.mb)]
+        calls = end + end_time(view.work, layout, cluster)
+        data = calls + (1.0 - cluster.overlap) * data_time(view.work, layout, cluster)
+        opt = data + optimizer_time(view.states, layout, cluster)
+        segs += [("comm", end, calls, -1), ("data comm", calls, data, -1)]
+        segs += [("optimizer", data, opt, -1)]
+        rows.append({"stage": s, "segments": [x for x in segs if x[2] > x[1]]})
+    last = max(range(layout.pp), key=lambda i: run.finish[i])
+    total = max(seg[2] for row in rows for seg in row["segments"])
+    return {"name": layout.name(), "rows": rows, "total_s": total, "slow": last}
 
 
 def draw_timeline(data: dict[str, Any], path: str) -> None:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from shardwise.plan.bubble import bubble_units, shares, split_share
 from shardwise.plan.candidates import Layout
 from shardwise.plan.cluster import Cluster
+from shardwise.plan.contention import StageCost, contended
 from shardwise.plan.memory import ModelStates
 from shardwise.plan.traffic import Call
 
@@ -44,6 +45,7 @@ class StageWork:
     recompute_ops: int = 0  # of the checkpointed layers
     attention_calls: float = 0.0  # context-split attention calls (a recomputed one: 1/3)
     attention_flops: float = 0.0  # their forward FLOPs against the local keys (x cp: all)
+    weight_flops: float = 0.0  # forward FLOPs of the weighted products (a weight gradient's)
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,7 @@ class StepTime:
 
 
 ON_PATH = ("tensor", "pipeline", "expert", "context")  # waited for inside a micro-batch
+CALL_WAIT = ("tensor", "expert", "data", "replicate", "hpz", "pipeline")
 
 
 def spans_nodes(axis: str, layout: Layout, procs_per_node: int) -> bool:
@@ -116,7 +119,7 @@ def axis_time(calls: list[Call], layout: Layout, cluster: Cluster, axis: str) ->
         if c.axis == axis and c.op != "recv":
             inter = spans_nodes(axis, layout, cluster.procs_per_node)
             total += c.count * cluster.collective_time(c.op, c.payload, c.n, inter)
-            if axis == "tensor":  # issued between kernels: what the isolated fit misses
+            if axis in CALL_WAIT and c.op != "send":  # a message's wait: its hop (contention)
                 total += c.count * cluster.tp_call_time(c.n)
     return total
 
@@ -135,6 +138,23 @@ def compute_time(work: StageWork, cluster: Cluster, precision: str, tp: int = 1)
         units = (work.ops + work.recompute_ops / 3) / cluster.layer_ops
     fixed = units * cluster.layer_cost_s()
     return (3 * work.flops + work.recompute_flops) / rate + fixed * cluster.share()
+
+
+def split_shares(
+    work: StageWork, layout: Layout, cluster: Cluster, precision: str
+) -> tuple[float, float]:
+    """(F, W) as shares of a micro-batch's F + B: F its forward's FLOP share (bubble.shares),
+    W what the weight gradients take of the micro-batch's time, their GEMMs (as many FLOPs
+    as the weighted products' forward) at the stage's rate; the rest of the backward (the
+    input gradients, the ops' fixed costs) is B's. On small shapes, where fixed costs rule,
+    W is well under the third the FLOPs say, and a zero-bubble schedule has less to fill
+    with."""
+    f, w = shares(work.flops, work.recompute_flops)
+    if not work.weight_flops:
+        return f, w
+    rate = cluster.tflops(precision) * 1e12 / cluster.tp_compute_factor(layout.tp)
+    total = compute_time(work, cluster, precision, layout.tp)
+    return f, min(w, round(work.weight_flops / rate / total, 3)) if total > 0 else w
 
 
 def split_time(work: StageWork, layout: Layout, cluster: Cluster) -> float:
@@ -187,18 +207,72 @@ def optimizer_time(states: ModelStates, layout: Layout, cluster: Cluster) -> flo
 def step_time(
     stages: list[StageWork], layout: Layout, cluster: Cluster, precision: str
 ) -> StepTime:
-    """The step of the slowest stage (module docstring)."""
+    """The step of the slowest stage (module docstring); a pipeline on ranks that share
+    cores: the schedule run against a common clock (``shared_pipeline``)."""
+    if layout.pp > 1 and cluster.share() > 1:
+        return shared_pipeline(stages, layout, cluster, precision)
     per_mb = [micro_batch_time(w, layout, cluster, precision) for w in stages]
     slow = max(range(len(stages)), key=lambda i: per_mb[i])
     w = stages[slow]
     gas = layout.grad_accum
     compute = gas * stage_compute(w, layout, cluster, precision)
     on_path = per_mb[slow] * gas - compute
-    data = axis_time(w.calls, layout, cluster, "data")
-    data += axis_time(w.calls, layout, cluster, "replicate")
-    data += axis_time(w.calls, layout, cluster, "hpz")
-    exposed = on_path + (1.0 - cluster.overlap) * data
+    exposed = on_path + (1.0 - cluster.overlap) * data_time(w, layout, cluster)
     compute += optimizer_time(w.states, layout, cluster)
-    f, wgt = shares(w.flops, w.recompute_flops)
+    f, wgt = split_shares(w, layout, cluster, precision)
     bubble = lent_bubble(layout, cluster, gas, f, wgt) * per_mb[slow]
+    return StepTime(compute, exposed, bubble)
+
+
+def data_time(w: StageWork, layout: Layout, cluster: Cluster) -> float:
+    """Seconds of the data-parallel calls of a step (reduction, ZeRO's gathers, hpZ's)."""
+    return sum(axis_time(w.calls, layout, cluster, a) for a in ("data", "replicate", "hpz"))
+
+
+def stage_cost(w: StageWork, layout: Layout, cluster: Cluster, precision: str) -> StageCost:
+    """A stage's micro-batch on a core of its own (contention.py): its compute and context
+    excess, which ``compute_time`` and ``cp_call_time`` charge x share, over share; its
+    on-path calls of a micro-batch, waited for; a message to the next stage: its send and
+    the wait of a call issued between kernels (``hop``). The calls of the step's end
+    (``end_time``) come after the schedule."""
+    work = stage_compute(w, layout, cluster, precision)
+    work = (work + context_excess(w, layout, cluster, precision)) / cluster.share()
+    during = [c for c in w.calls if not c.at_end]
+    path = sum(axis_time(during, layout, cluster, a) for a in ON_PATH)
+    sends = [c for c in during if c.axis == "pipeline" and c.op == "send"]
+    hop = 0.0
+    if sends:
+        big = max(sends, key=lambda c: c.payload)
+        inter = spans_nodes("pipeline", layout, cluster.procs_per_node)
+        hop = cluster.collective_time("send", big.payload, 2, inter) + cluster.tp_call_time(2)
+        path -= axis_time(sends, layout, cluster, "pipeline")
+    f, wgt = split_shares(w, layout, cluster, precision)
+    wait = max(path, 0.0) / layout.grad_accum
+    return StageCost(f * work, (1.0 - f) * work, wgt * work, wait, hop)
+
+
+def end_time(w: StageWork, layout: Layout, cluster: Cluster) -> float:
+    """The on-path calls of a step's end (the loss, the gradient norm, tied weights)."""
+    last = [c for c in w.calls if c.at_end]
+    return sum(axis_time(last, layout, cluster, a) for a in ON_PATH)
+
+
+def shared_pipeline(
+    stages: list[StageWork], layout: Layout, cluster: Cluster, precision: str
+) -> StepTime:
+    """A pipeline's step when its ranks share cores: the schedule run in time with each
+    stage's own costs (contention.py); the stage that ends last is the step's: its time
+    computing, its waits, its idle time (the bubble), then the calls of the step's end,
+    the data-parallel traffic and the update."""
+    costs = [stage_cost(w, layout, cluster, precision) for w in stages]
+    ranks = layout.world // layout.pp
+    run = contended(
+        layout.schedule, layout.grad_accum, costs, ranks, cluster.cores, cluster.procs_per_node
+    )
+    last = max(range(len(stages)), key=lambda i: run.finish[i])
+    w = stages[last]
+    exposed = run.waited[last] + end_time(w, layout, cluster)
+    exposed += (1.0 - cluster.overlap) * data_time(w, layout, cluster)
+    compute = run.busy[last] + optimizer_time(w.states, layout, cluster)
+    bubble = max(run.makespan - run.busy[last] - run.waited[last], 0.0)
     return StepTime(compute, exposed, bubble)

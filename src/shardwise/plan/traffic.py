@@ -64,6 +64,7 @@ class Call:
     payload: int  # bytes, as comm.py counts the op's payload
     n: int  # group size
     count: int = 1  # calls per step
+    at_end: bool = False  # issued once the schedule's micro-batches are done (its update)
 
     @property
     def sent_each(self) -> int:
@@ -299,10 +300,10 @@ def tied_calls(
             n = 1
             for d in p.local_shape(layout.tp):
                 n *= d
-            calls.append(Call("all_reduce", "pipeline", (4 if plain else c) * n, holders))
+            calls.append(Call("all_reduce", "pipeline", (4 if plain else c) * n, holders, 1, True))
             continue
         lay = buckets([p], layout.tp, layout.shard, opts.bucket_elements, {0})[0]
-        calls.append(Call("all_reduce", "pipeline", c * lay.shard_numel, holders))
+        calls.append(Call("all_reduce", "pipeline", c * lay.shard_numel, holders, 1, True))
     return calls
 
 
@@ -315,13 +316,13 @@ def scalar_calls(
     calls = []
     last = stage == layout.pp - 1
     if dp > 1 and last:
-        calls.append(Call("all_reduce", "data", 4, dp))
+        calls.append(Call("all_reduce", "data", 4, dp, 1, True))
     if layout.pp > 1:
-        calls.append(Call("broadcast", "pipeline", 4, layout.pp))
+        calls.append(Call("broadcast", "pipeline", 4, layout.pp, 1, True))
     if norm and layout.zero_stage >= 1 and layout.shard > 1:  # ZeRO: each rank a shard's part
-        calls.append(Call("all_reduce", "data", 4, layout.shard))  # MiCS: its shard group
+        calls.append(Call("all_reduce", "data", 4, layout.shard, 1, True))  # MiCS: its shard group
     elif norm and dp > 1 and experts_apart:  # some experts on part of the data group
-        calls.append(Call("all_reduce", "data", 4, dp))
+        calls.append(Call("all_reduce", "data", 4, dp, 1, True))
     if norm and mp > 1:
-        calls.append(Call("all_reduce", "pipeline" if layout.pp > 1 else "tensor", 4, mp))
+        calls.append(Call("all_reduce", "pipeline" if layout.pp > 1 else "tensor", 4, mp, 1, True))
     return calls

@@ -52,7 +52,7 @@ def _costs(
     }
 
 
-def _messages(
+def messages(
     stages: int, chunks: int, s: int, ins: Instruction, placement: str
 ) -> tuple[list[Instruction], list[Instruction]]:
     """(receives before, sends after) the compute of ``ins``."""
@@ -95,7 +95,7 @@ def timeline(
     makespan max(finish) - busy. ``record``, when given, receives one
     ``(stage, start, end, instruction)`` per compute instruction (a picture of the run)."""
     stages = len(programs)
-    links: dict[tuple, list[tuple[int, int, float]]] = {}  # (kind, src, dst, dst chunk) -> queue
+    links = Links(stages, chunks, placement)
     cost = _costs(chunks, t_forward, t_backward, t_weight, t_overlap)
     pc, clock, busy = [0] * stages, [0.0] * stages, [0.0] * stages
     while any(pc[s] < len(programs[s]) for s in range(stages)):
@@ -103,29 +103,70 @@ def timeline(
         for s in range(stages):
             while pc[s] < len(programs[s]):
                 ins = programs[s][pc[s]]
-                recvs, sends = _messages(stages, chunks, s, ins, placement)
-                if not all(_arrived(links, stages, chunks, s, r, placement) for r in recvs):
+                recvs, sends = messages(stages, chunks, s, ins, placement)
+                if not all(links.arrived(s, r) for r in recvs):
                     break
                 for r in recvs:
-                    _receive(links, stages, chunks, s, r, clock, placement)
+                    clock[s] = max(clock[s], links.take(s, r))
                 took = cost.get(ins.op, 0.0)
                 if record is not None and took:
                     record.append((s, clock[s], clock[s] + took, ins))
                 clock[s] += took
                 busy[s] += took
                 for x in sends:
-                    dst, dst_chunk = _peer(stages, chunks, s, x, placement)
-                    queue = links.setdefault((x.op, s, dst, dst_chunk), [])
-                    queue.append((x.mb, x.chunk, clock[s]))
+                    links.post(s, x, clock[s])
                 pc[s] += 1
                 moved = True
         if not moved:
             stuck = {s: programs[s][pc[s]] for s in range(stages) if pc[s] < len(programs[s])}
             raise ScheduleError(f"deadlock: stages wait forever at {stuck}")
-    left = {k: v for k, v in links.items() if v}
-    if left:
-        raise ScheduleError(f"messages sent but never received: {left}")
+    links.check_empty()
     return clock, busy
+
+
+class Links:
+    """The messages in flight between stages: each send queued on its link with the time it
+    was sent, each receive taking the oldest (the runtime's order: a mismatch is an error)."""
+
+    def __init__(self, stages: int, chunks: int, placement: str) -> None:
+        self.stages, self.chunks, self.placement = stages, chunks, placement
+        self.queues: dict[tuple, list[tuple[int, int, float]]] = {}  # (kind, src, dst, chunk)
+
+    def post(self, s: int, ins: Instruction, at: float) -> None:
+        """Stage ``s`` sends ``ins`` (a SEND_*) at time ``at``."""
+        dst, dst_chunk = _peer(self.stages, self.chunks, s, ins, self.placement)
+        self.queues.setdefault((ins.op, s, dst, dst_chunk), []).append((ins.mb, ins.chunk, at))
+
+    def _queue(self, s: int, ins: Instruction) -> list:
+        src, _ = _peer(self.stages, self.chunks, s, ins, self.placement)
+        kind = Op.SEND_ACT if ins.op is Op.RECV_ACT else Op.SEND_GRAD
+        return self.queues.get((kind, src, s, ins.chunk), [])
+
+    def arrived(self, s: int, ins: Instruction, by: float = float("inf")) -> bool:
+        """Was the message the receive ``ins`` of stage ``s`` waits for sent (there by ``by``)?"""
+        queue = self._queue(s, ins)
+        return bool(queue) and queue[0][2] <= by
+
+    def next_after(self, now: float) -> float | None:
+        """The earliest time after ``now`` a message in flight is there (None: none is)."""
+        later = [q[0][2] for q in self.queues.values() if q and q[0][2] > now]
+        return min(later, default=None)
+
+    def take(self, s: int, ins: Instruction) -> float:
+        """Take the message ``ins`` waits for (``arrived``); the time it was sent."""
+        src, src_chunk = _peer(self.stages, self.chunks, s, ins, self.placement)
+        mb, chunk, sent_at = self._queue(s, ins).pop(0)
+        if (mb, chunk) != (ins.mb, src_chunk):
+            raise ScheduleError(
+                f"stage {s} {ins!r} received micro-batch {mb} (chunk {chunk}) from stage "
+                f"{src}: sends and receives are not in the same order"
+            )
+        return sent_at
+
+    def check_empty(self) -> None:
+        left = {k: v for k, v in self.queues.items() if v}
+        if left:
+            raise ScheduleError(f"messages sent but never received: {left}")
 
 
 def _peer(stages: int, chunks: int, s: int, ins: Instruction, placement: str) -> tuple[int, int]:
@@ -136,36 +177,3 @@ def _peer(stages: int, chunks: int, s: int, ins: Instruction, placement: str) ->
     if not 0 <= other < stages * chunks:
         raise ScheduleError(f"stage {s}: {ins!r} has no peer (virtual stage {other})")
     return stage_and_chunk(stages, other, placement)
-
-
-def _queue(links: dict, stages: int, chunks: int, s: int, ins: Instruction, placement: str) -> list:
-    """The messages sent to the receive ``ins`` and not yet taken, oldest first."""
-    src, _ = _peer(stages, chunks, s, ins, placement)
-    kind = Op.SEND_ACT if ins.op is Op.RECV_ACT else Op.SEND_GRAD
-    return links.get((kind, src, s, ins.chunk), [])
-
-
-def _arrived(
-    links: dict, stages: int, chunks: int, s: int, ins: Instruction, placement: str
-) -> bool:
-    return bool(_queue(links, stages, chunks, s, ins, placement))
-
-
-def _receive(
-    links: dict,
-    stages: int,
-    chunks: int,
-    s: int,
-    ins: Instruction,
-    clock: list[float],
-    placement: str,
-) -> None:
-    """Take the message ``ins`` waits for (it was sent: ``_arrived``)."""
-    src, src_chunk = _peer(stages, chunks, s, ins, placement)
-    mb, chunk, sent_at = _queue(links, stages, chunks, s, ins, placement).pop(0)
-    if (mb, chunk) != (ins.mb, src_chunk):
-        raise ScheduleError(
-            f"stage {s} {ins!r} received micro-batch {mb} (chunk {chunk}) from stage {src}: "
-            "sends and receives are not in the same order"
-        )
-    clock[s] = max(clock[s], sent_at)
