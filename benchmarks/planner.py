@@ -37,7 +37,7 @@ sys.path.insert(0, str(HERE))  # common.py
 sys.path.insert(0, str(HERE.parent / "examples" / "gpt"))  # the example's model.py
 
 import torch  # noqa: E402
-from common import format_table  # noqa: E402
+from common import format_table, wait_quiet  # noqa: E402
 
 from shardwise.plan import Cluster, Layout, Planner, calibrate, candidates, read_model  # noqa: E402
 from shardwise.plan.candidates import to_config  # noqa: E402
@@ -111,31 +111,6 @@ def train(rank: int, layout: Layout, warmup: int, steps: int, moe: bool) -> list
         engine.train_batch(iter(batches))
         times.append(time.perf_counter() - start)
     return times[warmup:]
-
-
-def busy_share(seconds: float = 2.0) -> float:
-    """The machine's busy share of CPU time over ``seconds`` (/proc/stat; 0 where absent)."""
-
-    def sample() -> tuple[int, int]:
-        with open("/proc/stat") as f:
-            ticks = [int(v) for v in f.readline().split()[1:]]
-        return sum(ticks), ticks[3] + ticks[4]  # total, idle + iowait
-
-    if not os.path.exists("/proc/stat"):
-        return 0.0
-    (t0, i0), _ = sample(), time.sleep(seconds)
-    t1, i1 = sample()
-    return 1.0 - (i1 - i0) / max(t1 - t0, 1)
-
-
-def wait_quiet(limit_s: float) -> float:
-    """Wait (up to ``limit_s``) until other jobs leave the cores idle: a step timed while the
-    machine is shared measures the other jobs. Returns the last busy share seen."""
-    deadline = time.monotonic() + limit_s
-    busy = busy_share()
-    while busy > 0.15 and time.monotonic() < deadline:
-        busy = busy_share()
-    return busy
 
 
 def measure(
@@ -299,13 +274,7 @@ def report(rows: list[dict], tops: dict[tuple[int, str], Layout]) -> str:
     lines.append(f"\nmean error {statistics.mean(errors):.1%}, largest {max(errors):.1%}, "
                  f"{sum(e <= 0.15 for e in errors)} of {len(errors)} within 15%, "
                  f"{sum(e <= 0.25 for e in errors)} within 25%")  # fmt: skip
-    for (world, form), top in sorted(tops.items()):
-        mine = [r for r in rows if r["layout"].world == world and r["form"] == form]
-        if not mine:
-            continue
-        fastest = min(mine, key=lambda r: r["measured"])
-        got = next((r["measured"] for r in mine if r["layout"] == top), None)
-        what = f"{world} processes, {form} ({len(mine)} layouts run)"
+    for what, top, got, fastest in top_choices(rows, tops):
         if got is None:  # --measured: the changed model ranks a layout first that never ran
             lines.append(f"{what}: top choice {name(top)} was not measured")
             continue
@@ -313,6 +282,34 @@ def report(rows: list[dict], tops: dict[tuple[int, str], Layout]) -> str:
         lines.append(f"{what}: top choice {name(top)} measured {got:.3f} s, fastest "
                      f"{name(fastest['layout'])} {fastest['measured']:.3f} s: within 10%: {ok}")  # fmt: skip
     return "\n".join(lines)
+
+
+def top_choices(rows: list[dict], tops: dict) -> list[tuple[str, Layout, float | None, dict]]:
+    """Per world and model form run: (what, the top choice, its measured seconds or None,
+    the fastest measured row)."""
+    out = []
+    for (world, form), top in sorted(tops.items()):
+        mine = [r for r in rows if r["layout"].world == world and r["form"] == form]
+        if mine:
+            got = next((r["measured"] for r in mine if r["layout"] == top), None)
+            what = f"{world} processes, {form} ({len(mine)} layouts run)"
+            out.append((what, top, got, min(mine, key=lambda r: r["measured"])))
+    return out
+
+
+def repredict(saved: dict, variants: set[str]) -> tuple[list[dict], dict]:
+    """``--measured``: every stored run predicted again with the run's calibration, and each
+    world's top choice among all its feasible layouts (rows, tops)."""
+    rows, tops = [], {}
+    for world in sorted({r["layout"].world for r in saved["runs"]}):
+        for form in ("dense", "moe"):
+            got = {r["layout"]: r["seconds"] for r in saved["runs"]
+                   if r["layout"].world == world and r.get("form", "dense") == form}  # fmt: skip
+            if got:
+                forms = planners(saved["calibration"], world, form)
+                tops[world, form] = as_layout(feasible(forms, world, "cp" in variants)[0])
+                rows += rows_for(forms, form, got)
+    return rows, tops
 
 
 def main() -> None:
@@ -355,28 +352,24 @@ def main() -> None:
               f"load average {m['load_average'][0]:.1f}", flush=True)  # fmt: skip
     worlds = [int(n) for n in args.procs.split(",")]
     variants = set(filter(None, args.variants.split(",")))
-    rows, tops, runs = [], {}, []
+    rows, tops, runs = repredict(saved, variants) + ([],) if saved is not None else ([], {}, [])
     for world, form in [(w, f) for w in worlds for f in ("dense", "moe")]:
-        if form == "moe" and "moe" not in variants:
+        if saved is not None or (form == "moe" and "moe" not in variants):
             continue
         forms = planners(data, world, form)
         recs = feasible(forms, world, "cp" in variants)
         top = tops[world, form] = as_layout(recs[0])
-        if saved is not None:
-            got = {r["layout"]: r["seconds"] for r in saved["runs"]
-                   if r["layout"].world == world and r.get("form", "dense") == form}  # fmt: skip
-        else:
-            mine = [lay for lay in LAYOUTS if lay.world == world and form == "dense"]
-            mine += [lay for lay in [top, *(sweep(recs) if args.sweep or form == "moe" else [])]
-                     if lay not in mine]  # fmt: skip
-            load = os.getloadavg()[0]
-            print(f"{world} processes, {form}, {len(mine)} layouts (load {load:.1f}):", flush=True)
-            got = {lay: t for (_, lay), t in measure_all([(form, x) for x in mine], args).items()}
-            runs += [
-                {"form": form, "layout": lay.as_dict(), "seconds": t,
-                 "load_average": [load, os.getloadavg()[0]]}
-                for lay, t in got.items()
-            ]  # fmt: skip
+        mine = [lay for lay in LAYOUTS if lay.world == world and form == "dense"]
+        mine += [lay for lay in [top, *(sweep(recs) if args.sweep or form == "moe" else [])]
+                 if lay not in mine]  # fmt: skip
+        load = os.getloadavg()[0]
+        print(f"{world} processes, {form}, {len(mine)} layouts (load {load:.1f}):", flush=True)
+        got = {lay: t for (_, lay), t in measure_all([(form, x) for x in mine], args).items()}
+        runs += [
+            {"form": form, "layout": lay.as_dict(), "seconds": t,
+             "load_average": [load, os.getloadavg()[0]]}
+            for lay, t in got.items()
+        ]  # fmt: skip
         rows += rows_for(forms, form, got)
     if args.save_measured and saved is None:
         save_measured(args.save_measured, data, runs, args)

@@ -90,3 +90,13 @@ def test_the_record_is_the_run():
             f"stage {s}: overlap"
         )
         assert mine[-1][2] == pytest.approx(run.finish[s]), f"stage {s}: finish"
+
+
+@pytest.mark.parametrize("m", [1, 8])
+def test_stages_on_other_nodes_lend_nothing(m):
+    """2 stages of 4 ranks, a node of 4 ranks and 2 cores each: every stage runs at half
+    speed whenever it works, the other stage's idle cores being on another node: twice the
+    schedule's time with a device each."""
+    run = contended("1f1b", m, [UNIFORM] * 2, ranks=4, cores=2, procs_per_node=4)
+    alone = contended("1f1b", m, [UNIFORM] * 2, ranks=4, cores=0, procs_per_node=4)
+    assert run.makespan == pytest.approx(2 * alone.makespan, rel=1e-9), f"m {m}"

@@ -155,7 +155,7 @@ def summarize(worlds: dict[int, list[dict]], sizes: Sequence[int]) -> dict[str, 
             us, tp_compute[str(n)], errors.setdefault("tp_block", {})[str(n)] = tp_call_fit(
                 ranks, n, layer, collectives["all_reduce"][str(n)]
             )
-            # Per core: what a call costs a step whatever the sharing (Cluster.tp_call_time).
+            # Per core: what a call costs a step whatever the sharing (Cluster.call_wait).
             tp[str(n)] = us / max(1.0, n / cores())
     block = (statistics.median(eff), statistics.median(overhead))
     preset = _preset(compute, collectives, block, statistics.median(opt))

@@ -117,13 +117,14 @@ class Cluster:
         gbps = self.inter_gbps if inter else self.intra_gbps
         return steps * self.latency_us * 1e-6 + ring * payload / (gbps * 1e9)
 
-    def tp_call_time(self, n: int) -> float:
-        """Seconds a tensor-parallel collective of ``n`` ranks costs beyond its ring fit (the
-        fit of the nearest calibrated group size). Not multiplied by the share of ranks on a
-        core: calibrated with every rank busy and stored per core (÷ n / cores), the wait is
-        paid once per call; a rank waiting on its peer hands its core to another (idle sweep
-        of session 41: x share put 4-rank TP layouts on 2 cores 24-41% too slow, per core
-        within 4%)."""
+    def call_wait(self, n: int) -> float:
+        """Seconds a blocking collective of ``n`` ranks issued between kernels costs beyond
+        its ring fit: the calibrated wait of a tensor-parallel call (the nearest calibrated
+        group size), charged on every kind (timing.CALL_WAIT). Not multiplied by the share
+        of ranks on a core: calibrated with every rank busy and stored per core (÷ n /
+        cores), the wait is paid once per call; a rank waiting on its peer hands its core
+        to another (idle sweep of session 41: x share put 4-rank TP layouts on 2 cores
+        24-41% too slow, per core within 4%)."""
         if n <= 1 or not self.tp_call_us:
             return 0.0
         by_n = {int(k): v for k, v in self.tp_call_us.items()}
@@ -140,7 +141,7 @@ class Cluster:
     def cp_call_time(self, method: str, n: int) -> tuple[float, float]:
         """(seconds, arithmetic excess) a context-parallel attention call of ``method`` on
         ``n`` ranks costs beyond its messages and 1/rate arithmetic, forward + backward (the
-        nearest calibrated group size; (0, 0) uncalibrated). Unlike ``tp_call_time``'s
+        nearest calibrated group size; (0, 0) uncalibrated). Unlike ``call_wait``'s
         waits, this is mostly work (the ring's merges and copies, the per-block kernels'
         fixed costs), which ranks sharing a core do in turns: x share (idle table of
         session 40 re-predicted: 4-rank CP layouts on 2 cores 20-32% too fast per core,

@@ -79,7 +79,8 @@ class Doing:
 
 
 def node_of(stages: int, ranks: int, procs_per_node: int) -> list[int]:
-    """The node of each stage (pipeline outermost: a stage's ``ranks`` are consecutive)."""
+    """The node of each stage (pipeline outermost: a stage's ``ranks`` are consecutive; a
+    stage wider than a node is a node of its own)."""
     per_node = max(1, procs_per_node // max(ranks, 1))
     return [s // per_node for s in range(stages)]
 
@@ -109,7 +110,7 @@ def contended(
         waiting = [s for s, d in enumerate(sim.doing) if d is not None and d.until >= 0]
         if not working and not waiting and arriving is None:
             break
-        rate = _rates(working, node, ranks, cores)
+        rate = _rates(working, node, min(ranks, procs_per_node), cores)
         ends = [sim.doing[s].work / rate[s] for s in working]
         ends += [sim.doing[s].until - sim.now for s in waiting]
         ends += [arriving - sim.now] if arriving is not None else []
@@ -179,8 +180,6 @@ class _Sim:
             self.pc[s] += 1
         else:
             self.doing[s] = Doing(ins, work, wait, self.now)
-            if work <= EPS:
-                self.doing[s].until = self.now + wait
         return True
 
     def finish(self, s: int, run: Run, record: list | None) -> None:

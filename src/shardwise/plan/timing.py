@@ -7,16 +7,20 @@ parallelism's blocks). The step is (PTD-P eq. 1)
 
     gas x t_mb  +  bubble x t_mb             (the slowest stage's t_mb; the bubble: p - 1
                                               for 1F1B, less for the zero-bubble schedules,
-                                              bubble.py)
+                                              bubble.py, with W the weight gradients' time)
     + (1 - overlap) x data-parallel traffic  (buckets reduced while backward runs)
     + the optimizer update                   (model-state bytes through memory; offloaded:
                                               through the host link and the host's optimizer)
 
 Compute runs at the cluster's sustained TFLOP/s (cluster.tflops), plus a fixed cost per
 layer and pass (``layer_overhead_us``, calibrated: what small shapes on a CPU spend outside
-arithmetic); each collective costs its
-latency plus its ring bytes over the bandwidth of its group (inside a node, or across nodes
-when the group spans them).
+arithmetic); each collective costs its latency plus its ring bytes over the bandwidth of its
+group (inside a node, or across nodes when the group spans them), and a blocking one the
+calibrated wait of a call issued between kernels (``CALL_WAIT``, cluster.call_wait).
+
+A pipeline whose ranks share cores (a CPU machine with fewer cores than ranks) is its
+schedule run against one clock instead (``shared_pipeline``, contention.py): which stages
+compute at the same moment decides how fast each does.
 """
 
 from __future__ import annotations
@@ -88,30 +92,6 @@ def by_link(calls: list[Call], layout: Layout, procs_per_node: int) -> dict[str,
     return out
 
 
-def out_of_phase(layout: Layout, cluster: Cluster) -> float:
-    """The part of a shared core's slowdown that a pipeline's bubble pays: with more ranks
-    than cores (share s > 1), a rank waiting in the bubble leaves its core to a rank of
-    another stage, which is busy then (stages are out of
-    phase), and during fill and drain only 1/pp of the ranks compute, at s / pp sharing
-    (at least 1). So those waits cost max(1, s / pp) / s of the shared time; 1 without a
-    pipeline (data-parallel replicas wait at the same moments) or with a core per rank."""
-    s = cluster.share()
-    return max(1.0, s / layout.pp) / s
-
-
-def lent_bubble(layout: Layout, cluster: Cluster, gas: int, f: float, wgt: float) -> float:
-    """The bubble a step pays, in micro-batch times: the schedule's (bubble.py) x
-    ``out_of_phase``. With more ranks than cores, a schedule that fills its bubble with its
-    own deferred work (zero-bubble, V, interleaved) pays at least 1F1B's: the core that
-    1F1B's idle rank lent to another stage was busy anyway, so filling the idle time from
-    within saves nothing (idle table, 4 ranks on 2 cores: ZB-H1, ZBV and interleaved ran
-    slower than 1F1B while predicted 19-33% faster)."""
-    units = bubble_units(layout.schedule, layout.pp, gas, f, wgt)
-    if cluster.share() > 1:
-        units = max(units, bubble_units("1f1b", layout.pp, gas, f, wgt))
-    return units * out_of_phase(layout, cluster)
-
-
 def axis_time(calls: list[Call], layout: Layout, cluster: Cluster, axis: str) -> float:
     """Seconds of the calls of ``axis`` in one step."""
     total = 0.0
@@ -120,7 +100,7 @@ def axis_time(calls: list[Call], layout: Layout, cluster: Cluster, axis: str) ->
             inter = spans_nodes(axis, layout, cluster.procs_per_node)
             total += c.count * cluster.collective_time(c.op, c.payload, c.n, inter)
             if axis in CALL_WAIT and c.op != "send":  # a message's wait: its hop (contention)
-                total += c.count * cluster.tp_call_time(c.n)
+                total += c.count * cluster.call_wait(c.n)
     return total
 
 
@@ -220,7 +200,7 @@ def step_time(
     exposed = on_path + (1.0 - cluster.overlap) * data_time(w, layout, cluster)
     compute += optimizer_time(w.states, layout, cluster)
     f, wgt = split_shares(w, layout, cluster, precision)
-    bubble = lent_bubble(layout, cluster, gas, f, wgt) * per_mb[slow]
+    bubble = bubble_units(layout.schedule, layout.pp, gas, f, wgt) * per_mb[slow]
     return StepTime(compute, exposed, bubble)
 
 
@@ -244,7 +224,7 @@ def stage_cost(w: StageWork, layout: Layout, cluster: Cluster, precision: str) -
     if sends:
         big = max(sends, key=lambda c: c.payload)
         inter = spans_nodes("pipeline", layout, cluster.procs_per_node)
-        hop = cluster.collective_time("send", big.payload, 2, inter) + cluster.tp_call_time(2)
+        hop = cluster.collective_time("send", big.payload, 2, inter) + cluster.call_wait(2)
         path -= axis_time(sends, layout, cluster, "pipeline")
     f, wgt = split_shares(w, layout, cluster, precision)
     wait = max(path, 0.0) / layout.grad_accum
