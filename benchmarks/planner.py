@@ -352,7 +352,11 @@ def main() -> None:
               f"load average {m['load_average'][0]:.1f}", flush=True)  # fmt: skip
     worlds = [int(n) for n in args.procs.split(",")]
     variants = set(filter(None, args.variants.split(",")))
-    rows, tops, runs = repredict(saved, variants) + ([],) if saved is not None else ([], {}, [])
+    rows, tops, runs = (
+        repredict({**saved, "calibration": data}, variants) + ([],)
+        if saved is not None
+        else ([], {}, [])
+    )
     for world, form in [(w, f) for w in worlds for f in ("dense", "moe")]:
         if saved is not None or (form == "moe" and "moe" not in variants):
             continue

@@ -185,9 +185,12 @@ def time_op(op: str, size: int, repeats: int) -> float:
 
 
 def tp_blocks(gemm: tuple[int, int]) -> tuple[tuple[int, int], ...]:
-    """(tokens, hidden) of the split blocks timed: the GEMM size, and a quarter of its tokens
-    at half its width (the shapes of small micro-batches)."""
-    return gemm, (max(gemm[0] // 4, 8), max(gemm[1] // 2, 16))
+    """(tokens, hidden) of the split blocks timed: the GEMM size, and a half and a quarter
+    of its tokens at half its width (the shapes of small micro-batches). Three sizes for
+    the two terms fitted (calibrate.fit_excess): with two, one slow call of the median
+    set the per-call wait alone (two calibrations an hour apart gave 1.9 and 0.9 ms)."""
+    half = max(gemm[1] // 2, 16)
+    return gemm, (max(gemm[0] // 2, 8), half), (max(gemm[0] // 4, 8), half)
 
 
 def tp_block_times(gemm: tuple[int, int], repeats: int = 5) -> dict[str, float]:
