@@ -18,6 +18,7 @@ from shardwise.plan.timing import (
     compute_time,
     data_time,
     end_time,
+    micro_batch_time,
     optimizer_time,
     stage_cost,
     step_time,
@@ -345,3 +346,33 @@ def test_a_layer_costs_its_ops_in_calibration_blocks(ops, recompute_ops, units):
     work = StageWork(0.0, 0.0, [], None, 3, 1 if recompute_ops else 0, ops, recompute_ops)
     case = f"{ops} ops, {recompute_ops} recomputed"
     assert compute_time(work, machine, "bf16") == pytest.approx(units * 1e-3, rel=1e-9), case
+
+
+def test_the_split_backward_s_cost_grows_with_its_linears():
+    """Timed at two sizes, the split's cost is fitted as a fixed part per block and a part
+    per weighted FLOP (300 us + FLOPs / 1e9), and a zero-bubble pipeline pays both per
+    layer and split backward: layers x 300 us + the stage's weighted FLOPs / 1e9."""
+    pts = [
+        (24.0 * 64, 300e-6 + 24.0 * 64 / 1e9),
+        (24.0 * 512 * 128**2, 300e-6 + 24.0 * 512 * 128**2 / 1e9),
+    ]
+    fit = calibrate.split_fit([pts, pts])
+    assert fit["split_overhead_us"] == pytest.approx(300.0, rel=1e-6), fit
+    assert fit["split_flops_rate"] == pytest.approx(1e9, rel=1e-6), fit
+    assert calibrate.split_fit([4e-4, 4e-4]) == {"split_overhead_us": pytest.approx(400.0)}
+    model = read_model(build(SMALL))
+    lay = Layout(1, 1, 2, 0, 1, 4, schedule="zb-h1")
+    base = Cluster("m", procs_per_node=2, cores=2, latency_us=0.0)
+    taxed = Cluster("m", procs_per_node=2, cores=2, latency_us=0.0, **fit)
+    works = {
+        n: [Planner(model, m, 8, 8, "fp32").stage_view(lay, s).work for s in range(2)]
+        for n, m in (("base", base), ("taxed", taxed))
+    }
+    t = {
+        n: step_time(w, lay, m, "fp32")
+        for (n, w), m in zip(works.items(), (base, taxed), strict=True)
+    }
+    w = max(works["taxed"], key=lambda x: micro_batch_time(x, lay, taxed, "fp32"))  # charged
+    want = 4 * (w.layers * 300e-6 + w.weight_flops / 1e9)
+    assert w.weight_flops > 0, "the stage's linears counted"
+    assert t["taxed"].compute - t["base"].compute == pytest.approx(want, rel=1e-6)

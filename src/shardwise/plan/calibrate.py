@@ -64,6 +64,7 @@ from shardwise.spawn import spawn
 SIZES = (1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 22)  # payload bytes, 1 KiB .. 4 MiB
 REPEATS = 7
 TINY_BLOCK = (8, 8)  # (tokens, hidden): a block whose time is all fixed costs
+SPLIT_BLOCKS = (TINY_BLOCK, (512, 128))  # the split backward's cost: fixed, and per FLOP
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -99,7 +100,8 @@ def _rank_work(rank: int, sizes: Sequence[int], repeats: int, gemm: tuple[int, i
     dist.barrier()
     out["optimizer"] = optimizer_rate()
     dist.barrier()
-    out["split"] = split_excess(TINY_BLOCK, 2 * repeats)
+    # (a block's forward weighted-product FLOPs, 24 tokens h^2; what splitting it cost)
+    out["split"] = [(24.0 * t * h * h, split_excess((t, h), 2 * repeats)) for t, h in SPLIT_BLOCKS]
     for op in OPS if n > 1 else ():
         out["collectives"][op] = [time_op(op, size, repeats) for size in sizes]
     # Fits of a difference of two medians: more calls than a collective's best of few.
@@ -164,11 +166,24 @@ def summarize(worlds: dict[int, list[dict]], sizes: Sequence[int]) -> dict[str, 
     extra = {"layer_overheads_us": overheads, "tp_call_us": tp, "tp_compute": tp_compute}
     extra |= cp_fits(worlds, compute["fp32"], collectives, errors)
     extra["layer_ops"] = float(block_ops(TINY_BLOCK))  # the fixed cost's block, its ops
-    # The split backward's fixed cost, with a core each (the smallest world), per block.
-    extra["split_overhead_us"] = (
-        statistics.median(r.get("split", 0.0) for r in worlds[min(worlds)]) * 1e6
-    )
+    extra |= split_fit([r.get("split", 0.0) for r in worlds[min(worlds)]])
     return {**preset, **extra, "fit_errors": errors}
+
+
+def split_fit(per_rank: list) -> dict[str, float]:
+    """The split backward's cost with a core each (the smallest world's ranks, median):
+    ``split_overhead_us`` per block and, timed at two sizes, ``split_flops_rate``: the cost
+    grows by the block's weighted-product FLOPs / that rate (on the tiny block 0.3 ms; at 512
+    tokens x 128, the example GPT's micro-batch of 4, 0.66 ms: the routed linears' saved
+    inputs and the separate weight GEMMs cost with their size). A single time per rank (an
+    older calibration's form) is the per-block cost alone."""
+    if not per_rank or not isinstance(per_rank[0], list | tuple):
+        return {"split_overhead_us": statistics.median(per_rank or [0.0]) * 1e6}
+    fits = [fit_line([x for x, _ in r], [t for _, t in r]) for r in per_rank]
+    return {
+        "split_overhead_us": statistics.median(a for a, _ in fits) * 1e6,
+        "split_flops_rate": statistics.median(rate for _, rate in fits),
+    }
 
 
 def describe_errors(data: dict[str, Any]) -> str:

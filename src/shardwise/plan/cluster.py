@@ -61,6 +61,7 @@ class Cluster:
     # Calibrated: what running a block's backward as B and W (the zero-bubble schedules)
     # adds to its forward + backward, per calibration block's worth of ops (timing.py).
     split_overhead_us: float = 0.0
+    split_flops_rate: float = 0.0  # calibrated: the same grows by weighted FLOPs / this
     fit_errors: dict = field(default_factory=dict)
     estimated: tuple[str, ...] = ()  # fields not measured (SOURCES says why each is what it is)
 

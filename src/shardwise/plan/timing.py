@@ -142,12 +142,15 @@ def split_time(work: StageWork, layout: Layout, cluster: Cluster) -> float:
     split_linear.py) costs beyond the fused one: the calibrated ``split_overhead_us`` per
     layer (the calibration block has a GPT block's four linears; the cost goes with the
     linears routed and their deferred weight work, not with all of a layer's ops: scaled by
-    ops, an MoE layer's 378 were charged 1.5-2x what its pipelines took), x the share of the
+    ops, an MoE layer's 378 were charged 1.5-2x what its pipelines took) and, calibrated at
+    two sizes, the layers' weighted-product FLOPs / ``split_flops_rate``; x the share of the
     schedule's backwards that split, x share (it is work, done in turns)."""
-    if not cluster.split_overhead_us or layout.pp == 1:
+    fixed, rate = cluster.split_overhead_us * 1e-6, cluster.split_flops_rate
+    if not (fixed or rate) or layout.pp == 1:
         return 0.0
     part = split_share(layout.schedule, layout.pp, layout.grad_accum)
-    return part * work.layers * cluster.split_overhead_us * 1e-6 * cluster.share()
+    grows = work.weight_flops / rate if rate else 0.0
+    return part * (work.layers * fixed + grows) * cluster.share()
 
 
 def stage_compute(work: StageWork, layout: Layout, cluster: Cluster, precision: str) -> float:
