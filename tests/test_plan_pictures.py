@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from shardwise.launch.cli import main
-from shardwise.plan import PRESETS, Dims, Layout, Planner, build, read_model
+from shardwise.plan import PRESETS, Cluster, Dims, Layout, Planner, build, read_model
 from shardwise.plan.cluster import GIB
 from shardwise.plan.pictures import MEMORY_KINDS, plot_data, timeline_data
 
@@ -66,3 +66,18 @@ def test_cli_writes_pngs(tmp_path, capsys):
     assert main(["plan", *flags, "--plot", str(plot), "--timeline", str(step)]) == 0
     for path in (plot, step):
         assert path.read_bytes()[:8] == PNG, path
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_a_shared_core_timeline_is_the_run_the_step_time_charges(schedule):
+    """4 ranks on 2 cores: the timeline is contention.py's run; the stage that ends last
+    ends at the record's step_time_s, and each stage draws every micro-batch's forward."""
+    shared = Cluster("m", procs_per_node=4, cores=2, latency_us=0.0, tp_call_us={"2": 500.0})
+    planner = Planner(read_model(build(GPT)), shared, 8, GPT.seq, "fp32")
+    lay = Layout(2, 1, 2, 0, 1, 4, schedule=schedule)
+    rec, data = planner.evaluate(lay), timeline_data(planner, lay)
+    last = max(s[2] for s in data["rows"][data["slow"]]["segments"])
+    assert last == pytest.approx(rec["step_time_s"], rel=1e-9), schedule
+    for row in data["rows"]:
+        mbs = {mb for kind, a, b, mb in row["segments"] if kind == "forward"}
+        assert mbs == set(range(4)), f"{schedule} stage {row['stage']}: micro-batches"

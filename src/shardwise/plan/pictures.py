@@ -32,7 +32,6 @@ from shardwise.parallel.pipeline.simulate import timeline
 from shardwise.plan.bubble import chunks_of, run_order
 from shardwise.plan.candidates import Layout
 from shardwise.plan.cluster import GIB
-from shardwise.plan.contention import contended
 from shardwise.plan.evaluate import Planner
 from shardwise.plan.timing import (
     axis_time,
@@ -41,8 +40,8 @@ from shardwise.plan.timing import (
     end_time,
     micro_batch_time,
     optimizer_time,
+    shared_run,
     split_shares,
-    stage_cost,
 )
 
 MEMORY_KINDS = ("params", "grads", "optimizer", "activations", "buffers")
@@ -141,17 +140,8 @@ def _shared_timeline(planner: Planner, layout: Layout, views: list) -> dict[str,
     """The timeline of ranks that share cores: contention.py's run of the schedule (each
     instruction's work, then its wait), then the step's end calls, data traffic, update."""
     cluster, precision = planner.cluster, planner.precision
-    costs = [stage_cost(v.work, layout, cluster, precision) for v in views]
     done: list = []
-    run = contended(
-        layout.schedule,
-        layout.grad_accum,
-        costs,
-        layout.world // layout.pp,
-        cluster.cores,
-        cluster.procs_per_node,
-        done,
-    )
+    run = shared_run([v.work for v in views], layout, cluster, precision, done)
     end, rows = run.makespan, []
     for s, view in enumerate(views):
         segs = []

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from shardwise.plan.bubble import bubble_units, shares, split_share
 from shardwise.plan.candidates import Layout
 from shardwise.plan.cluster import Cluster
-from shardwise.plan.contention import StageCost, contended
+from shardwise.plan.contention import Run, StageCost, contended
 from shardwise.plan.memory import ModelStates
 from shardwise.plan.traffic import Call
 
@@ -240,6 +240,20 @@ def end_time(w: StageWork, layout: Layout, cluster: Cluster) -> float:
     return sum(axis_time(last, layout, cluster, a) for a in ON_PATH)
 
 
+def shared_run(
+    stages: list[StageWork],
+    layout: Layout,
+    cluster: Cluster,
+    precision: str,
+    record: list | None = None,
+) -> Run:
+    """The schedule of ``layout`` run on its shared cores with each stage's costs
+    (contention.py; ``record``: its instructions, for the timeline)."""
+    costs = [stage_cost(w, layout, cluster, precision) for w in stages]
+    ranks, cores, per_node = layout.world // layout.pp, cluster.cores, cluster.procs_per_node
+    return contended(layout.schedule, layout.grad_accum, costs, ranks, cores, per_node, record)
+
+
 def shared_pipeline(
     stages: list[StageWork], layout: Layout, cluster: Cluster, precision: str
 ) -> StepTime:
@@ -247,11 +261,7 @@ def shared_pipeline(
     stage's own costs (contention.py); the stage that ends last is the step's: its time
     computing, its waits, its idle time (the bubble), then the calls of the step's end,
     the data-parallel traffic and the update."""
-    costs = [stage_cost(w, layout, cluster, precision) for w in stages]
-    ranks = layout.world // layout.pp
-    run = contended(
-        layout.schedule, layout.grad_accum, costs, ranks, cluster.cores, cluster.procs_per_node
-    )
+    run = shared_run(stages, layout, cluster, precision)
     last = max(range(len(stages)), key=lambda i: run.finish[i])
     w = stages[last]
     exposed = run.waited[last] + end_time(w, layout, cluster)
