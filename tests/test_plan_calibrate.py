@@ -8,6 +8,7 @@ import pytest
 
 from shardwise.launch.cli import main
 from shardwise.plan import Cluster, Dims, Layout, Planner, build, calibrate, read_model
+from shardwise.plan import calibrate_fits
 from shardwise.plan.calibrate_ops import OPS, RING
 from shardwise.plan.cluster import load
 from shardwise.plan.contention import contended
@@ -49,9 +50,9 @@ def test_fit_keeps_a_physical_line_on_noise():
 
 def _rank(rate: float, coll: dict, tp_blocks: list | None = None, cp: list | None = None) -> dict:
     """A rank's synthetic measurements: GEMMs at ``rate`` FLOP/s, blocks at half of it after
-    a fixed 1 ms, AdamW at 4 GB/s."""
+    a fixed 1 ms, the update 30 us a tensor and 4 GB/s."""
     blocks = [(flops, 1e-3 + flops / (rate / 2)) for flops in (1e9, 1e3)]
-    return {"compute": {"fp32": rate, "bf16": rate / 2}, "blocks": blocks, "optimizer": 4e9,
+    return {"compute": {"fp32": rate, "bf16": rate / 2}, "blocks": blocks, "optimizer": (30e-6, 4e9),
             "collectives": coll, "tp_blocks": tp_blocks or [], "cp": cp or [],
             "split": 4e-4}  # fmt: skip
 
@@ -86,6 +87,7 @@ def test_summary_is_a_preset_whose_times_are_the_fit(monkeypatch):
     """Synthetic ranks: each collective takes 100 us + ring bytes / 1 GB/s; the slower rank
     sets each time; the preset's collective_time gives back the line."""
     monkeypatch.setattr(calibrate, "cores", lambda: 4)  # a rank per core: no turns taken
+    monkeypatch.setattr(calibrate_fits, "cores", lambda: 4)
     ring = {op: RING[op](2) for op in OPS}
     fast = {op: [100e-6 + ring[op] * s / 1e9 for s in SIZES] for op in OPS}
     slow = {op: [t * 1.0 for t in ts] for op, ts in fast.items()}
@@ -101,6 +103,8 @@ def test_summary_is_a_preset_whose_times_are_the_fit(monkeypatch):
     assert machine.layer_overhead_us == pytest.approx(1000.0), "the blocks' fixed cost"
     assert machine.layer_overheads_us == pytest.approx({"1": 1000.0, "2": 1000.0}), "per world"
     assert machine.split_overhead_us == pytest.approx(400.0), "the split backward's cost"
+    assert machine.optimizer_tensor_us == pytest.approx(30.0), "the update's cost per tensor"
+    assert machine.optimizer_gbps == pytest.approx(4.0), "the update's bytes per second"
     for op in OPS:
         t = machine.collective_time(op, 1 << 20, 2, inter=False)
         assert t == pytest.approx(100e-6 + ring[op] * (1 << 20) / 1e9, rel=1e-6), op
@@ -215,7 +219,8 @@ def test_bad_calibration_flags_name_the_flag(tmp_path, capsys, flags, message):
 def _compute_s(shape, ppn: int, cores: int, mb: int) -> float:
     preset = calibrate.summarize({1: [_rank(4e10, {})]}, SIZES)
     machine = Cluster(**{**preset, "layer_overheads_us": {"1": 1000.0}, "layer_ops": 0.0, "cores": cores,
-                         "procs_per_node": ppn, "optimizer_gbps": 1e12})  # fmt: skip
+                         "procs_per_node": ppn, "optimizer_gbps": 1e12,
+                         "optimizer_tensor_us": 0.0})  # fmt: skip
     lay = Layout(ppn, 1, 1, 0, mb, 8 // ppn // mb)
     return Planner(shape, machine, 8, 32, "fp32").evaluate(lay)["time"]["compute"]
 
@@ -376,3 +381,22 @@ def test_the_split_backward_s_cost_grows_with_its_linears():
     want = 4 * (w.layers * 300e-6 + w.weight_flops / 1e9)
     assert w.weight_flops > 0, "the stage's linears counted"
     assert t["taxed"].compute - t["base"].compute == pytest.approx(want, rel=1e-6)
+
+
+@pytest.mark.parametrize("zero_stage", [0, 1, 3])
+def test_the_update_pays_its_calibrated_cost_per_tensor(zero_stage):
+    """The update costs its bytes / optimizer_gbps plus optimizer_tensor_us per tensor it
+    steps: each trainable parameter without ZeRO, each flat master (a bucket, a unit) with
+    it; ranks sharing cores take turns (x share: 4 ranks on 2 cores)."""
+    model = read_model(build(SMALL))
+    lay = Layout(4, 1, 1, zero_stage, 1, 1)
+    base = Cluster("m", procs_per_node=4, cores=2, optimizer_gbps=4.0)
+    taxed = Cluster("m", procs_per_node=4, cores=2, optimizer_gbps=4.0, optimizer_tensor_us=30.0)
+    states = Planner(model, base, 4, 4, "fp32").stage_view(lay, 0).work.states
+    trainable = sum(1 for p in model.params if p.trainable)
+    if zero_stage == 0:
+        assert states.tensors == trainable, "without ZeRO: every trainable parameter"
+    else:
+        assert 0 < states.tensors < trainable, f"ZeRO-{zero_stage}: a master per bucket or unit"
+    extra = optimizer_time(states, lay, taxed) - optimizer_time(states, lay, base)
+    assert extra == pytest.approx(states.tensors * 30e-6 * 2, rel=1e-9), f"ZeRO-{zero_stage}"

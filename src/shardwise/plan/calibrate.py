@@ -21,8 +21,11 @@ its sharing in the numbers:
                     t = latency + r(op, n) x S / bandwidth
                     r = 2 (n-1)/n all-reduce, 1 send (a ping-pong's half), (n-1)/n others
 
-    optimizer   bytes of model state an AdamW step streams per second (params, grads and
-                two moments: 16 bytes per element): ``optimizer_gbps``
+    optimizer   the engine's update (the gradients' norm and clip scaling, an AdamW step),
+                fitted t = tensors x c + 16 bytes x elements / rate (parameter, gradient,
+                two moments): ``optimizer_tensor_us`` (c: the per-tensor kernels, timed on
+                96 tiny tensors) and ``optimizer_gbps`` (four GPT blocks' weights, past the
+                caches)
 
 The result is a ``Cluster``'s fields (a JSON preset: ``--cluster path.json``, or the default
 path for ``--cluster this-machine``).
@@ -41,9 +44,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardwise.plan import traffic
+from shardwise.plan.calibrate_fits import (
+    cores,
+    cp_fits,
+    fit_error,
+    fit_line,
+    split_fit,
+    tp_call_fit,
+    update_fit,
+)
 from shardwise.plan.calibrate_ops import (
-    CONTEXT,
     GEMM,
     OPS,
     RING,
@@ -51,13 +61,12 @@ from shardwise.plan.calibrate_ops import (
     block_time,
     cp_attention_times,
     gemm_rate,
-    optimizer_rate,
     split_excess,
     time_op,
     tp_block_times,
     tp_blocks,
+    update_costs,
 )
-from shardwise.plan.candidates import Layout
 from shardwise.plan.cluster import Cluster, default_calibration_path
 from shardwise.spawn import spawn
 
@@ -66,26 +75,6 @@ REPEATS = 7
 TINY_BLOCK = (8, 8)  # (tokens, hidden): a block whose time is all fixed costs
 SPLIT_BLOCKS = (TINY_BLOCK, (512, 128))  # the split backward's cost: fixed, and per FLOP
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-def fit_line(xs: Sequence[float], ts: Sequence[float]) -> tuple[float, float]:
-    """Least squares ``t = a + x / bw`` with weights 1 / t^2 (relative error: the smallest
-    payloads set the latency, the largest the bandwidth). Returns (a >= 0 s, bw bytes/s)."""
-    if len(xs) != len(ts) or len(xs) < 2:
-        raise ValueError("fit_line needs two or more (bytes, seconds) points")
-    w = [1.0 / max(t, 1e-12) ** 2 for t in ts]
-    sw = sum(w)
-    sx = sum(wi * x for wi, x in zip(w, xs, strict=True))
-    st = sum(wi * t for wi, t in zip(w, ts, strict=True))
-    sxx = sum(wi * x * x for wi, x in zip(w, xs, strict=True))
-    sxt = sum(wi * x * t for wi, x, t in zip(w, xs, ts, strict=True))
-    det = sw * sxx - sx * sx
-    slope = (sw * sxt - sx * st) / det if det > 0 else 0.0
-    a = (st - slope * sx) / sw
-    if a < 0 or slope <= 0:  # noise: keep the physical form (no negative latency or speed)
-        a = max(min(ts), 0.0) if slope <= 0 else 0.0
-        slope = max(sum(wi * x * (t - a) for wi, x, t in zip(w, xs, ts, strict=True)) / sxx, 1e-15)
-    return a, 1.0 / slope
 
 
 def _rank_work(rank: int, sizes: Sequence[int], repeats: int, gemm: tuple[int, int]) -> dict:
@@ -98,7 +87,7 @@ def _rank_work(rank: int, sizes: Sequence[int], repeats: int, gemm: tuple[int, i
     # A block as measured and one too small to cost anything but its fixed per-op time.
     out["blocks"] = [block_time(gemm), block_time(TINY_BLOCK, repeats=2 * repeats)]
     dist.barrier()
-    out["optimizer"] = optimizer_rate()
+    out["optimizer"] = update_costs(gemm[1])  # (s per tensor, bytes/s)
     dist.barrier()
     # (a block's forward weighted-product FLOPs, 24 tokens h^2; what splitting it cost)
     out["split"] = [(24.0 * t * h * h, split_excess((t, h), 2 * repeats)) for t, h in SPLIT_BLOCKS]
@@ -116,11 +105,6 @@ def run_world(
 ) -> list[dict]:
     """Every rank's measurements in a world of ``n`` local processes."""
     return spawn(_rank_work, n, args=(tuple(sizes), repeats, gemm), backend="gloo", timeout=600)
-
-
-def cores() -> int:
-    """Cores this process may run on (its affinity; a container's limit shows there)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def summarize(worlds: dict[int, list[dict]], sizes: Sequence[int]) -> dict[str, Any]:
@@ -162,28 +146,18 @@ def summarize(worlds: dict[int, list[dict]], sizes: Sequence[int]) -> dict[str, 
             # Per core: what a call costs a step whatever the sharing (Cluster.call_wait).
             tp[str(n)] = us / max(1.0, n / cores())
     block = (statistics.median(eff), statistics.median(overhead))
-    preset = _preset(compute, collectives, block, statistics.median(opt))
-    extra = {"layer_overheads_us": overheads, "tp_call_us": tp, "tp_compute": tp_compute}
+    per_tensor, opt_bps = update_fit(opt)
+    preset = _preset(compute, collectives, block, opt_bps)
+    extra = {
+        "optimizer_tensor_us": per_tensor * 1e6,
+        "layer_overheads_us": overheads,
+        "tp_call_us": tp,
+        "tp_compute": tp_compute,
+    }
     extra |= cp_fits(worlds, compute["fp32"], collectives, errors)
     extra["layer_ops"] = float(block_ops(TINY_BLOCK))  # the fixed cost's block, its ops
     extra |= split_fit([r.get("split", 0.0) for r in worlds[min(worlds)]])
     return {**preset, **extra, "fit_errors": errors}
-
-
-def split_fit(per_rank: list) -> dict[str, float]:
-    """The split backward's cost with a core each (the smallest world's ranks, median):
-    ``split_overhead_us`` per block and, timed at two sizes, ``split_flops_rate``: the cost
-    grows by the block's weighted-product FLOPs / that rate (on the tiny block 0.3 ms; at 512
-    tokens x 128, the example GPT's micro-batch of 4, 0.66 ms: the routed linears' saved
-    inputs and the separate weight GEMMs cost with their size). A single time per rank (an
-    older calibration's form) is the per-block cost alone."""
-    if not per_rank or not isinstance(per_rank[0], list | tuple):
-        return {"split_overhead_us": statistics.median(per_rank or [0.0]) * 1e6}
-    fits = [fit_line([x for x, _ in r], [t for _, t in r]) for r in per_rank]
-    return {
-        "split_overhead_us": statistics.median(a for a, _ in fits) * 1e6,
-        "split_flops_rate": statistics.median(rate for _, rate in fits),
-    }
 
 
 def describe_errors(data: dict[str, Any]) -> str:
@@ -211,112 +185,6 @@ def describe_errors(data: dict[str, Any]) -> str:
         )
         lines.append(f"  context ({method}) beyond the ideal: per attention call {per}")
     return "\n".join(lines)
-
-
-def fit_error(xs: Sequence[float], ts: Sequence[float], lat: float, bw: float) -> float:
-    """The largest relative error of the fit ``lat + x / bw`` at the measured points."""
-    return max(abs(lat + x / bw - t) / t for x, t in zip(xs, ts, strict=True) if t > 0)
-
-
-def tp_call_fit(
-    ranks: list[dict], n: int, layer: float, all_reduce: list[float]
-) -> tuple[float, float, float]:
-    """(us per call, split-compute excess, fit error) of a tensor-parallel block beyond the
-    ideal. The model without them predicts the split block as (full - layer) / n + layer +
-    calls x all_reduce(payload); what the slowest rank measured beyond that is fitted, over
-    the block sizes, as  calls x c + k x (full - layer) / n:  c per collective issued between
-    kernels (waiting on the peer, a woken socket thread), k the share by which the split
-    arithmetic runs slower than 1/n of the whole (narrower matmuls, the norms and residual
-    adds every rank repeats). The error is the model's largest relative miss with them."""
-    lat, bw = all_reduce
-    sizes = range(len(ranks[0]["tp_blocks"]))
-    got = [{k: max(r["tp_blocks"][i][k] for r in ranks) for k in ("full", "tp")} for i in sizes]
-    info = ranks[0]["tp_blocks"]
-    calls = [b["calls"] for b in info]
-    split = [(g["full"] - layer) / n for g in got]
-    ring = RING["all_reduce"](n)
-    comm_s = [c * (lat + ring * b["payload"] / bw) for c, b in zip(calls, info, strict=True)]
-    extra = [g["tp"] - x - layer - m for g, x, m in zip(got, split, comm_s, strict=True)]
-    c, k, miss = fit_excess(calls, split, extra, [g["tp"] for g in got])
-    return c * 1e6, k, miss
-
-
-def fit_excess(calls: list, split: list, extra: list, got: list) -> tuple[float, float, float]:
-    """(c, k, largest relative miss) of the least-squares fit extra = calls c + split k
-    (relative: weights 1 / got^2), both >= 0; ``got`` the measured seconds."""
-    w = [1.0 / t**2 for t in got]
-    a11, a12, a22 = _dot(w, calls, calls), _dot(w, calls, split), _dot(w, split, split)
-    b1, b2 = _dot(w, calls, extra), _dot(w, split, extra)
-    det = a11 * a22 - a12 * a12
-    c, k = ((b1 * a22 - b2 * a12) / det, (a11 * b2 - a12 * b1) / det) if det > 0 else (-1, -1)
-    if c < 0 or k < 0:  # one term alone (the other would be negative): the better of the two
-        only_c, only_k = (max(b1 / a11, 0.0), 0.0), (0.0, max(b2 / a22, 0.0))
-        c, k = min(only_c, only_k, key=lambda ck: _miss(ck, calls, split, extra, got))
-    return c, k, _miss((c, k), calls, split, extra, got)
-
-
-def cp_fits(worlds: dict, rate: dict, collectives: dict, errors: dict) -> dict[str, dict]:
-    """``cp_call_us`` and ``cp_compute`` per method and group size: what a context-parallel
-    attention call (forward + backward, per micro-batch) costs beyond what the planner
-    charges it, fitted over the timed shards as  c + k x arithmetic  (``cp_call_fit``)."""
-    us: dict[str, dict] = {}
-    ks: dict[str, dict] = {}
-    for n, ranks in sorted(worlds.items()):
-        for method in CONTEXT if n > 1 and ranks[0].get("cp") else ():
-            fit = cp_call_fit(ranks, n, method, rate[str(n)] * 1e12, collectives)
-            c, ks.setdefault(method, {})[str(n)], errors.setdefault(f"cp_{method}", {})[str(n)] = (
-                fit
-            )
-            us.setdefault(method, {})[str(n)] = c * 1e6 / max(1.0, n / cores())
-    return {"cp_call_us": us, "cp_compute": ks}
-
-
-def cp_call_fit(
-    ranks: list[dict], n: int, method: str, rate: float, collectives: dict
-) -> tuple[float, float, float]:
-    """(seconds per call, arithmetic excess, fit error) of context-parallel attention. The
-    planner charges a call 3 n F / rate (the local block's F FLOPs, x n key blocks, forward
-    + backward) plus its messages, asked of traffic.context_calls (ring, per call 4 (n-1)
-    K/V blocks and 2 n fp32 dK/dV blocks sent; Ulysses, 8 all-to-alls of a block).
-    What the slowest rank took beyond that is fitted as c + k x 3 n F / rate: c the waits on
-    the neighbour and the merges' small ops, k how much slower than the GEMM rate the
-    split attention runs."""
-    info = ranks[0]["cp"]
-    got = [max(r["cp"][i][method] for r in ranks) for i in range(len(info))]
-    arith = [3 * n * b["flops"] / rate for b in info]
-
-    layout = Layout(1, 1, 1, 0, 1, 1, cp=n, cp_method=method)
-
-    def charged(payload: float) -> float:  # the planner's messages of one call, as fitted
-        total = 0.0
-        for c in traffic.context_calls([("attn", int(payload))], layout, "fp32", False):
-            if c.op != "recv":
-                lat, bw = collectives[c.op][str(n)]
-                total += c.count * (lat + RING[c.op](n) * c.payload / bw)
-        return total
-
-    comm_s = [charged(b["payload"]) for b in info]
-    extra = [g - a - m for g, a, m in zip(got, arith, comm_s, strict=True)]
-    return fit_excess([1.0] * len(got), arith, extra, got)
-
-
-def _dot(*vectors: list) -> float:
-    """Sum over i of the product of every vector's i-th entry."""
-    total = 0.0
-    for items in zip(*vectors, strict=True):
-        term = 1.0
-        for v in items:
-            term *= v
-        total += term
-    return total
-
-
-def _miss(ck: tuple[float, float], calls: list, split: list, extra: list, got: list) -> float:
-    """The largest relative miss of extra = calls c + split k at the measured blocks."""
-    c, k = ck
-    return max(
-        abs(n * c + x * k - e) / t for n, x, e, t in zip(calls, split, extra, got, strict=True)
-    )
 
 
 def _preset(compute: dict, collectives: dict, block: tuple[float, float], opt_bps: float) -> dict:

@@ -14,15 +14,18 @@ calls the library issues, so their bookkeeping is part of what is measured.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.distributed import ProcessGroup
 from torch.utils.flop_counter import FlopCounterMode
 
 from shardwise import comm
+from shardwise.parallel.clip import local_sq_sum
 from shardwise.parallel.context.ring import ring_attention
 from shardwise.parallel.context.ulysses import ulysses_attention
 from shardwise.parallel.pipeline.split_linear import LinearSplitter, deferring, weight_backward
@@ -146,12 +149,39 @@ def block_ops(gemm: tuple[int, int] = GEMM) -> int:
     return count.n
 
 
-def optimizer_rate(elements: int = 1 << 20, repeats: int = 5) -> float:
-    """Bytes/s of an AdamW step: parameters, gradients and two moments, 16 bytes an element."""
-    p = nn.Parameter(torch.zeros(elements))
-    p.grad = torch.ones(elements)
-    opt = torch.optim.AdamW([p], lr=1e-3)
-    return 16.0 * elements / _best_time(opt.step, repeats)
+def update_time(shapes: list[tuple[int, ...]], repeats: int = 9) -> float:
+    """Median seconds of the engine's update over parameters of ``shapes`` (fp32, plain data
+    parallelism's path: the gradients' squared norm, their clip scaling, an AdamW step as
+    a config's ``"type": "AdamW"`` builds it)."""
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(*s)) for s in shapes]
+    grads = [torch.randn_like(p) for p in params]
+    for p, g in zip(params, grads, strict=True):
+        p.grad = g
+    opt = torch.optim.AdamW(params, lr=3e-4, weight_decay=0.0)
+
+    def update() -> None:
+        local_sq_sum(grads)
+        torch._foreach_mul_(grads, 0.5)
+        opt.step()
+
+    return _typical_time(update, repeats)
+
+
+def update_costs(hidden: int = GEMM[1], repeats: int = 9) -> tuple[float, float]:
+    """(seconds per parameter tensor, bytes/s of model state) of the update: timed on 96
+    tiny tensors (their fixed cost: the per-tensor kernels of the norm, the scaling and
+    AdamW, which a transformer's many small weights pay) and on four GPT blocks' weights at
+    ``hidden`` (12 tensors each, ~50 MB of state at 256: past the caches, as a model's
+    update streams it), 16 bytes an element (parameter, gradient, two moments)."""
+    tiny = [(8,)] * 96
+    per_tensor = update_time(tiny, repeats) / len(tiny)
+    h = hidden
+    block = [(3 * h, h), (3 * h,), (h, h), (h,), (4 * h, h), (4 * h,), (h, 4 * h)] + [(h,)] * 5
+    shapes = block * 4
+    elements = sum(math.prod(s) for s in shapes)
+    t = update_time(shapes, repeats) - len(shapes) * per_tensor
+    return per_tensor, 16.0 * elements / max(t, 1e-9)
 
 
 def time_op(op: str, size: int, repeats: int) -> float:
@@ -187,27 +217,30 @@ def time_op(op: str, size: int, repeats: int) -> float:
 def tp_blocks(gemm: tuple[int, int]) -> tuple[tuple[int, int], ...]:
     """(tokens, hidden) of the split blocks timed: the GEMM size, and a half and a quarter
     of its tokens at half its width (the shapes of small micro-batches). Three sizes for
-    the two terms fitted (calibrate.fit_excess): with two, one slow call of the median
+    the two terms fitted (calibrate_fits.fit_excess): with two, one slow call of the median
     set the per-call wait alone (two calibrations an hour apart gave 1.9 and 0.9 ms)."""
     half = max(gemm[1] // 2, 16)
     return gemm, (max(gemm[0] // 2, 8), half), (max(gemm[0] // 4, 8), half)
 
 
-def tp_block_times(gemm: tuple[int, int], repeats: int = 5) -> dict[str, float]:
+def tp_block_times(
+    gemm: tuple[int, int], repeats: int = 5, group: ProcessGroup | None = None
+) -> dict[str, float]:
     """A pre-LN GPT block (the planner's own, plan/models.py) on ``gemm`` = (tokens, hidden):
     median seconds of its forward + backward whole (``full``) and split by its tensor-parallel
-    plan over the default group (``tp``), the collectives one split pass issues (``calls``)
-    and the payload of each (``payload``: the (tokens, hidden) activation, fp32).
+    plan over ``group`` (default: every rank; ``tp``), the collectives one split pass issues
+    (``calls``) and the payload of each (``payload``: the (tokens, hidden) activation, fp32).
     Every rank runs both at once, as ranks of a tensor-parallel layout do."""
     torch.manual_seed(0)
     tokens, h = gemm
     seq = min(tokens, 256)
-    d = Dims(layers=1, hidden=h, heads=max(h // 32, comm.get_world_size()), vocab=8, seq=seq)
+    n = comm.get_world_size(group)
+    d = Dims(layers=1, hidden=h, heads=max(h // 32, n), vocab=8, seq=seq)
     x = torch.randn(max(tokens // seq, 1), seq, h, requires_grad=True)
     block = GPTBlock(d)
     plan = {k.removeprefix("blocks.*."): s for k, s in tp_plan("gpt").items()}
     plan = {k: s for k, s in plan.items() if k.split(".")[0] in ("attn", "mlp")}
-    split = parallelize(GPTBlock(d), plan, None)
+    split = parallelize(GPTBlock(d), plan, group)
 
     def step(m: nn.Module) -> Callable[[], None]:
         return lambda: m(x).sum().backward()

@@ -6,7 +6,8 @@ A ``Cluster`` is ``nodes`` x ``procs_per_node`` ranks, each with ``device_memory
 bandwidth, what a ring collective sustains), ``latency_us`` per collective. Three fractions
 turn peaks into times: ``efficiency`` (what a transformer layer reaches of the peak),
 ``overlap`` (the share of data-parallel traffic hidden behind backward) and the optimizer's
-``optimizer_gbps`` (bytes of model state an update reads and writes per second).
+``optimizer_gbps`` (bytes of model state an update reads and writes per second; calibrated,
+with ``optimizer_tensor_us``, the fixed cost of each parameter tensor's kernels).
 
 A calibration (``shardwise plan --calibrate``, calibrate.py) measures these on the real
 backend at several sizes and process counts; its fits replace the preset's peaks, per
@@ -43,6 +44,7 @@ class Cluster:
     optimizer_gbps: float = 1000.0
     host_gbps: float = 20.0  # offload: device <-> host per rank
     host_optimizer_gbps: float = 20.0  # the optimizer step in host memory
+    optimizer_tensor_us: float = 0.0  # calibrated: the update's fixed cost per parameter tensor
     # Calibrated fits: op -> group size -> [latency s, bytes/s]; processes -> TFLOP/s.
     collectives: dict = field(default_factory=dict)
     compute: dict = field(default_factory=dict)
@@ -51,11 +53,11 @@ class Cluster:
     layer_ops: float = 0.0  # calibrated: aten ops of the timed block's forward (timing.py)
     cores: int = 0  # CPU cores the ranks share (a calibrated CPU machine; 0: one device each)
     # Calibrated: what each tensor-parallel collective costs beyond its ring fit, per group
-    # size (calibrate.tp_call_fit), and each fit's largest relative error at its points.
+    # size (calibrate_fits.tp_call_fit), and each fit's largest relative error at its points.
     tp_call_us: dict = field(default_factory=dict)
     tp_compute: dict = field(default_factory=dict)  # split arithmetic's excess over 1/tp
     # The same for a context-parallel attention call, per method and group size
-    # (calibrate.cp_call_fit): seconds beyond its messages, and its arithmetic's excess.
+    # (calibrate_fits.cp_call_fit): seconds beyond its messages, and its arithmetic's excess.
     cp_call_us: dict = field(default_factory=dict)
     cp_compute: dict = field(default_factory=dict)
     # Calibrated: what running a block's backward as B and W (the zero-bubble schedules)

@@ -77,6 +77,7 @@ class ModelStates:
     masters: int = 0  # the fp32 master copies, part of ``optimizer`` (there before any step)
     checkpoint_staging: int = 0  # host copies of params + optimizer for asynchronous saves
     secondary: int = 0  # hpZ's secondary parameter shards (zero/hpz.py), beside ``params``
+    tensors: int = 0  # parameter tensors the update steps (ZeRO: its flat shards, one a bucket)
 
     @property
     def device(self) -> int:
@@ -215,7 +216,8 @@ def _states(
     if layout.zero_stage == 0 and shares:  # LocalGradients / DataParallelReducer (any groups)
         n = sum(_numel(p.local_shape(tp)) for p in params)
         trained = sum(_numel(p.local_shape(tp)) for p in params if p.trainable)
-        return ModelStates(4 * n, 4 * trained, k * trained)
+        tensors = sum(1 for p in params if p.trainable)
+        return ModelStates(4 * n, 4 * trained, k * trained, tensors=tensors)
     if layout.zero_stage == 3:
         return _zero3(params, layout, c, k, master, opts)
     data = layout.dp * layout.cp
@@ -238,7 +240,8 @@ def _states(
     if layout.zero_stage >= 2:  # full flat gradients of the buckets in flight (stage12.py)
         buffers = c * sum(sorted((lay.padded for lay in lays), reverse=True)[:3])
     host = opt if layout.offload else 0
-    return ModelStates(c * padded, grads, opt, host, buffers, master * shard)
+    states = ModelStates(c * padded, grads, opt, host, buffers, master * shard)
+    return replace(states, tensors=len(lays))  # a master per bucket (masters.py)
 
 
 def _zero3(
@@ -256,7 +259,7 @@ def _zero3(
     host = opt if layout.offload else 0
     secondary = c * sum(g // layout.hpz for g in gathered) if layout.hpz else 0  # P/H per unit
     states = ModelStates(c * held + c * frozen, c * held, opt, host, buffers, master * held)
-    return replace(states, secondary=secondary)
+    return replace(states, secondary=secondary, tensors=len(units))  # a master per unit
 
 
 def _numel(shape: tuple[int, ...]) -> int:

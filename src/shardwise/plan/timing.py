@@ -178,12 +178,14 @@ def context_excess(work: StageWork, layout: Layout, cluster: Cluster, precision:
 
 
 def optimizer_time(states: ModelStates, layout: Layout, cluster: Cluster) -> float:
-    """Model-state bytes through memory (ranks sharing cores take turns: x share)."""
+    """Model-state bytes through memory, and the calibrated fixed cost of each parameter
+    tensor the update steps (ranks sharing cores take turns: x share)."""
     on_device = states.params + states.grads + states.optimizer - states.host
     t = on_device / (cluster.optimizer_gbps * 1e9)
     if layout.offload:  # gradients down, parameters up, the update on the host
         t += (states.grads + states.params) / (cluster.host_gbps * 1e9)
         t += states.host / (cluster.host_optimizer_gbps * 1e9)
+    t += states.tensors * cluster.optimizer_tensor_us * 1e-6
     return t * cluster.share()
 
 
