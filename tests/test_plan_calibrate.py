@@ -7,8 +7,16 @@ import json
 import pytest
 
 from shardwise.launch.cli import main
-from shardwise.plan import Cluster, Dims, Layout, Planner, build, calibrate, read_model
-from shardwise.plan import calibrate_fits
+from shardwise.plan import (
+    Cluster,
+    Dims,
+    Layout,
+    Planner,
+    build,
+    calibrate,
+    calibrate_fits,
+    read_model,
+)
 from shardwise.plan.calibrate_ops import OPS, RING
 from shardwise.plan.cluster import load
 from shardwise.plan.contention import contended
@@ -400,3 +408,28 @@ def test_the_update_pays_its_calibrated_cost_per_tensor(zero_stage):
         assert 0 < states.tensors < trainable, f"ZeRO-{zero_stage}: a master per bucket or unit"
     extra = optimizer_time(states, lay, taxed) - optimizer_time(states, lay, base)
     assert extra == pytest.approx(states.tensors * 30e-6 * 2, rel=1e-9), f"ZeRO-{zero_stage}"
+
+
+def test_each_collective_waits_its_own_calibrated_time():
+    """Timed between compute segments, an all-reduce adds 2 ms beyond its fitted transfer,
+    an all-to-all 1 ms: the preset keeps both (per core: 2 ranks on 4 cores), the split TP
+    block's per-call cost is the all-reduce's, its arithmetic excess fitted alone (exactly),
+    and a kind not timed waits what an all-reduce does."""
+    ring = {op: RING[op](2) for op in OPS}
+    coll = {op: [100e-6 + ring[op] * s / 1e9 for s in SIZES] for op in OPS}
+    size = 1 << 14
+    excess = {"all_reduce": 2e-3, "all_to_all": 1e-3}
+    timed = {op: w + 100e-6 + ring[op] * size / 1e9 for op, w in excess.items()}
+    rank = _rank(4e10, coll, _tp_blocks(2e-3, 0.25)) | {"call_excess": {"size": size, **timed}}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(calibrate, "cores", lambda: 4)
+        mp.setattr(calibrate_fits, "cores", lambda: 4)
+        machine = Cluster(**calibrate.summarize({1: [_rank(4e10, {})], 2: [rank, rank]}, SIZES))
+    assert machine.call_wait_us["all_reduce"] == pytest.approx({"2": 2000.0}, rel=1e-6)
+    assert machine.call_wait_us["all_to_all"] == pytest.approx({"2": 1000.0}, rel=1e-6)
+    assert machine.tp_call_us == pytest.approx({"2": 2000.0}, rel=1e-6), "the all-reduce's"
+    assert machine.tp_compute == pytest.approx({"2": 0.25}, rel=1e-6), "k fitted alone"
+    assert machine.call_wait(2, "all_to_all") == pytest.approx(1e-3, rel=1e-6)
+    assert machine.call_wait(2, "broadcast") == pytest.approx(2e-3, rel=1e-6), "not timed"
+    old = Cluster("m", tp_call_us={"2": 500.0})
+    assert old.call_wait(2, "all_to_all") == pytest.approx(5e-4), "an older calibration"

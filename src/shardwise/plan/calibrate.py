@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from shardwise.plan.calibrate_fits import (
+    call_waits,
     cores,
     cp_fits,
     fit_error,
@@ -59,6 +60,7 @@ from shardwise.plan.calibrate_ops import (
     RING,
     block_ops,
     block_time,
+    call_excess,
     cp_attention_times,
     gemm_rate,
     split_excess,
@@ -72,6 +74,7 @@ from shardwise.spawn import spawn
 
 SIZES = (1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 22)  # payload bytes, 1 KiB .. 4 MiB
 REPEATS = 7
+CALL_BYTES = 1 << 14  # the payload of the calls timed between compute segments
 TINY_BLOCK = (8, 8)  # (tokens, hidden): a block whose time is all fixed costs
 SPLIT_BLOCKS = (TINY_BLOCK, (512, 128))  # the split backward's cost: fixed, and per FLOP
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -97,6 +100,7 @@ def _rank_work(rank: int, sizes: Sequence[int], repeats: int, gemm: tuple[int, i
     many = 3 * repeats
     out["tp_blocks"] = [tp_block_times(g, many) for g in tp_blocks(gemm)] if n > 1 else []
     out["cp"] = [cp_attention_times(g, many) for g in tp_blocks(gemm)] if n > 1 else []
+    out["call_excess"] = {"size": CALL_BYTES, **call_excess(CALL_BYTES)} if n > 1 else {}
     return out
 
 
@@ -117,6 +121,7 @@ def summarize(worlds: dict[int, list[dict]], sizes: Sequence[int]) -> dict[str, 
     collectives: dict[str, dict[str, list[float]]] = {}
     tp: dict[str, float] = {}
     tp_compute: dict[str, float] = {}
+    waits: dict[str, dict[str, float]] = {}
     errors: dict[str, dict[str, float]] = {}
     eff, opt, overhead = [], [], []
     overheads: dict[str, float] = {}
@@ -140,11 +145,11 @@ def summarize(worlds: dict[int, list[dict]], sizes: Sequence[int]) -> dict[str, 
             )
         if n > 1:
             layer = statistics.median(a for a, _ in fits)
-            us, tp_compute[str(n)], errors.setdefault("tp_block", {})[str(n)] = tp_call_fit(
-                ranks, n, layer, collectives["all_reduce"][str(n)]
+            tp[str(n)], tp_compute[str(n)], per_op = _call_costs(
+                ranks, n, layer, collectives, errors
             )
-            # Per core: what a call costs a step whatever the sharing (Cluster.call_wait).
-            tp[str(n)] = us / max(1.0, n / cores())
+            for op, us in per_op.items():
+                waits.setdefault(op, {})[str(n)] = us
     block = (statistics.median(eff), statistics.median(overhead))
     per_tensor, opt_bps = update_fit(opt)
     preset = _preset(compute, collectives, block, opt_bps)
@@ -153,11 +158,27 @@ def summarize(worlds: dict[int, list[dict]], sizes: Sequence[int]) -> dict[str, 
         "layer_overheads_us": overheads,
         "tp_call_us": tp,
         "tp_compute": tp_compute,
+        "call_wait_us": waits,
     }
     extra |= cp_fits(worlds, compute["fp32"], collectives, errors)
     extra["layer_ops"] = float(block_ops(TINY_BLOCK))  # the fixed cost's block, its ops
     extra |= split_fit([r.get("split", 0.0) for r in worlds[min(worlds)]])
     return {**preset, **extra, "fit_errors": errors}
+
+
+def _call_costs(
+    ranks: list[dict], n: int, layer: float, collectives: dict, errors: dict
+) -> tuple[float, float, dict[str, float]]:
+    """(tp_call_us, tp_compute, call_wait_us per op) of a world of ``n``: each collective's
+    wait between compute segments (``call_waits``), the tensor-parallel block's excess with
+    the all-reduce's wait as its per-call cost. The waits are stored per core (÷ n / cores:
+    what a call costs a step whatever the sharing, Cluster.call_wait)."""
+    per_core = max(1.0, n / cores())
+    waits = call_waits(ranks, n, collectives)
+    us, k, errors.setdefault("tp_block", {})[str(n)] = tp_call_fit(
+        ranks, n, layer, collectives["all_reduce"][str(n)], waits.get("all_reduce")
+    )
+    return us / per_core, k, {op: w * 1e6 / per_core for op, w in waits.items()}
 
 
 def describe_errors(data: dict[str, Any]) -> str:

@@ -69,7 +69,7 @@ def fit_error(xs: Sequence[float], ts: Sequence[float], lat: float, bw: float) -
 
 
 def tp_call_fit(
-    ranks: list[dict], n: int, layer: float, all_reduce: list[float]
+    ranks: list[dict], n: int, layer: float, all_reduce: list[float], wait: float | None = None
 ) -> tuple[float, float, float]:
     """(us per call, split-compute excess, fit error) of a tensor-parallel block beyond the
     ideal. The model without them predicts the split block as (full - layer) / n + layer +
@@ -77,7 +77,10 @@ def tp_call_fit(
     the block sizes, as  calls x c + k x (full - layer) / n:  c per collective issued between
     kernels (waiting on the peer, a woken socket thread), k the share by which the split
     arithmetic runs slower than 1/n of the whole (narrower matmuls, the norms and residual
-    adds every rank repeats). The error is the model's largest relative miss with them."""
+    adds every rank repeats). With ``wait`` (an all-reduce's, timed between compute
+    segments: ``call_waits``) c is that and k alone is fitted: fitted together, the blocks'
+    three sizes told c from k poorly (1144 then 416 us at 2 ranks a day apart, k making up
+    the difference). The error is the model's largest relative miss with them."""
     lat, bw = all_reduce
     sizes = range(len(ranks[0]["tp_blocks"]))
     got = [{k: max(r["tp_blocks"][i][k] for r in ranks) for k in ("full", "tp")} for i in sizes]
@@ -87,8 +90,14 @@ def tp_call_fit(
     ring = RING["all_reduce"](n)
     comm_s = [c * (lat + ring * b["payload"] / bw) for c, b in zip(calls, info, strict=True)]
     extra = [g["tp"] - x - layer - m for g, x, m in zip(got, split, comm_s, strict=True)]
-    c, k, miss = fit_excess(calls, split, extra, [g["tp"] for g in got])
-    return c * 1e6, k, miss
+    times = [g["tp"] for g in got]
+    if wait is None:
+        c, k, miss = fit_excess(calls, split, extra, times)
+        return c * 1e6, k, miss
+    w = [1.0 / t**2 for t in times]
+    rest = [e - m * wait for e, m in zip(extra, calls, strict=True)]
+    k = max(_dot(w, split, rest) / max(_dot(w, split, split), 1e-30), 0.0)
+    return wait * 1e6, k, _miss((wait, k), calls, split, extra, times)
 
 
 def fit_excess(calls: list, split: list, extra: list, got: list) -> tuple[float, float, float]:
@@ -167,3 +176,19 @@ def _miss(ck: tuple[float, float], calls: list, split: list, extra: list, got: l
     return max(
         abs(n * c + x * k - e) / t for n, x, e, t in zip(calls, split, extra, got, strict=True)
     )
+
+
+def call_waits(ranks: list[dict], n: int, collectives: dict) -> dict[str, float]:
+    """Per collective, the seconds a call waits beyond its fitted transfer when issued
+    between compute segments with every rank busy (calibrate_ops.call_excess, the slowest
+    rank's; 0 at least): on ranks taking turns on cores it waits once per sequential step
+    of its algorithm (4 ranks on 2 cores: a ring all-reduce ~4 ms, an all-to-all ~2 ms).
+    Empty for an older calibration without them."""
+    timed = ranks[0].get("call_excess") or {}
+    size = timed.get("size", 0)
+    out = {}
+    for op in (op for op in timed if op != "size"):
+        lat, bw = collectives[op][str(n)]
+        excess = max(r["call_excess"][op] for r in ranks)
+        out[op] = max(excess - (lat + RING[op](n) * size / bw), 0.0)
+    return out

@@ -21,7 +21,6 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
-from torch.distributed import ProcessGroup
 from torch.utils.flop_counter import FlopCounterMode
 
 from shardwise import comm
@@ -184,25 +183,57 @@ def update_costs(hidden: int = GEMM[1], repeats: int = 9) -> tuple[float, float]
     return per_tensor, 16.0 * elements / max(t, 1e-9)
 
 
-def time_op(op: str, size: int, repeats: int) -> float:
-    """Best seconds of one ``op`` with a ``size``-byte payload on the default group (every
-    rank calls it). ``send``: half a ping-pong between ranks 2k and 2k + 1 (0 when unpaired)."""
-    n, rank = comm.get_world_size(), comm.get_rank()
+def collective_calls(size: int) -> dict[str, Callable[[], object]]:
+    """One call of each collective with a ``size``-byte fp32 payload on the default group."""
+    n = comm.get_world_size()
     elems = max(size // 4 // n, 1) * n  # fp32, divisible by n for the gathers and scatters
     full, part, out = torch.ones(elems), torch.ones(elems // n), torch.empty(elems)
-    calls: dict[str, Callable[[], object]] = {
+    return {
         "all_reduce": lambda: comm.all_reduce(full),
         "all_gather": lambda: comm.all_gather_into_tensor(full, part),
         "reduce_scatter": lambda: comm.reduce_scatter_tensor(part, full),
         "broadcast": lambda: comm.broadcast(full, 0),
         "all_to_all": lambda: comm.all_to_all_single(out, full),
     }
+
+
+def call_excess(size: int = 1 << 14, repeats: int = 5, calls: int = 16) -> dict[str, float]:
+    """Per collective, the median seconds a call adds to a loop of equal compute segments
+    (ten 256 x 256 matmuls, ~2 ms) on every rank at once, beyond the segments alone: its
+    transfer and its wait, which on ranks taking turns on cores grows with the algorithm's
+    sequential steps (4 ranks on 2 cores: an all-reduce's ring of 6 steps ~6 ms, an
+    all-to-all ~3 ms)."""
+    a, w = torch.randn(256, 256), torch.randn(256, 256)
+
+    def loop(call: Callable[[], object] | None) -> Callable[[], None]:
+        def run() -> None:
+            for _ in range(calls):
+                for _ in range(10):
+                    a @ w
+                if call is not None:
+                    call()
+
+        return run
+
+    def timed(call: Callable[[], object] | None) -> float:
+        comm.barrier()
+        return _typical_time(loop(call), repeats, warmup=1)
+
+    base = timed(None)
+    return {op: (timed(call) - base) / calls for op, call in collective_calls(size).items()}
+
+
+def time_op(op: str, size: int, repeats: int) -> float:
+    """Best seconds of one ``op`` with a ``size``-byte payload on the default group (every
+    rank calls it). ``send``: half a ping-pong between ranks 2k and 2k + 1 (0 when unpaired)."""
+    n, rank = comm.get_world_size(), comm.get_rank()
     if op == "send":
         peer = rank ^ 1
         if peer >= n:
             comm.barrier()
             return 0.0
         first, second = (comm.send, comm.recv) if rank % 2 == 0 else (comm.recv, comm.send)
+        full = torch.ones(max(size // 4 // n, 1) * n)
 
         def pingpong() -> None:
             first(full, peer)
@@ -211,7 +242,7 @@ def time_op(op: str, size: int, repeats: int) -> float:
         comm.barrier()
         return _best_time(pingpong, repeats) / 2
     comm.barrier()
-    return _best_time(calls[op], repeats)
+    return _best_time(collective_calls(size)[op], repeats)
 
 
 def tp_blocks(gemm: tuple[int, int]) -> tuple[tuple[int, int], ...]:
@@ -223,24 +254,21 @@ def tp_blocks(gemm: tuple[int, int]) -> tuple[tuple[int, int], ...]:
     return gemm, (max(gemm[0] // 2, 8), half), (max(gemm[0] // 4, 8), half)
 
 
-def tp_block_times(
-    gemm: tuple[int, int], repeats: int = 5, group: ProcessGroup | None = None
-) -> dict[str, float]:
+def tp_block_times(gemm: tuple[int, int], repeats: int = 5) -> dict[str, float]:
     """A pre-LN GPT block (the planner's own, plan/models.py) on ``gemm`` = (tokens, hidden):
     median seconds of its forward + backward whole (``full``) and split by its tensor-parallel
-    plan over ``group`` (default: every rank; ``tp``), the collectives one split pass issues
-    (``calls``) and the payload of each (``payload``: the (tokens, hidden) activation, fp32).
+    plan over the default group (``tp``), the collectives one split pass issues (``calls``)
+    and the payload of each (``payload``: the (tokens, hidden) activation, fp32).
     Every rank runs both at once, as ranks of a tensor-parallel layout do."""
     torch.manual_seed(0)
     tokens, h = gemm
     seq = min(tokens, 256)
-    n = comm.get_world_size(group)
-    d = Dims(layers=1, hidden=h, heads=max(h // 32, n), vocab=8, seq=seq)
+    d = Dims(layers=1, hidden=h, heads=max(h // 32, comm.get_world_size()), vocab=8, seq=seq)
     x = torch.randn(max(tokens // seq, 1), seq, h, requires_grad=True)
     block = GPTBlock(d)
     plan = {k.removeprefix("blocks.*."): s for k, s in tp_plan("gpt").items()}
     plan = {k: s for k, s in plan.items() if k.split(".")[0] in ("attn", "mlp")}
-    split = parallelize(GPTBlock(d), plan, group)
+    split = parallelize(GPTBlock(d), plan, None)
 
     def step(m: nn.Module) -> Callable[[], None]:
         return lambda: m(x).sum().backward()

@@ -100,7 +100,7 @@ def axis_time(calls: list[Call], layout: Layout, cluster: Cluster, axis: str) ->
             inter = spans_nodes(axis, layout, cluster.procs_per_node)
             total += c.count * cluster.collective_time(c.op, c.payload, c.n, inter)
             if axis in CALL_WAIT and c.op != "send":  # a message's wait: its hop (contention)
-                total += c.count * cluster.call_wait(c.n)
+                total += c.count * cluster.call_wait(c.n, c.op)
     return total
 
 
