@@ -410,26 +410,37 @@ def test_the_update_pays_its_calibrated_cost_per_tensor(zero_stage):
     assert extra == pytest.approx(states.tensors * 30e-6 * 2, rel=1e-9), f"ZeRO-{zero_stage}"
 
 
-def test_each_collective_waits_its_own_calibrated_time():
-    """Timed between compute segments, an all-reduce adds 2 ms beyond its fitted transfer,
-    an all-to-all 1 ms: the preset keeps both (per core: 2 ranks on 4 cores), the split TP
-    block's per-call cost is the all-reduce's, its arithmetic excess fitted alone (exactly),
-    and a kind not timed waits what an all-reduce does."""
+def test_the_tp_block_s_call_cost_is_the_all_reduce_s_wait_between_segments():
+    """Timed between compute segments, an all-reduce adds 2 ms beyond its fitted transfer:
+    the preset's per-call cost is that (per core: 2 ranks on 4 cores), the split TP block's
+    arithmetic excess fitted alone (exactly), and every kind of call waits it."""
     ring = {op: RING[op](2) for op in OPS}
     coll = {op: [100e-6 + ring[op] * s / 1e9 for s in SIZES] for op in OPS}
     size = 1 << 14
-    excess = {"all_reduce": 2e-3, "all_to_all": 1e-3}
-    timed = {op: w + 100e-6 + ring[op] * size / 1e9 for op, w in excess.items()}
-    rank = _rank(4e10, coll, _tp_blocks(2e-3, 0.25)) | {"call_excess": {"size": size, **timed}}
+    timed = {"size": size, "seconds": 2e-3 + 100e-6 + ring["all_reduce"] * size / 1e9}
+    rank = _rank(4e10, coll, _tp_blocks(2e-3, 0.25)) | {"call_excess": timed}
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(calibrate, "cores", lambda: 4)
         mp.setattr(calibrate_fits, "cores", lambda: 4)
         machine = Cluster(**calibrate.summarize({1: [_rank(4e10, {})], 2: [rank, rank]}, SIZES))
-    assert machine.call_wait_us["all_reduce"] == pytest.approx({"2": 2000.0}, rel=1e-6)
-    assert machine.call_wait_us["all_to_all"] == pytest.approx({"2": 1000.0}, rel=1e-6)
     assert machine.tp_call_us == pytest.approx({"2": 2000.0}, rel=1e-6), "the all-reduce's"
     assert machine.tp_compute == pytest.approx({"2": 0.25}, rel=1e-6), "k fitted alone"
-    assert machine.call_wait(2, "all_to_all") == pytest.approx(1e-3, rel=1e-6)
-    assert machine.call_wait(2, "broadcast") == pytest.approx(2e-3, rel=1e-6), "not timed"
-    old = Cluster("m", tp_call_us={"2": 500.0})
-    assert old.call_wait(2, "all_to_all") == pytest.approx(5e-4), "an older calibration"
+    assert machine.fit_errors["tp_block"]["2"] == pytest.approx(0.0, abs=1e-9)
+    assert machine.call_wait(2) == pytest.approx(2e-3, rel=1e-6)
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_a_step_pays_its_ranks_calibrated_start_skew(pp):
+    """Ranks leaving a barrier 3 ms apart (calibrated at 4 processes): a step of 4 ranks
+    counts 3 ms more from its first rank's start, pipelines on shared cores too; 2 ranks
+    take the nearest calibrated count's."""
+    model = read_model(build(SMALL))
+    base = Cluster("m", procs_per_node=4, cores=2, latency_us=0.0)
+    skewed = Cluster("m", procs_per_node=4, cores=2, latency_us=0.0, start_skew_us={"4": 3000.0})
+    lay = Layout(4 // pp, 1, pp, 0, 1, 2)
+    got = {
+        name: Planner(model, m, 8, 8, "fp32").evaluate(lay)["step_time_s"]
+        for name, m in (("base", base), ("skewed", skewed))
+    }
+    assert got["skewed"] - got["base"] == pytest.approx(3e-3, rel=1e-6), f"pp{pp}: {got}"
+    assert skewed.start_skew(2) == pytest.approx(3e-3) and skewed.start_skew(1) == 0.0

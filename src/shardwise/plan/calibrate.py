@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from shardwise.plan.calibrate_fits import (
-    call_waits,
+    call_wait,
     cores,
     cp_fits,
     fit_error,
@@ -58,6 +58,7 @@ from shardwise.plan.calibrate_ops import (
     GEMM,
     OPS,
     RING,
+    barrier_skew,
     block_ops,
     block_time,
     call_excess,
@@ -100,7 +101,8 @@ def _rank_work(rank: int, sizes: Sequence[int], repeats: int, gemm: tuple[int, i
     many = 3 * repeats
     out["tp_blocks"] = [tp_block_times(g, many) for g in tp_blocks(gemm)] if n > 1 else []
     out["cp"] = [cp_attention_times(g, many) for g in tp_blocks(gemm)] if n > 1 else []
-    out["call_excess"] = {"size": CALL_BYTES, **call_excess(CALL_BYTES)} if n > 1 else {}
+    out["call_excess"] = {"size": CALL_BYTES, "seconds": call_excess(CALL_BYTES)} if n > 1 else {}
+    out["barrier_skew"] = barrier_skew() if n > 1 else 0.0
     return out
 
 
@@ -121,7 +123,6 @@ def summarize(worlds: dict[int, list[dict]], sizes: Sequence[int]) -> dict[str, 
     collectives: dict[str, dict[str, list[float]]] = {}
     tp: dict[str, float] = {}
     tp_compute: dict[str, float] = {}
-    waits: dict[str, dict[str, float]] = {}
     errors: dict[str, dict[str, float]] = {}
     eff, opt, overhead = [], [], []
     overheads: dict[str, float] = {}
@@ -145,11 +146,7 @@ def summarize(worlds: dict[int, list[dict]], sizes: Sequence[int]) -> dict[str, 
             )
         if n > 1:
             layer = statistics.median(a for a, _ in fits)
-            tp[str(n)], tp_compute[str(n)], per_op = _call_costs(
-                ranks, n, layer, collectives, errors
-            )
-            for op, us in per_op.items():
-                waits.setdefault(op, {})[str(n)] = us
+            tp[str(n)], tp_compute[str(n)] = _call_costs(ranks, n, layer, collectives, errors)
     block = (statistics.median(eff), statistics.median(overhead))
     per_tensor, opt_bps = update_fit(opt)
     preset = _preset(compute, collectives, block, opt_bps)
@@ -158,7 +155,11 @@ def summarize(worlds: dict[int, list[dict]], sizes: Sequence[int]) -> dict[str, 
         "layer_overheads_us": overheads,
         "tp_call_us": tp,
         "tp_compute": tp_compute,
-        "call_wait_us": waits,
+        "start_skew_us": {
+            str(n): 1e6 * statistics.median(r.get("barrier_skew", 0.0) for r in ranks)
+            for n, ranks in worlds.items()
+            if n > 1
+        },
     }
     extra |= cp_fits(worlds, compute["fp32"], collectives, errors)
     extra["layer_ops"] = float(block_ops(TINY_BLOCK))  # the fixed cost's block, its ops
@@ -168,17 +169,16 @@ def summarize(worlds: dict[int, list[dict]], sizes: Sequence[int]) -> dict[str, 
 
 def _call_costs(
     ranks: list[dict], n: int, layer: float, collectives: dict, errors: dict
-) -> tuple[float, float, dict[str, float]]:
-    """(tp_call_us, tp_compute, call_wait_us per op) of a world of ``n``: each collective's
-    wait between compute segments (``call_waits``), the tensor-parallel block's excess with
-    the all-reduce's wait as its per-call cost. The waits are stored per core (÷ n / cores:
-    what a call costs a step whatever the sharing, Cluster.call_wait)."""
-    per_core = max(1.0, n / cores())
-    waits = call_waits(ranks, n, collectives)
+) -> tuple[float, float]:
+    """(tp_call_us, tp_compute) of a world of ``n``: the tensor-parallel block's excess with
+    the all-reduce's wait between compute segments (``call_wait``) as its per-call cost.
+    The wait is stored per core (÷ n / cores: what a call costs a step whatever the
+    sharing, Cluster.call_wait)."""
+    wait = call_wait(ranks, n, collectives)
     us, k, errors.setdefault("tp_block", {})[str(n)] = tp_call_fit(
-        ranks, n, layer, collectives["all_reduce"][str(n)], waits.get("all_reduce")
+        ranks, n, layer, collectives["all_reduce"][str(n)], wait
     )
-    return us / per_core, k, {op: w * 1e6 / per_core for op, w in waits.items()}
+    return us / max(1.0, n / cores()), k
 
 
 def describe_errors(data: dict[str, Any]) -> str:

@@ -78,7 +78,7 @@ def tp_call_fit(
     kernels (waiting on the peer, a woken socket thread), k the share by which the split
     arithmetic runs slower than 1/n of the whole (narrower matmuls, the norms and residual
     adds every rank repeats). With ``wait`` (an all-reduce's, timed between compute
-    segments: ``call_waits``) c is that and k alone is fitted: fitted together, the blocks'
+    segments: ``call_wait``) c is that and k alone is fitted: fitted together, the blocks'
     three sizes told c from k poorly (1144 then 416 us at 2 ranks a day apart, k making up
     the difference). The error is the model's largest relative miss with them."""
     lat, bw = all_reduce
@@ -178,17 +178,13 @@ def _miss(ck: tuple[float, float], calls: list, split: list, extra: list, got: l
     )
 
 
-def call_waits(ranks: list[dict], n: int, collectives: dict) -> dict[str, float]:
-    """Per collective, the seconds a call waits beyond its fitted transfer when issued
-    between compute segments with every rank busy (calibrate_ops.call_excess, the slowest
-    rank's; 0 at least): on ranks taking turns on cores it waits once per sequential step
-    of its algorithm (4 ranks on 2 cores: a ring all-reduce ~4 ms, an all-to-all ~2 ms).
-    Empty for an older calibration without them."""
-    timed = ranks[0].get("call_excess") or {}
-    size = timed.get("size", 0)
-    out = {}
-    for op in (op for op in timed if op != "size"):
-        lat, bw = collectives[op][str(n)]
-        excess = max(r["call_excess"][op] for r in ranks)
-        out[op] = max(excess - (lat + RING[op](n) * size / bw), 0.0)
-    return out
+def call_wait(ranks: list[dict], n: int, collectives: dict) -> float | None:
+    """Seconds an all-reduce issued between compute segments waits beyond its fitted
+    transfer, every rank busy (calibrate_ops.call_excess, the slowest rank's; 0 at least;
+    None for an older calibration without it)."""
+    timed = ranks[0].get("call_excess")
+    if not timed:
+        return None
+    lat, bw = collectives["all_reduce"][str(n)]
+    excess = max(r["call_excess"]["seconds"] for r in ranks)
+    return max(excess - (lat + RING["all_reduce"](n) * timed["size"] / bw), 0.0)

@@ -197,30 +197,43 @@ def collective_calls(size: int) -> dict[str, Callable[[], object]]:
     }
 
 
-def call_excess(size: int = 1 << 14, repeats: int = 5, calls: int = 16) -> dict[str, float]:
-    """Per collective, the median seconds a call adds to a loop of equal compute segments
-    (ten 256 x 256 matmuls, ~2 ms) on every rank at once, beyond the segments alone: its
-    transfer and its wait, which on ranks taking turns on cores grows with the algorithm's
-    sequential steps (4 ranks on 2 cores: an all-reduce's ring of 6 steps ~6 ms, an
-    all-to-all ~3 ms)."""
+def call_excess(size: int = 1 << 14, repeats: int = 7, calls: int = 16) -> float:
+    """The median seconds an all-reduce adds to a loop of equal compute segments (ten
+    256 x 256 matmuls, ~2 ms) on every rank at once, beyond the segments alone: its transfer
+    and its wait (a peer still computing, a woken socket thread; on ranks taking turns on
+    cores, a turn per step of its ring: 4 ranks on 2 cores ~6 ms). Each loop with calls is
+    paired with one without, run just before it, and the pairs' median difference kept (a
+    difference of two medians moved 2-4x between calibrations)."""
     a, w = torch.randn(256, 256), torch.randn(256, 256)
+    call = collective_calls(size)["all_reduce"]
 
-    def loop(call: Callable[[], object] | None) -> Callable[[], None]:
-        def run() -> None:
-            for _ in range(calls):
-                for _ in range(10):
-                    a @ w
-                if call is not None:
-                    call()
-
-        return run
-
-    def timed(call: Callable[[], object] | None) -> float:
+    def loop(with_calls: bool) -> float:
         comm.barrier()
-        return _typical_time(loop(call), repeats, warmup=1)
+        start = time.perf_counter()
+        for _ in range(calls):
+            for _ in range(10):
+                a @ w
+            if with_calls:
+                call()
+        return time.perf_counter() - start
 
-    base = timed(None)
-    return {op: (timed(call) - base) / calls for op, call in collective_calls(size).items()}
+    loop(True)  # warm-up: the first calls set up their buffers
+    return statistics.median(loop(True) - loop(False) for _ in range(repeats)) / calls
+
+
+def barrier_skew(repeats: int = 15) -> float:
+    """Median seconds between the first and the last rank leaving a barrier (each rank's
+    exit time on the node's monotonic clock, all-gathered): a woken rank resumes when a core
+    is free for it."""
+    n = comm.get_world_size()
+    skews = []
+    for _ in range(repeats):
+        comm.barrier()
+        mine = torch.tensor([time.perf_counter()], dtype=torch.float64)
+        every = torch.zeros(n, dtype=torch.float64)
+        comm.all_gather_into_tensor(every, mine)
+        skews.append(float(every.max() - every.min()))
+    return statistics.median(skews)
 
 
 def time_op(op: str, size: int, repeats: int) -> float:

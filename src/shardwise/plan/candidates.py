@@ -229,7 +229,8 @@ def _per_mesh(
         for zero in stages:
             for sp in (False, True) if tp > 1 and cp == 1 else (False,):
                 for ckpt in (False, True):
-                    for offload in (False, True):
+                    # offload_optimizer needs ZeRO (the library refuses stage 0, as DeepSpeed)
+                    for offload in (False, True) if zero >= 1 else (False,):
                         for sched in _schedules(pp, gas, layers):
                             yield Layout(
                                 dp, tp, pp, zero, mb, gas, ckpt, offload, sp, sched, **extra

@@ -56,9 +56,8 @@ class Cluster:
     # size (calibrate_fits.tp_call_fit), and each fit's largest relative error at its points.
     tp_call_us: dict = field(default_factory=dict)
     tp_compute: dict = field(default_factory=dict)  # split arithmetic's excess over 1/tp
-    # Calibrated: each collective's wait between compute segments, per group size, us per
-    # core (calibrate_fits.call_waits; an older calibration: tp_call_us for every kind).
-    call_wait_us: dict = field(default_factory=dict)
+    # Calibrated: how far apart n ranks leave a barrier (the last's exit - the first's), us.
+    start_skew_us: dict = field(default_factory=dict)
     # The same for a context-parallel attention call, per method and group size
     # (calibrate_fits.cp_call_fit): seconds beyond its messages, and its arithmetic's excess.
     cp_call_us: dict = field(default_factory=dict)
@@ -123,21 +122,31 @@ class Cluster:
         gbps = self.inter_gbps if inter else self.intra_gbps
         return steps * self.latency_us * 1e-6 + ring * payload / (gbps * 1e9)
 
-    def call_wait(self, n: int, op: str = "all_reduce") -> float:
-        """Seconds a blocking collective ``op`` of ``n`` ranks issued between kernels costs
-        beyond its ring fit (the nearest calibrated group size): ``call_wait_us`` of ``op``
-        (else of an all-reduce), timed between compute segments with every rank busy; ranks
-        taking turns on cores wait once per sequential step of the algorithm (4 ranks on 2
-        cores: a ring all-reduce about twice an all-to-all). An older calibration: the
-        tensor-parallel fit's ``tp_call_us`` for every kind. Charged on every kind
-        (timing.CALL_WAIT). Not multiplied by the share of ranks on a core: stored per core
-        (÷ n / cores), the wait is paid once per call; a rank waiting on its peer hands its
-        core to another (idle sweep of session 41: x share put 4-rank TP layouts on 2 cores
-        24-41% too slow, per core within 4%)."""
-        table = self.call_wait_us.get(op) or self.call_wait_us.get("all_reduce") or self.tp_call_us
-        if n <= 1 or not table:
+    def call_wait(self, n: int) -> float:
+        """Seconds a blocking collective of ``n`` ranks issued between kernels costs beyond
+        its ring fit: the calibrated wait of an all-reduce between compute segments (the
+        nearest calibrated group size; the tensor-parallel fit's per-call cost), charged on
+        every kind (timing.CALL_WAIT: timed per kind, an all-to-all on 4 ranks waited about
+        half a ring all-reduce between equal segments, yet charged so the two sweeps of
+        2026-11-29 fitted worse: 75 and 83 of ~100 layouts within 15% with one wait, 70 and
+        82 with one per kind). Not multiplied by the share of ranks on a core: calibrated
+        with every rank busy and stored per core (÷ n / cores), the wait is paid once per
+        call; a rank waiting on its peer hands its core to another (idle sweep of session
+        41: x share put 4-rank TP layouts on 2 cores 24-41% too slow, per core within 4%)."""
+        if n <= 1 or not self.tp_call_us:
             return 0.0
-        by_n = {int(k): v for k, v in table.items()}
+        by_n = {int(k): v for k, v in self.tp_call_us.items()}
+        return by_n[min(by_n, key=lambda k: abs(k - n))] * 1e-6
+
+    def start_skew(self, n: int) -> float:
+        """Seconds between the first and the last of ``n`` ranks resuming after a collective
+        (calibrated: leaving a barrier, the nearest process count; 0 uncalibrated). A step
+        starts so (the previous step's last collective, a benchmark's barrier): its work
+        runs from the last rank's start, its time is counted from the first's. 4 ranks on 2
+        cores resume ~3 ms apart (a woken rank waits for a core), 2 on 2 about nothing."""
+        if n <= 1 or not self.start_skew_us:
+            return 0.0
+        by_n = {int(k): v for k, v in self.start_skew_us.items()}
         return by_n[min(by_n, key=lambda k: abs(k - n))] * 1e-6
 
     def tp_compute_factor(self, n: int) -> float:

@@ -100,7 +100,7 @@ def axis_time(calls: list[Call], layout: Layout, cluster: Cluster, axis: str) ->
             inter = spans_nodes(axis, layout, cluster.procs_per_node)
             total += c.count * cluster.collective_time(c.op, c.payload, c.n, inter)
             if axis in CALL_WAIT and c.op != "send":  # a message's wait: its hop (contention)
-                total += c.count * cluster.call_wait(c.n, c.op)
+                total += c.count * cluster.call_wait(c.n)
     return total
 
 
@@ -193,16 +193,20 @@ def step_time(
     stages: list[StageWork], layout: Layout, cluster: Cluster, precision: str
 ) -> StepTime:
     """The step of the slowest stage (module docstring); a pipeline on ranks that share
-    cores: the schedule run against a common clock (``shared_pipeline``)."""
+    cores: the schedule run against a common clock (``shared_pipeline``). Plus the ranks'
+    start skew (calibrated, ``Cluster.start_skew``): the step runs from its last rank's start
+    (its first collective or message waits for it), its time is its first rank's."""
+    skew = cluster.start_skew(layout.world)
     if layout.pp > 1 and cluster.share() > 1:
-        return shared_pipeline(stages, layout, cluster, precision)
+        t = shared_pipeline(stages, layout, cluster, precision)
+        return StepTime(t.compute, t.exposed_comm + skew, t.bubble)
     per_mb = [micro_batch_time(w, layout, cluster, precision) for w in stages]
     slow = max(range(len(stages)), key=lambda i: per_mb[i])
     w = stages[slow]
     gas = layout.grad_accum
     compute = gas * stage_compute(w, layout, cluster, precision)
     on_path = per_mb[slow] * gas - compute
-    exposed = on_path + (1.0 - cluster.overlap) * data_time(w, layout, cluster)
+    exposed = on_path + (1.0 - cluster.overlap) * data_time(w, layout, cluster) + skew
     compute += optimizer_time(w.states, layout, cluster)
     f, wgt = split_shares(w, layout, cluster, precision)
     bubble = bubble_units(layout.schedule, layout.pp, gas, f, wgt) * per_mb[slow]
