@@ -241,28 +241,3 @@ def import_deepspeed() -> tuple[object | None, str]:
         logging.getLogger("DeepSpeed").setLevel(logging.WARNING)  # it logs its config at INFO
         found.init_distributed(dist_backend="gloo")  # reuses our world; sets up deepspeed.comm
     return found, why
-
-
-def busy_share(seconds: float = 2.0) -> float:
-    """The machine's busy share of CPU time over ``seconds`` (/proc/stat; 0 where absent)."""
-
-    def sample() -> tuple[int, int]:
-        with open("/proc/stat") as f:
-            ticks = [int(v) for v in f.readline().split()[1:]]
-        return sum(ticks), ticks[3] + ticks[4]  # total, idle + iowait
-
-    if not os.path.exists("/proc/stat"):
-        return 0.0
-    (t0, i0), _ = sample(), time.sleep(seconds)
-    t1, i1 = sample()
-    return 1.0 - (i1 - i0) / max(t1 - t0, 1)
-
-
-def wait_quiet(limit_s: float) -> float:
-    """Wait (up to ``limit_s``) until other jobs leave the cores idle: a step timed while the
-    machine is shared measures the other jobs. Returns the last busy share seen."""
-    deadline = time.monotonic() + limit_s
-    busy = busy_share()
-    while busy > 0.15 and time.monotonic() < deadline:
-        busy = busy_share()
-    return busy

@@ -37,10 +37,11 @@ sys.path.insert(0, str(HERE))  # common.py
 sys.path.insert(0, str(HERE.parent / "examples" / "gpt"))  # the example's model.py
 
 import torch  # noqa: E402
-from common import format_table, wait_quiet  # noqa: E402
+from common import format_table  # noqa: E402
 
 from shardwise.plan import Cluster, Layout, Planner, calibrate, candidates, read_model  # noqa: E402
 from shardwise.plan.candidates import to_config  # noqa: E402
+from shardwise.plan.idle import wait_quiet  # noqa: E402
 
 SHAPE = dict(vocab_size=96, block_size=128, n_layer=4, n_head=4, n_embd=128)
 GLOBAL_BATCH = 8  # sequences per step
@@ -343,7 +344,7 @@ def main() -> None:
         data = saved["calibration"]
     else:
         print(f"waiting for idle cores: busy {wait_quiet(args.wait_quiet):.0%}", flush=True)
-        data = calibrate.measure([1, 2, 4], progress=print)
+        data = calibrate.measure([1, 2, 4], progress=print, quiet_s=0)  # waited above
         if args.save_calibration:
             calibrate.save(data, args.save_calibration)
     if saved is not None:

@@ -178,7 +178,7 @@ def test_context_parallelism_pays_the_calibrated_costs(method, procs, share):
 def test_real_calibration_with_two_processes(tmp_path):
     """A tiny run over gloo (two sizes, small GEMMs): every op fitted for a group of 2, and
     the saved preset plans a model (no assertion on speed: this machine is shared)."""
-    data = calibrate.measure([2], sizes=SIZES, repeats=2, gemm=(64, 32))
+    data = calibrate.measure([2], sizes=SIZES, repeats=2, gemm=(64, 32), quiet_s=0)
     assert set(data["collectives"]) == set(OPS)
     for op, fits in data["collectives"].items():
         lat, bw = fits["2"]
@@ -444,3 +444,19 @@ def test_a_step_pays_its_ranks_calibrated_start_skew(pp):
     }
     assert got["skewed"] - got["base"] == pytest.approx(3e-3, rel=1e-6), f"pp{pp}: {got}"
     assert skewed.start_skew(2) == pytest.approx(3e-3) and skewed.start_skew(1) == 0.0
+
+
+def test_a_calibration_on_busy_cores_says_so_before_measuring(monkeypatch):
+    """Cores still 90% busy after the wait: the calibration warns, naming the fix, then
+    measures (the warning comes before the first world is started)."""
+    waited = []
+    monkeypatch.setattr(calibrate, "wait_quiet", lambda limit: waited.append(limit) or 0.9)
+
+    def started(*args, **kwargs):
+        raise RuntimeError("first world started")
+
+    monkeypatch.setattr(calibrate, "run_world", started)
+    with pytest.warns(UserWarning, match="90% busy.*idle machine"):
+        with pytest.raises(RuntimeError, match="first world started"):
+            calibrate.measure([2], quiet_s=5.0)
+    assert waited == [5.0], "waits up to quiet_s for idle cores first"

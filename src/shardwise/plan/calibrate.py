@@ -37,6 +37,7 @@ import json
 import os
 import statistics
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -71,6 +72,7 @@ from shardwise.plan.calibrate_ops import (
     update_costs,
 )
 from shardwise.plan.cluster import Cluster, default_calibration_path
+from shardwise.plan.idle import BUSY, wait_quiet
 from shardwise.spawn import spawn
 
 SIZES = (1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 22)  # payload bytes, 1 KiB .. 4 MiB
@@ -244,13 +246,23 @@ def measure(
     repeats: int = REPEATS,
     progress: Callable[[str], None] | None = None,
     gemm: tuple[int, int] = GEMM,
+    quiet_s: float = 60.0,
 ) -> dict[str, Any]:
-    """Measure worlds of each size in ``procs`` (module docstring); a preset's fields."""
+    """Measure worlds of each size in ``procs`` (module docstring); a preset's fields. First
+    waits up to ``quiet_s`` for idle cores, and warns if they stay busy (idle.py)."""
     bad = [p for p in procs if not isinstance(p, int) or p < 1]
     if not procs or bad:
         raise ValueError(f"--calibrate-procs {list(procs)}: give process counts >= 1, like 1,2,4")
     if len(sizes) < 2 or any(s < 4 for s in sizes):
         raise ValueError(f"calibration sizes {list(sizes)}: give two or more payloads >= 4 bytes")
+    busy = wait_quiet(quiet_s) if quiet_s > 0 else 0.0
+    if busy > BUSY:
+        warnings.warn(
+            f"calibration: the cores were {busy:.0%} busy with other jobs after waiting "
+            f"{quiet_s:.0f} s; a calibration that shares them measures them too (one taken "
+            "during a test run came out 3x slow): run --calibrate on an idle machine",
+            stacklevel=2,
+        )
     worlds = {}
     for n in sorted(set(procs)):
         start = time.perf_counter()
