@@ -26,6 +26,10 @@ its sharing in the numbers:
                 two moments): ``optimizer_tensor_us`` (c: the per-tensor kernels, timed on
                 96 tiny tensors) and ``optimizer_gbps`` (four GPT blocks' weights, past the
                 caches)
+    call wait   an all-reduce between equal compute segments against the segments alone,
+                beyond its fit: ``tp_call_us`` per group size (per core), every blocking
+                call's wait and the TP block fit's per-call cost (calibrate_fits)
+    start skew  how far apart the ranks leave a barrier: ``start_skew_us`` per count
 
 The result is a ``Cluster``'s fields (a JSON preset: ``--cluster path.json``, or the default
 path for ``--cluster this-machine``).
